@@ -1,0 +1,6 @@
+"""pyprune: kernels for pruning large language models, and the pruning methods built on them."""
+from . import ops
+from .backend import use_backend
+
+__version__ = "0.1.0"
+__all__ = ["ops", "use_backend", "__version__"]

@@ -1,0 +1,21 @@
+"""pyprune.ops: the public kernel API that every pruning method calls.
+
+Each op validates its arguments (ValueError/TypeError naming the argument), then runs as a
+``torch.library`` custom op (with a fake implementation, so it traces under torch.compile) on the
+backend chosen by :mod:`pyprune.backend`: the csrc extension, a Triton kernel, or the
+pure-PyTorch reference in :mod:`pyprune.reference`.
+"""
+from ..backend import BACKENDS, use_backend
+from .linear import nm_linear, sliced_linear
+from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
+from .nm_format import nm_compress, nm_decompress
+from .prox import group_soft_threshold, soft_threshold
+from .scores import accumulate_sqnorm_, magnitude_score, taylor_score, wanda_score
+
+__all__ = [
+    "BACKENDS", "use_backend",
+    "magnitude_score", "wanda_score", "taylor_score", "accumulate_sqnorm_",
+    "topk_mask", "nm_mask", "score_nm_mask", "score_topk_mask",
+    "soft_threshold", "group_soft_threshold",
+    "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",
+]

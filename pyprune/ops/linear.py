@@ -1,0 +1,99 @@
+"""Linear layers over pruned weights: from the compressed N:M form, and over kept channels only."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backend, reference
+from . import _validate as check
+from ._dispatch import kernels, run
+from .nm_format import check_compressed, nm_decompress
+
+
+def _flatten(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _triton_nm_linear(x, values, meta, n, m, bias):
+    if m & (m - 1):  # the fused kernel tiles whole groups, which needs a power-of-two m
+        dense = kernels("nm_format").nm_decompress(values, meta, n, m)
+        return torch.nn.functional.linear(x, dense, bias)
+    return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
+
+
+_NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linear}
+
+
+@torch.library.custom_op("pyprune::nm_linear", mutates_args=())
+def _nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int, bias: Optional[Tensor]) -> Tensor:
+    out = run("nm_linear", _NM_LINEAR_IMPLS, x.device, _flatten(x), values.contiguous(),
+              meta.contiguous(), n, m, bias)
+    return out.reshape(*x.shape[:-1], values.shape[0])
+
+
+@_nm_linear.register_fake
+def _(x, values, meta, n, m, bias):
+    return x.new_empty(*x.shape[:-1], values.shape[0])
+
+
+def _check_x_and_bias(x: Tensor, weight: Tensor, weight_name: str, in_features: int,
+                      bias: Optional[Tensor], out_features: int) -> None:
+    check.tensor("x", x)
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x and {weight_name} must have one dtype; got {x.dtype} and {weight.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x must have {in_features} features in its last dim; got {x.shape[-1]}")
+    if bias is not None:
+        check.tensor("bias", bias, dims=(1,))
+        if bias.shape[0] != out_features or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be [{out_features}] of dtype {x.dtype}; got "
+                             f"{tuple(bias.shape)} {bias.dtype}")
+    check.same_device(x=x, **{weight_name: weight}, bias=bias)
+
+
+def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
+              bias: Optional[Tensor] = None) -> Tensor:
+    """x @ (W ⊙ mask)ᵀ + b, reading W from its compressed N:M form (nm_compress)."""
+    check_compressed(values, meta, n, m)
+    _check_x_and_bias(x, values, "values", values.shape[1] // n * m, bias, values.shape[0])
+    return _nm_linear(x, values, meta, n, m, bias)
+
+
+def _triton_sliced(x, w, bias, in_index, out_index):
+    return kernels("linear").sliced_linear(x, w, bias, in_index, out_index, backend.triton_interpreted())
+
+
+_SLICED_IMPLS = {"reference": reference.sliced_linear, "triton": _triton_sliced}
+
+
+@torch.library.custom_op("pyprune::sliced_linear", mutates_args=())
+def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optional[Tensor],
+                   out_index: Optional[Tensor]) -> Tensor:
+    n_out = w.shape[0] if out_index is None else out_index.numel()
+    out = run("sliced_linear", _SLICED_IMPLS, x.device, _flatten(x), w.contiguous(), bias,
+              in_index, out_index)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+@_sliced_linear.register_fake
+def _(x, w, bias, in_index, out_index):
+    n_out = w.shape[0] if out_index is None else out_index.numel()
+    return x.new_empty(*x.shape[:-1], n_out)
+
+
+def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
+                  in_index: Optional[Tensor] = None, out_index: Optional[Tensor] = None) -> Tensor:
+    """x @ W[out_index][:, in_index]ᵀ + b[out_index] without building the sliced weight.
+
+    ``x`` holds only the kept input channels, in ``in_index`` order ([..., len(in_index)]), as
+    the output of a layer sliced by ``out_index`` does; the result has len(out_index) features.
+    ``bias`` is the full [out] bias of ``w``.
+    """
+    check.tensor("w", w, dims=(2,))
+    in_index = check.index("in_index", in_index, w.shape[1], "w's input dim")
+    out_index = check.index("out_index", out_index, w.shape[0], "w's output dim")
+    in_features = w.shape[1] if in_index is None else in_index.numel()
+    _check_x_and_bias(x, w, "w", in_features, bias, w.shape[0])
+    check.same_device(w=w, in_index=in_index, out_index=out_index)
+    to_long = lambda index: None if index is None else index.long()  # noqa: E731
+    return _sliced_linear(x, w, bias, to_long(in_index), to_long(out_index))

@@ -1,0 +1,132 @@
+"""Mask selection: exact top-k (per row or per tensor) and N:M, from given scores or fused with
+the magnitude / Wanda score so the score tensor is never written.
+
+Masks are bool, True = keep; among equal scores the lower index is kept; counts are exact.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from . import _validate as check
+from ._dispatch import kernels, native, raise_on_nan_flag, run
+
+# Score kinds shared with pyprune.kernels.scores and csrc: the input itself, |W|, |W|·sqrt(Σx²).
+_GIVEN, _MAGNITUDE, _WANDA = 0, 1, 2
+_SCOPES = ("row", "tensor")
+
+
+def _reference_score(src: Tensor, act_sqnorm: Optional[Tensor], kind: int) -> Tensor:
+    if kind == _GIVEN:
+        scores = src.float()
+    elif kind == _MAGNITUDE:
+        scores = reference.magnitude_score(src)
+    else:
+        scores = reference.wanda_score(src, act_sqnorm)
+    check.no_nan(_nan_subject(kind), scores)
+    return scores
+
+
+def _nan_subject(kind: int) -> str:
+    return "scores" if kind == _GIVEN else "scores of w (and act_sqnorm)"
+
+
+def _triton_nm(src, act_sqnorm, n, m, kind):
+    mask, nan_flag = kernels("masks").nm_mask(src, act_sqnorm, n, m, kind)
+    raise_on_nan_flag(nan_flag, _nan_subject(kind))
+    return mask
+
+
+def _native_nm(name, src, act_sqnorm, n, m, kind):
+    rows = src.reshape(-1, src.shape[-1])
+    return native(name).nm_mask(rows, act_sqnorm, n, m, kind).reshape(src.shape)
+
+
+_NM_IMPLS = {
+    "reference": lambda src, act, n, m, kind: reference.nm_mask(_reference_score(src, act, kind), n, m),
+    "triton": _triton_nm,
+    "cpu": lambda *args: _native_nm("cpu", *args),
+    "cuda": lambda *args: _native_nm("cuda", *args),
+}
+
+
+@torch.library.custom_op("pyprune::nm_mask", mutates_args=())
+def _nm_mask(src: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int, kind: int) -> Tensor:
+    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
+    return run("nm_mask", _NM_IMPLS, src.device, src.contiguous(), act_sqnorm, n, m, kind)
+
+
+@_nm_mask.register_fake
+def _(src, act_sqnorm, n, m, kind):
+    return torch.empty(src.shape, dtype=torch.bool, device=src.device)
+
+
+def _triton_topk(src, act_sqnorm, keep, per_row, kind):
+    mask, nan_flag = kernels("masks").topk_mask(src, act_sqnorm, keep, per_row, kind)
+    raise_on_nan_flag(nan_flag, _nan_subject(kind))
+    return mask
+
+
+def _reference_topk(src, act_sqnorm, keep, per_row, kind):
+    scores = _reference_score(src, act_sqnorm, kind)
+    rows = scores.reshape(-1, scores.shape[-1]) if per_row else scores.reshape(1, -1)
+    return reference.keep_top(rows, keep).reshape(scores.shape)
+
+
+_TOPK_IMPLS = {"reference": _reference_topk, "triton": _triton_topk}
+
+
+@torch.library.custom_op("pyprune::topk_mask", mutates_args=())
+def _topk_mask(src: Tensor, act_sqnorm: Optional[Tensor], keep: int, per_row: bool, kind: int) -> Tensor:
+    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
+    return run("topk_mask", _TOPK_IMPLS, src.device, src.contiguous(), act_sqnorm, keep, per_row, kind)
+
+
+@_topk_mask.register_fake
+def _(src, act_sqnorm, keep, per_row, kind):
+    return torch.empty(src.shape, dtype=torch.bool, device=src.device)
+
+
+def _topk(src: Tensor, sparsity: float, scope: str, act_sqnorm: Optional[Tensor], kind: int) -> Tensor:
+    sparsity = check.sparsity(sparsity)
+    check.choice("scope", scope, _SCOPES)
+    count = src.shape[-1] if scope == "row" else src.numel()
+    if count >= 2 ** 32:
+        raise ValueError(f"scope={scope!r} selects among {count} elements; at most 2**32 - 1 are supported")
+    return _topk_mask(src, act_sqnorm, reference.kept_count(count, sparsity), scope == "row", kind)
+
+
+def topk_mask(scores: Tensor, sparsity: float, scope: str = "row") -> Tensor:
+    """Keep exactly round((1 − sparsity)·count) highest scores per row (last dim) or per tensor."""
+    check.tensor("scores", scores)
+    return _topk(scores, sparsity, scope, None, _GIVEN)
+
+
+def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
+    """Keep the n highest of every m consecutive scores along the last dim (any 1 <= n < m <= 32)."""
+    check.tensor("scores", scores)
+    check.nm(n, m, scores.shape[-1])
+    return _nm_mask(scores, None, n, m, _GIVEN)
+
+
+def _fused_args(w: Tensor, act_sqnorm: Optional[Tensor]):
+    check.tensor("w", w, dims=(2,))
+    check.column_vector("act_sqnorm", act_sqnorm, w.shape[1])
+    check.same_device(w=w, act_sqnorm=act_sqnorm)
+    return _MAGNITUDE if act_sqnorm is None else _WANDA
+
+
+def score_nm_mask(w: Tensor, n: int, m: int, act_sqnorm: Optional[Tensor] = None) -> Tensor:
+    """N:M mask of |W| (magnitude) or, with ``act_sqnorm``, of the Wanda score |W|·sqrt(Σx²),
+    computed in one pass without writing the scores."""
+    kind = _fused_args(w, act_sqnorm)
+    check.nm(n, m, w.shape[1], name="w")
+    return _nm_mask(w, act_sqnorm, n, m, kind)
+
+
+def score_topk_mask(w: Tensor, sparsity: float, scope: str = "row",
+                    act_sqnorm: Optional[Tensor] = None) -> Tensor:
+    """Top-k mask of |W| or, with ``act_sqnorm``, of the Wanda score, without writing the scores."""
+    kind = _fused_args(w, act_sqnorm)
+    return _topk(w, sparsity, scope, act_sqnorm, kind)

@@ -1,0 +1,148 @@
+"""Pure-PyTorch reference of every op: the test oracle for the kernels and the fallback path.
+
+Conventions (shared by every backend):
+
+* weights are ``[out, in]``; N:M groups are ``m`` consecutive elements of the last dim;
+* masks are ``torch.bool`` with True = keep; among equal scores the lower index is kept;
+* scores and statistics are fp32 whatever the input dtype;
+* the compressed N:M format is ``values [rows, in*n/m]`` (kept elements of each row, in index
+  order) and ``meta [rows, ceil(in/8)] uint8``: the keep mask packed 8 columns per byte, column
+  ``8*b + j`` in bit ``j`` of byte ``b``. For fp16/bf16 2:4 and 4:8 that is 9/16 of the dense bytes.
+
+Nothing here validates arguments: :mod:`pyprune.ops` does that before any backend runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def kept_count(count: int, sparsity: float) -> int:
+    """Number of elements kept out of ``count`` at ``sparsity``: round((1 - sparsity)·count), halves up."""
+    return int(math.floor((1.0 - sparsity) * count + 0.5))
+
+
+def magnitude_score(w: Tensor) -> Tensor:
+    """|W| in fp32."""
+    return w.float().abs()
+
+
+def wanda_score(w: Tensor, act_sqnorm: Tensor) -> Tensor:
+    """Wanda: |W_ij|·‖X_j‖₂ with ‖X_j‖₂ = sqrt(Σ_tokens x_j²) given as the column sum of squares.
+
+    The square root is taken in fp64 and rounded once to fp32, i.e. the correctly rounded fp32
+    sqrt that the kernels use (torch's vectorised CPU sqrt can be 1 ulp off, which flips ties).
+    """
+    return w.float().abs() * act_sqnorm.double().sqrt().float()
+
+
+def taylor_score(w: Tensor, grad: Tensor) -> Tensor:
+    """First-order Taylor importance |W ⊙ ∇W| (LLM-Pruner), in fp32."""
+    return (w.float() * grad.float()).abs()
+
+
+def accumulate_sqnorm_(acc: Tensor, x: Tensor) -> Tensor:
+    """acc[j] += Σ_tokens x[..., j]² in fp32; returns acc."""
+    acc += x.reshape(-1, x.shape[-1]).float().square().sum(dim=0)
+    return acc
+
+
+def keep_top(scores: Tensor, k: int) -> Tensor:
+    """Keep the k highest of each row of a 2-D fp32 tensor; equal scores keep the lower index."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return mask.scatter_(-1, order[:, :k], True)
+
+
+def topk_mask(scores: Tensor, sparsity: float, scope: str = "row") -> Tensor:
+    """Keep exactly kept_count(count, sparsity) highest scores per row (last dim) or per tensor."""
+    scores = scores.float()
+    rows = scores.reshape(-1, scores.shape[-1]) if scope == "row" else scores.reshape(1, -1)
+    return keep_top(rows, kept_count(rows.shape[1], sparsity)).reshape(scores.shape)
+
+
+def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
+    """Keep the n highest of every m consecutive scores along the last dim."""
+    groups = scores.float().reshape(-1, m)
+    return keep_top(groups, n).reshape(scores.shape)
+
+
+def _score(w: Tensor, act_sqnorm: Optional[Tensor]) -> Tensor:
+    return magnitude_score(w) if act_sqnorm is None else wanda_score(w, act_sqnorm)
+
+
+def score_nm_mask(w: Tensor, n: int, m: int, act_sqnorm: Optional[Tensor] = None) -> Tensor:
+    """N:M mask of the magnitude score, or of the Wanda score when ``act_sqnorm`` is given."""
+    return nm_mask(_score(w, act_sqnorm), n, m)
+
+
+def score_topk_mask(w: Tensor, sparsity: float, scope: str = "row",
+                    act_sqnorm: Optional[Tensor] = None) -> Tensor:
+    """Top-k mask of the magnitude score, or of the Wanda score when ``act_sqnorm`` is given."""
+    return topk_mask(_score(w, act_sqnorm), sparsity, scope)
+
+
+def soft_threshold(x: Tensor, alpha: float) -> Tensor:
+    """prox of α‖·‖₁: sign(x)·max(|x| − α, 0), computed in fp32."""
+    xf = x.float()
+    return (xf.sign() * (xf.abs() - alpha).clamp_min(0.0)).to(x.dtype)
+
+
+def group_soft_threshold(x: Tensor, alpha: float, group_dim: int) -> Tensor:
+    """prox of α‖·‖₂,₁ (MoreauPruner Eq. 8): x_g·max(0, 1 − α/‖x_g‖₂), one group per index of group_dim."""
+    xf = x.float()
+    other_dims = [d for d in range(x.dim()) if d != group_dim % x.dim()]
+    norm = xf.square().sum(dim=other_dims, keepdim=True).sqrt() if other_dims else xf.abs()
+    scale = torch.where(norm > alpha, 1.0 - alpha / norm, torch.zeros_like(norm))
+    return (xf * scale).to(x.dtype)
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """Pack a bool mask [rows, cols] into uint8 [rows, ceil(cols/8)], column 8b+j in bit j of byte b."""
+    rows, cols = mask.shape
+    padded = F.pad(mask.to(torch.uint8), (0, (-cols) % 8)).reshape(rows, -1, 8)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
+    return (padded * weights).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_mask(meta: Tensor, cols: int) -> Tensor:
+    """Inverse of :func:`pack_mask`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=meta.device)
+    bits = (meta.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(meta.shape[0], -1)[:, :cols].bool()
+
+
+def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
+    """(values, meta) of an N:M-masked weight; ``mask`` has exactly n True per group of m."""
+    values = w[mask].reshape(w.shape[0], w.shape[1] * n // m)
+    return values, pack_mask(mask)
+
+
+def nm_decompress(values: Tensor, meta: Tensor, n: int, m: int) -> Tensor:
+    """Dense W ⊙ mask from the compressed form."""
+    cols = values.shape[1] * m // n
+    mask = unpack_mask(meta, cols)
+    dense = torch.zeros(values.shape[0], cols, dtype=values.dtype, device=values.device)
+    dense[mask] = values.reshape(-1)
+    return dense
+
+
+def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
+              bias: Optional[Tensor] = None) -> Tensor:
+    """x @ (W ⊙ mask)ᵀ + b from the compressed form."""
+    return F.linear(x, nm_decompress(values, meta, n, m), bias)
+
+
+def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
+                  in_index: Optional[Tensor] = None, out_index: Optional[Tensor] = None) -> Tensor:
+    """x @ W[out_index][:, in_index]ᵀ + b[out_index]; x holds only the kept input channels."""
+    if out_index is not None:
+        w = w.index_select(0, out_index)
+        bias = None if bias is None else bias.index_select(0, out_index)
+    if in_index is not None:
+        w = w.index_select(1, in_index)
+    return F.linear(x, w, bias)

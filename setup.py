@@ -1,0 +1,72 @@
+"""Build script for pyprune.
+
+Pure Python + Triton everywhere; native extensions from ``csrc/``:
+
+* ``pyprune._C`` (C++/OpenMP CPU kernels) is built wherever torch is importable at build time.
+* ``pyprune._C_cuda`` (CUDA kernels) is built only where CUDA is usable, or when
+  ``PYPRUNE_BUILD_CUDA=1`` forces it.
+
+Build without isolation (``pip install --no-build-isolation -e .``) so the extensions are compiled
+against the torch that is already installed; an isolated build would pull a CUDA torch wheel.
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _native_extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        print("pyprune: torch is not importable at build time; installing without native kernels "
+              "(install torch first and use --no-build-isolation to get them)", file=sys.stderr)
+        return [], {}
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    extensions = [CppExtension(
+        "pyprune._C", cpu_sources,
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + openmp},
+        extra_link_args=openmp,
+    )]
+    force_cuda = os.environ.get("PYPRUNE_BUILD_CUDA", "") == "1"
+    if force_cuda or (torch.cuda.is_available() and torch.version.cuda is not None):
+        cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        extensions.append(CUDAExtension(
+            "pyprune._C_cuda", cuda_sources,
+            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+        ))
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _native_extensions()
+
+setup(
+    name="pyprune",
+    version="0.1.0",
+    description="Triton and CUDA kernels for pruning large language models, and the methods built on them",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["pyprune", "pyprune.ops", "pyprune.kernels"],
+    package_dir={"pyprune.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0",
+        "transformers>=4.45",
+        "datasets>=2.18",
+        "ninja",
+        "pybind11",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest>=7", "pytest-benchmark", "hypothesis"]},
+    entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
+)
