@@ -1,0 +1,39 @@
+"""Shared test inputs and checks: dtypes, tolerances, devices, awkward shapes, tied scores."""
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Value tolerances (rtol, atol) for ops whose rounding differs between backends.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+
+# Where the Triton kernels run: the interpreter on CPU tensors without a GPU, else the GPU.
+KERNEL_DEVICES = [
+    pytest.param("cpu", id="interpreter",
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
+    pytest.param("cuda", id="cuda",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
+]
+
+
+def assert_close(actual, expected, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rtol, atol=atol)
+
+
+def tied_scores(shape, dtype=torch.float32, seed=0, levels=3):
+    """Scores drawn from a few values, so ties are everywhere (and -0.0 sits next to +0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, levels, shape, generator=g).to(dtype)
+    negative = torch.randint(0, 2, shape, generator=g).bool()
+    return torch.where((s == 0) & negative, torch.tensor(-0.0, dtype=dtype), s)
+
+
+def randn(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def rand(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g)
