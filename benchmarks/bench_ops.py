@@ -1,0 +1,234 @@
+"""Benchmark every pyprune op against the eager PyTorch a user would otherwise write.
+
+Each row is one op on one shape: pyprune's time (default backend for the device), a named
+baseline's time measured in the same process, and their ratio. Results go to JSON (with the
+device, versions and thread count) and a markdown table beside it.
+
+    python benchmarks/bench_ops.py                    # LLaMA-7B shapes on the default device
+    python benchmarks/bench_ops.py --quick            # small shapes, a smoke run
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+import pyprune
+from pyprune import backend, ops
+
+LLAMA7B_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
+QUICK_SHAPES = [(512, 1024), (1024, 512)]
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+# ---- baselines: the eager PyTorch that pruning code writes today ---------------------------
+
+def loop_nm_mask(scores, n, m):
+    """Wanda-style N:M selection: a Python loop over column blocks of m, topk + scatter_ each."""
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    for start in range(0, scores.shape[1], m):
+        block = scores[:, start:start + m].float()
+        mask.scatter_(1, start + torch.topk(block, n, dim=1)[1], True)
+    return mask
+
+
+def vectorised_topk_nm_mask(scores, n, m):
+    """One torch.topk over [rows·cols/m, m] groups (tie order unspecified)."""
+    groups = scores.float().reshape(-1, m)
+    mask = torch.zeros(groups.shape, dtype=torch.bool, device=scores.device)
+    return mask.scatter_(1, torch.topk(groups, n, dim=1)[1], True).reshape(scores.shape)
+
+
+def eager_wanda_nm_mask(w, sqnorm, n, m):
+    return vectorised_topk_nm_mask(w.float().abs() * sqnorm.sqrt(), n, m)
+
+
+def eager_topk_row_mask(scores, sparsity):
+    keep = int((1 - sparsity) * scores.shape[1] + 0.5)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return mask.scatter_(1, torch.topk(scores.float(), keep, dim=1)[1], True)
+
+
+def eager_group_soft_threshold(x, alpha):
+    norm = x.float().norm(dim=1, keepdim=True)
+    return (x.float() * (1 - alpha / norm).clamp_min(0)).to(x.dtype)
+
+
+def eager_sqnorm(acc, x):
+    acc += x.float().pow(2).sum(dim=0)
+    return acc
+
+
+def eager_compress(w, mask, n, m):
+    return w[mask].reshape(w.shape[0], -1), mask
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+def timed(fn, device, repeat):
+    """Seconds of ``fn()`` after one warm-up: the median over ``repeat`` CUDA-event timings on a GPU,
+    the minimum over ``repeat`` runs on a CPU (robust to a shared, throttled machine)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return min(times)
+
+
+def environment(device):
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pyprune": pyprune.__version__,
+        "native_cpu_kernels": backend.native_module("cpu") is not None,
+        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["driver"] = torch.cuda.get_device_properties(device).name
+    return info
+
+
+def peak_bandwidth(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
+
+
+# ---- the cases -----------------------------------------------------------------------------
+
+def cases(shape, dtype, device, quick):
+    """(op, baseline name, pyprune call, baseline call, bytes moved by the op)."""
+    rows, cols = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(shape, generator=g).to(dtype).to(device)
+    scores = w.float().abs()
+    sqnorm = (torch.rand(cols, generator=g) + 0.1).to(device)
+    x = torch.randn(2048 if not quick else 256, cols, generator=g).to(dtype).to(device)
+    el = w.element_size()
+    mask24 = ops.score_nm_mask(w, 2, 4)
+    values, meta = ops.nm_compress(w, mask24, 2, 4)
+    out = []
+    for n, m in ((2, 4), (4, 8)):
+        out.append((f"nm_mask {n}:{m}", "python loop of topk+scatter_",
+                    lambda n=n, m=m: ops.nm_mask(scores, n, m), lambda n=n, m=m: loop_nm_mask(scores, n, m),
+                    scores.numel() * 5))
+        out.append((f"nm_mask {n}:{m}", "vectorised torch.topk",
+                    lambda n=n, m=m: ops.nm_mask(scores, n, m),
+                    lambda n=n, m=m: vectorised_topk_nm_mask(scores, n, m), scores.numel() * 5))
+        out.append((f"score_nm_mask wanda {n}:{m}", "eager score + torch.topk",
+                    lambda n=n, m=m: ops.score_nm_mask(w, n, m, sqnorm),
+                    lambda n=n, m=m: eager_wanda_nm_mask(w, sqnorm, n, m), w.numel() * (el + 1)))
+    out += [
+        ("topk_mask row 50%", "torch.topk + scatter_", lambda: ops.topk_mask(scores, 0.5),
+         lambda: eager_topk_row_mask(scores, 0.5), scores.numel() * 5),
+        ("group_soft_threshold rows", "eager norm/clamp/mul",
+         lambda: ops.group_soft_threshold(w, 1.0, 0), lambda: eager_group_soft_threshold(w, 1.0),
+         w.numel() * el * 3),
+        ("accumulate_sqnorm_", "eager pow+sum", lambda: ops.accumulate_sqnorm_(torch.zeros(cols, device=device), x),
+         lambda: eager_sqnorm(torch.zeros(cols, device=device), x), x.numel() * x.element_size()),
+        ("nm_compress 2:4", "boolean indexing", lambda: ops.nm_compress(w, mask24, 2, 4),
+         lambda: eager_compress(w, mask24, 2, 4), w.numel() * (el + 1) + values.numel() * el),
+        ("nm_linear 2:4 M=16", "dense F.linear", lambda: ops.nm_linear(x[:16], values, meta, 2, 4),
+         lambda: F.linear(x[:16], w), values.numel() * el + meta.numel()),
+    ]
+    in_index = torch.arange(0, cols, 2, device=device)
+    out.append(("sliced_linear half inputs M=16", "index_select + F.linear",
+                lambda: ops.sliced_linear(x[:16, :cols // 2], w, in_index=in_index),
+                lambda: F.linear(x[:16, :cols // 2], w.index_select(1, in_index)), w.numel() * el // 2))
+    return out
+
+
+def run(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = QUICK_SHAPES if args.quick else LLAMA7B_SHAPES
+    dtype = getattr(torch, args.dtype)
+    env = environment(device)
+    peak = peak_bandwidth(device)
+    rows = []
+    for shape in shapes:
+        for op, baseline, ours, theirs, nbytes in cases(shape, dtype, device, args.quick):
+            if args.only and not any(key in op for key in args.only):
+                continue
+            t_ours = timed(ours, device, args.repeat)
+            t_base = timed(theirs, device, args.repeat)
+            row = {"op": op, "shape": list(shape), "dtype": args.dtype, "baseline": baseline,
+                   "pyprune_ms": round(t_ours * 1e3, 4), "baseline_ms": round(t_base * 1e3, 4),
+                   "speedup": round(t_base / t_ours, 3), "pyprune_GBps": round(nbytes / t_ours / 1e9, 2)}
+            if peak:
+                row["pct_of_peak_bandwidth"] = round(100 * nbytes / t_ours / peak, 1)
+            rows.append(row)
+            print(f"{op:32s} {str(shape):14s} pyprune {row['pyprune_ms']:9.3f} ms  "
+                  f"{baseline:30s} {row['baseline_ms']:9.3f} ms  x{row['speedup']}", flush=True)
+    return {"environment": env, "results": rows}
+
+
+def write(report, path):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
+    env = report["environment"]
+    lines = [f"# pyprune ops on {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, {env['cpu_threads']} CPU threads, "
+             f"native CPU kernels: {env['native_cpu_kernels']}, {env['timestamp']}", "",
+             "| op | shape | dtype | pyprune ms | baseline | baseline ms | speedup | GB/s |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for r in report["results"]:
+        lines.append(f"| {r['op']} | {r['shape'][0]}×{r['shape'][1]} | {r['dtype']} | {r['pyprune_ms']} | "
+                     f"{r['baseline']} | {r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} |")
+    md = os.path.splitext(path)[0] + ".md"
+    with open(md + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(md + ".tmp", md)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    parser.add_argument("--only", nargs="*", help="run only ops whose name contains one of these")
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/ops-<device>-<dtype>.json)")
+    args = parser.parse_args(argv)
+    report = run(args)
+    device_tag = "cuda" if report["environment"]["device"] and not report["environment"]["device"].startswith("CPU") else "cpu"
+    path = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                       f"ops-{device_tag}-{args.dtype}{'-quick' if args.quick else ''}.json")
+    write(report, path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The layer-wise calibration engine (the sequential procedure of SparseGPT and Wanda).
+
+Calibration tokens run through the embeddings once; the hidden states entering the first decoder
+block are captured with the keyword arguments the model passes to its blocks (position
+embeddings, attention mask, ...). Then block by block: a method sees a :class:`BlockContext`
+(the block, its current inputs, helpers to run it and to hook its linear layers), prunes the
+block, and the engine recomputes the block's outputs with the pruned weights as the next block's
+inputs. Memory stays at about one block of activations (inputs + outputs) plus the model.
+
+What the seed methods need from it:
+* Wanda / SparseGPT / COPAL: per-linear input (and output) captures -> :meth:`BlockContext.capture`.
+* SAFE: the dense block's outputs as targets and gradients through one block ->
+  :meth:`BlockContext.forward` (with ``grad=True``) before pruning.
+* Taylor / MoreauPruner: full-model gradients -> :func:`accumulate_gradients`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+
+class _BlockInputsCaptured(Exception):
+    pass
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM (Llama, Mistral, Qwen2, SmolLM: model.model.layers;
+    OPT: model.model.decoder.layers)."""
+    base = getattr(model, "model", model)
+    for path in ("layers", "decoder.layers"):
+        node = base
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        if isinstance(node, nn.ModuleList) and len(node) > 0:
+            return node
+    raise ValueError(f"model {type(model).__name__} has no decoder blocks where pyprune looks for them "
+                     "(model.layers or model.decoder.layers); supported: LLaMA-family and OPT causal LMs")
+
+
+def block_prefix(model: nn.Module) -> str:
+    """Qualified name of the block list, e.g. 'model.layers'."""
+    blocks = decoder_blocks(model)
+    return next(name for name, module in model.named_modules() if module is blocks)
+
+
+def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
+    """The prunable linear layers of a block, by their name inside the block (e.g. 'self_attn.q_proj')."""
+    return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+
+
+def _first_tensor(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, tokens: Tensor, batch_size: int):
+    """Hidden states entering the first block for every calibration sample, and the keyword
+    arguments the model passes to its blocks (the same for every batch of equal length)."""
+    blocks = decoder_blocks(model)
+    first = blocks[0]
+    device = next(model.parameters()).device
+    captured, kwargs_seen = [], {}
+
+    def catch(module, args, kwargs):
+        captured.append((args[0] if args else kwargs["hidden_states"]).detach())
+        if not kwargs_seen:
+            kwargs_seen.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _BlockInputsCaptured
+
+    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for start in range(0, tokens.shape[0], batch_size):
+            try:
+                model(input_ids=tokens[start:start + batch_size].to(device), use_cache=False)
+            except _BlockInputsCaptured:
+                pass
+    finally:
+        handle.remove()
+    kwargs_seen.pop("past_key_values", None)
+    kwargs_seen.pop("past_key_value", None)
+    kwargs_seen["use_cache"] = False
+    return torch.cat(captured), kwargs_seen
+
+
+@dataclass
+class BlockContext:
+    """One decoder block during layer-wise pruning, with its current calibration inputs."""
+
+    index: int
+    name: str
+    block: nn.Module
+    inputs: Tensor
+    block_kwargs: dict
+    batch_size: int
+    state: dict = field(default_factory=dict)
+
+    def linears(self) -> Dict[str, nn.Linear]:
+        return block_linears(self.block)
+
+    def forward(self, inputs: Optional[Tensor] = None, grad: bool = False) -> Tensor:
+        """The block's outputs for ``inputs`` (default: the calibration inputs), batch by batch."""
+        inputs = self.inputs if inputs is None else inputs
+        with torch.set_grad_enabled(grad):
+            outputs = [_first_tensor(self.block(inputs[s:s + self.batch_size], **self.block_kwargs))
+                       for s in range(0, inputs.shape[0], self.batch_size)]
+        return torch.cat(outputs)
+
+    def capture(self, on_batch: Callable[[str, nn.Linear, Tensor, Tensor], None],
+                names: Optional[list] = None) -> Tensor:
+        """Run the block once over the calibration inputs, calling ``on_batch(name, linear, x, y)``
+        with each linear layer's input and output of every batch; returns the block outputs."""
+        linears = self.linears()
+        handles = [
+            module.register_forward_hook(
+                lambda mod, args, out, name=name: on_batch(name, mod, args[0].detach(), out.detach()))
+            for name, module in linears.items() if names is None or name in names
+        ]
+        try:
+            return self.forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], None], *,
+                  batch_size: int = 8, progress: bool = True, desc: str = "pruning") -> None:
+    """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn; the next block sees
+    the outputs of the pruned blocks before it."""
+    blocks = decoder_blocks(model)
+    prefix = block_prefix(model)
+    was_training = model.training
+    model.eval()
+    try:
+        inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
+        for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
+            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
+            process_block(ctx)
+            inputs = ctx.forward().detach()
+    finally:
+        model.train(was_training)
+
+
+def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 4,
+                         progress: bool = True, desc: str = "gradients") -> None:
+    """Fill ``.grad`` of every trainable parameter with the gradient of the mean next-token loss
+    over all calibration tokens (summed over batches, weighted by batch size)."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    total = tokens.shape[0]
+    for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
+        batch = tokens[start:start + batch_size].to(device)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        (loss * batch.shape[0] / total).backward()

@@ -1,0 +1,75 @@
+"""Evaluation: perplexity on a token stream and a sparsity report of a model's linear layers."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .engine import block_prefix, decoder_blocks
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int = 4,
+               progress: bool = True) -> float:
+    """exp of the mean next-token NLL over non-overlapping ``seqlen`` windows of a 1-D stream
+    (the tail shorter than a window is dropped); log-softmax in fp32."""
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be a 1-D stream; got shape {tuple(tokens.shape)}")
+    n_windows = tokens.numel() // seqlen
+    if n_windows == 0:
+        raise ValueError(f"tokens has {tokens.numel()} tokens, fewer than one window of seqlen={seqlen}")
+    windows = tokens[: n_windows * seqlen].reshape(n_windows, seqlen)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    try:
+        for start in tqdm(range(0, n_windows, batch_size), desc="perplexity", unit="batch",
+                          disable=not progress):
+            batch = windows[start:start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            log_probs = F.log_softmax(logits, dim=-1)
+            nll -= float(log_probs.gather(-1, batch[:, 1:, None]).sum())
+            count += batch[:, 1:].numel()
+    finally:
+        model.train(was_training)
+    return math.exp(nll / count)
+
+
+def _nm_valid(mask: Tensor, n: int, m: int) -> bool:
+    """Every group of m along the input dim has at most n nonzeros (a valid N:M pattern)."""
+    if mask.shape[-1] % m:
+        return False
+    return bool((mask.reshape(-1, m).sum(dim=1) <= n).all())
+
+
+def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) -> Dict:
+    """Measured sparsity of every linear layer in the decoder blocks and overall, and whether each
+    layer satisfies the given N:M patterns."""
+    prefix = block_prefix(model)
+    layers, zeros, total = [], 0, 0
+    for index, block in enumerate(decoder_blocks(model)):
+        for name, module in block.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            nonzero = module.weight.detach() != 0
+            layer_zeros = int(nonzero.numel() - nonzero.sum())
+            zeros += layer_zeros
+            total += nonzero.numel()
+            layers.append({
+                "name": f"{prefix}.{index}.{name}",
+                "shape": list(module.weight.shape),
+                "sparsity": layer_zeros / nonzero.numel(),
+                "nm_valid": {f"{n}:{m}": _nm_valid(nonzero, n, m) for n, m in nm},
+            })
+    return {"sparsity": zeros / total if total else 0.0, "parameters": total, "layers": layers,
+            "nm_valid": {f"{n}:{m}": all(layer["nm_valid"][f"{n}:{m}"] for layer in layers) for n, m in nm}}
+
+
+def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+

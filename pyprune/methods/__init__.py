@@ -1,0 +1,20 @@
+"""Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method`."""
+from .base import Method
+from .magnitude import Magnitude
+from .sparsegpt import SparseGPT
+from .wanda import Wanda
+
+METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT)}
+
+
+def get(name: str, **options) -> Method:
+    """The method called ``name``, built with its options (e.g. SparseGPT's blocksize)."""
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}; got {name!r}")
+    try:
+        return METHODS[name](**options)
+    except TypeError as error:
+        raise ValueError(f"bad options for method {name!r}: {error}") from None
+
+
+__all__ = ["METHODS", "Method", "get"]

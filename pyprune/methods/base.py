@@ -1,0 +1,78 @@
+"""What every pruning method shares: its name, the patterns it produces, and how it runs."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Type
+
+import torch
+from torch import Tensor, nn
+
+from .. import engine
+from ..patterns import NM, Pattern, Unstructured
+
+
+class Method:
+    """A pruning method. ``prune`` changes the model in place and returns report details."""
+
+    name: str = ""
+    patterns: Tuple[Type, ...] = ()
+    needs_calibration: bool = True
+    default_scope = "row"
+
+    def resolve(self, pattern: Pattern) -> Pattern:
+        """Unstructured patterns without a scope get this method's default scope."""
+        if isinstance(pattern, Unstructured) and pattern.scope is None:
+            return Unstructured(pattern.sparsity, self.default_scope)
+        return pattern
+
+    def check(self, model: nn.Module, pattern: Pattern) -> None:
+        """Reject a pattern this method cannot produce, or one the model's layers cannot take,
+        before anything is modified."""
+        if not isinstance(pattern, self.patterns):
+            allowed = ", ".join(p.__name__ for p in self.patterns)
+            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
+        if isinstance(pattern, NM):
+            prefix = engine.block_prefix(model)
+            for index, block in enumerate(engine.decoder_blocks(model)):
+                for name, linear in engine.block_linears(block).items():
+                    pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
+
+    def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
+              batch_size: int = 8, progress: bool = True) -> Dict:
+        raise NotImplementedError
+
+
+class LayerwiseMaskMethod(Method):
+    """Unstructured / N:M methods that prune each linear layer of each block from statistics
+    of that layer's calibration inputs (the layer-wise engine)."""
+
+    patterns = (Unstructured, NM)
+
+    def new_stats(self, linear: nn.Linear):
+        """Per-layer statistics object, updated by ``update`` for every calibration batch."""
+        raise NotImplementedError
+
+    def update(self, stats, x: Tensor) -> None:
+        raise NotImplementedError
+
+    def prune_layer(self, linear: nn.Linear, stats, pattern: Pattern) -> None:
+        raise NotImplementedError
+
+    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+        pattern = self.resolve(pattern)
+
+        def process(ctx: engine.BlockContext) -> None:
+            linears = ctx.linears()
+            stats = {name: self.new_stats(linear) for name, linear in linears.items()}
+            ctx.capture(lambda name, linear, x, y: self.update(stats[name], x))
+            for name, linear in linears.items():
+                self.prune_layer(linear, stats.pop(name), pattern)
+
+        engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
+                             desc=self.name)
+        return {"scope": getattr(pattern, "scope", None)}
+
+
+@torch.no_grad()
+def apply_mask(linear: nn.Linear, keep: Tensor) -> None:
+    """Zero the pruned weights of ``linear`` in place."""
+    linear.weight.mul_(keep.to(linear.weight.dtype))

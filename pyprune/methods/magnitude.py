@@ -1,0 +1,19 @@
+"""Magnitude pruning: keep the largest |W| per row (or per layer), or n of every m."""
+from __future__ import annotations
+
+from .. import engine
+from ..patterns import NM, Unstructured
+from .base import Method, apply_mask
+
+
+class Magnitude(Method):
+    name = "magnitude"
+    patterns = (Unstructured, NM)
+    needs_calibration = False
+
+    def prune(self, model, pattern, calib=None, *, batch_size=8, progress=True):
+        pattern = self.resolve(pattern)
+        for block in engine.decoder_blocks(model):
+            for linear in engine.block_linears(block).values():
+                apply_mask(linear, pattern.weight_mask(linear.weight))
+        return {"scope": getattr(pattern, "scope", None)}

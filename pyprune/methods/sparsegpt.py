@@ -1,0 +1,97 @@
+"""SparseGPT (Frantar & Alistarh, 2023): one-shot pruning with an approximate OBS weight update.
+
+Per linear layer, with H = (2/N) Σ x xᵀ over the N calibration tokens:
+1. dampen H += λ·mean(diag H)·I (dead inputs get H_jj = 1 and W_:j = 0), take the upper Cholesky
+   factor of H⁻¹;
+2. sweep the input columns in blocks of ``blocksize``; at the start of a block (unstructured) or
+   of every group of m columns (N:M) select the mask from w² / [H⁻¹]_jj² with the pattern's exact
+   selection; for each column, zero the pruned weights and spread the error (w − q)/[H⁻¹]_jj over
+   the remaining columns of the block along row j of the Cholesky factor; then update the columns
+   after the block with the block's accumulated errors (lazy batch update).
+
+Unstructured masks are chosen inside each column block: scope "tensor" (the paper's choice, the
+default) keeps exactly the block's share over all its rows, scope "row" keeps it per row.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..patterns import NM, Pattern
+from .base import LayerwiseMaskMethod
+
+
+class _Hessian:
+    def __init__(self, columns: int, device):
+        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def add(self, x: Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        total = self.tokens + x.shape[0]
+        self.H.mul_(self.tokens / total)
+        self.H.addmm_(x.T, x, alpha=2.0 / total)
+        self.tokens = total
+
+
+class SparseGPT(LayerwiseMaskMethod):
+    name = "sparsegpt"
+    default_scope = "tensor"
+
+    def __init__(self, blocksize: int = 128, percdamp: float = 0.01):
+        if not isinstance(blocksize, int) or blocksize < 1:
+            raise ValueError(f"blocksize must be a positive int; got {blocksize!r}")
+        if not 0.0 < percdamp <= 1.0:
+            raise ValueError(f"percdamp must be in (0, 1]; got {percdamp!r}")
+        self.blocksize = blocksize
+        self.percdamp = percdamp
+
+    def new_stats(self, linear):
+        return _Hessian(linear.in_features, linear.weight.device)
+
+    def update(self, stats, x):
+        stats.add(x)
+
+    def _inverse_cholesky(self, H: Tensor, W: Tensor) -> Tensor:
+        dead = torch.diag(H) == 0
+        H[dead, dead] = 1.0
+        W[:, dead] = 0.0
+        H += torch.eye(H.shape[0], device=H.device) * (self.percdamp * torch.diag(H).mean())
+        factor, info = torch.linalg.cholesky_ex(H)
+        if int(info) != 0:
+            raise RuntimeError("SparseGPT: the dampened Hessian is not positive definite; "
+                               "raise percdamp or use more calibration samples")
+        return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+
+    @torch.no_grad()
+    def prune_layer(self, linear, stats: _Hessian, pattern: Pattern) -> None:
+        W = linear.weight.detach().float().clone()
+        Hinv = self._inverse_cholesky(stats.H, W)
+        columns = W.shape[1]
+        nm = pattern if isinstance(pattern, NM) else None
+        blocksize = self.blocksize if nm is None else nm.m * math.ceil(self.blocksize / nm.m)
+        for start in range(0, columns, blocksize):
+            stop = min(start + blocksize, columns)
+            W1 = W[:, start:stop].clone()
+            Hinv1 = Hinv[start:stop, start:stop]
+            diag = torch.diag(Hinv1)
+            errors = torch.zeros_like(W1)
+            if nm:
+                keep = torch.zeros_like(W1, dtype=torch.bool)
+            else:
+                keep = pattern.keep_mask(W1.square() / diag.square())
+            for i in range(stop - start):
+                if nm and i % nm.m == 0:
+                    group = slice(i, i + nm.m)
+                    keep[:, group] = nm.keep_mask(W1[:, group].square() / diag[group].square())
+                w = W1[:, i]
+                q = w * keep[:, i]
+                err = (w - q) / diag[i]
+                W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+                W1[:, i] = q
+                errors[:, i] = err
+            W[:, start:stop] = W1
+            W[:, stop:] -= errors @ Hinv[start:stop, stop:]
+        linear.weight.copy_(W.to(linear.weight.dtype))

@@ -1,0 +1,21 @@
+"""Wanda (Sun et al., 2023): score |W_ij|·‖X_j‖₂ from each layer's calibration inputs, compared
+within each output row (or n of every m); no weight update."""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .base import LayerwiseMaskMethod, apply_mask
+
+
+class Wanda(LayerwiseMaskMethod):
+    name = "wanda"
+
+    def new_stats(self, linear):
+        return torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
+
+    def update(self, stats, x):
+        ops.accumulate_sqnorm_(stats, x)
+
+    def prune_layer(self, linear, stats, pattern):
+        apply_mask(linear, pattern.weight_mask(linear.weight, stats))

@@ -1,0 +1,46 @@
+"""``pyprune.prune``: the one entry point that runs a method on a model and reports what it did."""
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional, Union
+
+from torch import Tensor, nn
+
+from . import methods
+from .eval import parameter_count, sparsity_report
+from .patterns import Pattern, Structured, parse
+
+
+def prune(model: nn.Module, method: str, pattern: Union[str, float, Pattern],
+          calib: Optional[Tensor] = None, *, batch_size: int = 8, progress: bool = True,
+          **method_options) -> Dict:
+    """Prune ``model`` in place with ``method`` to ``pattern`` using calibration tokens ``calib``
+    ([nsamples, seqlen] token ids; not needed by magnitude). Returns a report with the method, the
+    pattern, the measured sparsity, parameter counts and the time taken.
+
+    Everything is checked before the model is touched: an unknown method or pattern, a pattern the
+    method cannot produce, an N:M pattern that does not divide a layer, or missing calibration.
+    """
+    pattern = parse(pattern)
+    runner = methods.get(method, **method_options)
+    runner.check(model, pattern)
+    if runner.needs_calibration and (calib is None or calib.dim() != 2 or calib.numel() == 0):
+        raise ValueError(f"method {method!r} needs calibration tokens calib of shape [nsamples, seqlen]")
+    params_before = parameter_count(model)
+    start = time.perf_counter()
+    details = runner.prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+    elapsed = time.perf_counter() - start
+    measured = sparsity_report(model)
+    report = {
+        "method": method,
+        "pattern": str(pattern),
+        "sparsity": measured["sparsity"] if not isinstance(pattern, Structured)
+        else 1.0 - parameter_count(model) / params_before,
+        "time_s": round(elapsed, 3),
+        "parameters_before": params_before,
+        "parameters_after": parameter_count(model),
+        "nm_valid": measured["nm_valid"],
+        "layers": measured["layers"],
+    }
+    report.update(details or {})
+    return report
