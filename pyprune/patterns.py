@@ -104,11 +104,10 @@ def parse(spec: Union[str, float, Pattern]) -> Pattern:
         return spec
     if isinstance(spec, str) and ":" in spec:
         left, _, right = spec.partition(":")
-        try:
-            return NM(int(left), int(right))
-        except ValueError:
+        if not (left.strip().isdigit() and right.strip().isdigit()):
             raise ValueError(f"pattern must look like N:M (e.g. 2:4, 4:8) or be a sparsity in [0, 1); "
-                             f"got {spec!r}") from None
+                             f"got {spec!r}")
+        return NM(int(left), int(right))
     try:
         return Unstructured(float(spec))
     except (TypeError, ValueError):

@@ -37,3 +37,17 @@ def randn(shape, dtype=torch.float32, seed=0):
 def rand(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(shape, generator=g)
+
+
+def tiny_llama(seed=0, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=128):
+    """A small random-weight Llama causal LM (eval mode, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def random_tokens(shape, vocab=128, seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
