@@ -1,0 +1,62 @@
+"""The command line: bad input gives a one-line error, exit status 2, and writes nothing."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyprune import cli
+
+EMMA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "austen", "emma.txt")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "obs", "--pattern", "2:4"], "method must be one of"),
+    (["--method", "wanda", "--pattern", "2:5:3"], "pattern must look like N:M"),
+    (["--method", "wanda", "--pattern", "0.5"], "--pattern takes N:M"),
+    (["--method", "wanda", "--sparsity", "1.2"], r"sparsity must be a number in \[0, 1\)"),
+    (["--method", "wanda", "--sparsity", "0.5", "--pattern", "2:4"], "exactly one of"),
+    (["--method", "wanda", "--ratio", "0.2"], "method 'wanda' supports Unstructured, NM patterns"),
+    (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
+    (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
+    (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
+    (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
+])
+def test_bad_prune_arguments(tmp_path, capsys, args, message):
+    output = tmp_path / "out"
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA, "--output", str(output)] + args
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert __import__("re").search(message, err), err
+    assert not output.exists()
+
+
+def test_existing_output_is_refused(tmp_path, capsys):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    argv = ["prune", "--model", "smollm2-135m", "--method", "wanda", "--pattern", "2:4",
+            "--calib", EMMA, "--output", str(output)]
+    assert cli.main(argv) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert os.listdir(output) == ["keep.txt"]
+
+
+def test_help_documents_every_command():
+    out = subprocess.run([sys.executable, "-m", "pyprune.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("prune", "eval", "demo"):
+        assert command in out
+    prune_help = subprocess.run([sys.executable, "-m", "pyprune.cli", "prune", "--help"],
+                                capture_output=True, text=True, check=True).stdout
+    for flag in ("--model", "--method", "--sparsity", "--pattern", "--ratio", "--calib", "--nsamples",
+                 "--seqlen", "--seed", "--eval", "--output", "--report", "--device", "--dtype"):
+        assert flag in prune_help
+
+
+def test_argparse_errors_exit_with_status_2():
+    result = subprocess.run([sys.executable, "-m", "pyprune.cli", "prune", "--method", "wanda"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "required" in result.stderr
