@@ -66,6 +66,8 @@ setup(
         "pybind11",
         "numpy",
         "tqdm",
+        "gguf",
+        "accelerate",
     ],
     extras_require={"test": ["pytest>=7", "pytest-benchmark", "hypothesis"]},
     entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
