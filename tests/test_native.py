@@ -1,0 +1,257 @@
+"""pyprune._C (C++/OpenMP CPU kernels) against the pure-PyTorch reference, bit for bit."""
+import os
+
+import pytest
+import torch
+
+import pyprune.reference as ref
+from pyprune.backend import native_module
+
+C = native_module("cpu")
+if C is None:
+    if os.environ.get("CI"):  # CI installs with the extension: its absence is a build failure
+        raise ImportError("pyprune._C was not built")
+    pytest.skip("pyprune._C was not built (pip install --no-build-isolation -e .)", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NM = [(2, 4), (4, 8), (1, 2), (3, 8), (5, 16), (7, 32), (3, 6)]
+KINDS = [0, 1, 2]
+NAN_MSG = "NaN"
+
+
+def _shapes(m):
+    """Awkward shapes: one group, one row, cols not a multiple of 64, rows crossing kernel blocks."""
+    wide = 4096 - 4096 % m  # 4096-wide rows (4092 for m = 6)
+    return [(1, m), (1, 3 * m), (2, 37 * m), (5, wide), (33, 11 * m), (64, wide)]
+
+
+def _expected(src, act, n, m, kind):
+    if kind == 0:
+        return ref.nm_mask(src, n, m)
+    return ref.score_nm_mask(src, n, m, act_sqnorm=act if kind == 2 else None)
+
+
+def _data(kind_of_data, shape, dtype, gen):
+    if kind_of_data == "randn":
+        x = torch.randn(shape, generator=gen)
+    elif kind_of_data == "ties":
+        # Few distinct values (both signs, so -0.0/+0.0 and |x| ties too): many equal scores.
+        x = torch.randint(-2, 3, shape, generator=gen).float()
+        x = torch.where(torch.rand(shape, generator=gen) < 0.3, x * -0.0, x)
+    elif kind_of_data == "special":
+        vals = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 65504.0])
+        x = vals[torch.randint(0, len(vals), shape, generator=gen)]
+    else:
+        raise AssertionError(kind_of_data)
+    return x.to(dtype)
+
+
+def _act(cols, kind_of_data, gen):
+    if kind_of_data == "ties":
+        # Integer sums of squares: equal products across columns; zeros give zero scores.
+        return torch.randint(0, 3, (cols,), generator=gen).float()
+    if kind_of_data == "special":
+        # Strictly positive (inf * 0 would be NaN), with some very large values.
+        a = torch.rand(cols, generator=gen) + 0.25
+        return torch.where(torch.rand(cols, generator=gen) < 0.1, torch.full_like(a, 3.0e38), a)
+    a = torch.rand(cols, generator=gen) * 10.0
+    return torch.where(torch.rand(cols, generator=gen) < 0.05, torch.zeros_like(a), a)
+
+
+def _check(src, act, n, m, kind):
+    got = C.nm_mask(src, act if kind == 2 else None, n, m, kind)
+    want = _expected(src, act, n, m, kind)
+    assert got.dtype == torch.bool and got.shape == src.shape
+    assert torch.equal(got, want), (src.dtype, tuple(src.shape), n, m, kind)
+    per_group = got.reshape(-1, m).sum(dim=1)
+    assert bool((per_group == n).all())
+
+
+@pytest.mark.parametrize("data", ["randn", "ties", "special"])
+@pytest.mark.parametrize("n,m", NM)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nm_mask_matches_reference(dtype, kind, n, m, data):
+    gen = torch.Generator().manual_seed(1000 * n + 10 * m + kind)
+    for shape in _shapes(m):
+        src = _data(data, shape, dtype, gen)
+        act = _act(shape[1], data, gen)
+        _check(src, act, n, m, kind)
+
+
+@pytest.mark.parametrize("n,m", NM)
+def test_signed_zero_ties_keep_lower_index(n, m):
+    # -0.0 == +0.0: ties, so the lowest indices win whatever the signs.
+    x = torch.zeros(4, 4 * m)
+    x[:, 1::2] = -0.0
+    x[1] = torch.where(torch.arange(4 * m) % 3 == 0, -0.0, 0.0)
+    for kind in (0, 1):
+        got = C.nm_mask(x, None, n, m, kind)
+        want = torch.zeros(4, m, dtype=torch.bool)
+        want[:, :n] = True
+        assert torch.equal(got, want.repeat(1, 4))
+        assert torch.equal(got, _expected(x, None, n, m, kind))
+
+
+def test_infinities():
+    x = torch.tensor([[float("-inf"), 1.0, float("inf"), float("inf"),
+                       float("-inf"), float("-inf"), float("-inf"), -3.0]])
+    assert C.nm_mask(x, None, 2, 4, 0).tolist() == [[False, False, True, True,
+                                                     True, False, False, True]]
+    assert C.nm_mask(x, None, 2, 4, 1).tolist() == [[True, False, True, False,
+                                                     True, True, False, False]]
+    for kind in (0, 1):
+        _check(x, None, 2, 4, kind)
+        _check(x, None, 1, 8, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_half_bit_pattern(dtype):
+    # All 65536 encodings but NaN, shuffled: exercises the exact fp16/bf16 -> fp32 conversion.
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    x = x[~torch.isnan(x.float())]
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    width = 384  # a multiple of every m tested
+    x = x[: x.numel() // width * width].reshape(-1, width).contiguous()
+    for n, m in NM:
+        for kind in (0, 1):
+            _check(x, None, n, m, kind)
+        act = torch.rand(width, generator=torch.Generator().manual_seed(1)) + 0.5
+        _check(x, act, n, m, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_raises(dtype, kind):
+    x = torch.randn(6, 64).to(dtype)
+    x[4, 37] = float("nan")
+    act = torch.rand(64) + 0.1
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.nm_mask(x, act if kind == 2 else None, 2, 4, kind)
+    big = torch.randn(300, 512).to(dtype)  # large enough for the parallel path
+    big[299, 511] = float("nan")
+    act = torch.rand(512) + 0.1
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.nm_mask(big, act if kind == 2 else None, 3, 16, kind)
+
+
+def test_wanda_nan_from_act_sqnorm():
+    x = torch.randn(2, 8)
+    bad_act = torch.rand(8)
+    bad_act[3] = -1.0  # sqrt(-1) = NaN
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.nm_mask(x, bad_act, 2, 4, 2)
+    nan_act = torch.rand(8)
+    nan_act[6] = float("nan")
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.nm_mask(x, nan_act, 4, 8, 2)
+    inf_w = x.clone()
+    inf_w[1, 2] = float("inf")
+    zero_act = torch.rand(8)
+    zero_act[2] = 0.0  # inf * 0 = NaN
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.nm_mask(inf_w, zero_act, 2, 4, 2)
+
+
+def test_wide_rows_fast():
+    # 4096-wide rows, many of them: the path the pruners use (runs in milliseconds).
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 4096, generator=gen)
+    act = torch.rand(4096, generator=gen) * 5.0
+    for n, m in [(2, 4), (4, 8)]:
+        for dtype in DTYPES:
+            src = w.to(dtype)
+            for kind in KINDS:
+                _check(src, act, n, m, kind)
+
+
+def test_empty_rows():
+    out = C.nm_mask(torch.empty(0, 16), None, 2, 4, 1)
+    assert out.shape == (0, 16) and out.dtype == torch.bool
+
+
+def test_bad_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError):
+        C.nm_mask(x.double(), None, 2, 4, 0)
+    with pytest.raises(RuntimeError):
+        C.nm_mask(torch.randn(4, 10), None, 2, 4, 0)  # cols % m != 0
+    with pytest.raises(RuntimeError):
+        C.nm_mask(x, None, 4, 4, 0)  # n >= m
+    with pytest.raises(RuntimeError):
+        C.nm_mask(x, None, 2, 4, 2)  # Wanda without act_sqnorm
+    with pytest.raises(RuntimeError):
+        C.nm_mask(x, torch.rand(4), 2, 4, 2)  # act_sqnorm of the wrong length
+    with pytest.raises(RuntimeError):
+        C.nm_mask(torch.randn(8, 4).t(), None, 2, 4, 0)  # not contiguous
+
+
+def test_openmp_threads():
+    t = C.openmp_threads()
+    assert isinstance(t, int) and t >= 1
+
+
+def test_storage_offset_views():
+    # Contiguous views that do not start at the beginning of their storage (unaligned data).
+    flat = torch.randn(5 * 4096 + 3, generator=torch.Generator().manual_seed(3))
+    act = torch.rand(4096) * 2.0
+    for offset in (1, 2, 3):
+        for dtype in DTYPES:
+            base = flat.to(dtype)
+            src = base[offset: offset + 5 * 4096].view(5, 4096)
+            assert src.is_contiguous() and src.storage_offset() == offset
+            for (n, m), kind in [((2, 4), 0), ((4, 8), 1), ((3, 6), 2)]:
+                cols = 4096 - 4096 % m
+                _check(src[:, :cols].contiguous() if cols != 4096 else src, act[:cols], n, m, kind)
+
+
+# ----------------------------------------------------------------------------------------------
+# pyprune._C_cuda: the same contract on CUDA tensors (only where a GPU and the extension exist).
+
+def _cuda_module():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return pytest.importorskip("pyprune._C_cuda")
+
+
+def _check_cuda(CC, src, act, n, m, kind):
+    got = CC.nm_mask(src.cuda(), act.cuda() if kind == 2 else None, n, m, kind)
+    assert got.is_cuda and got.dtype == torch.bool and got.shape == src.shape
+    want = _expected(src.cpu(), act.cpu() if act is not None else None, n, m, kind)
+    assert torch.equal(got.cpu(), want), (src.dtype, tuple(src.shape), n, m, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", ["randn", "ties", "special"])
+@pytest.mark.parametrize("n,m", NM)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_nm_mask_matches_reference(dtype, kind, n, m, data):
+    CC = _cuda_module()
+    gen = torch.Generator().manual_seed(1000 * n + 10 * m + kind)
+    for shape in _shapes(m):
+        src = _data(data, shape, dtype, gen)
+        act = _act(shape[1], data, gen)
+        _check_cuda(CC, src, act, n, m, kind)
+        # Unaligned start (storage offset 1): the kernels' scalar-load path.
+        flat = torch.empty(src.numel() + 1, dtype=dtype, device="cuda")
+        flat[1:] = src.reshape(-1).cuda()
+        view = flat[1:].view(shape)
+        got = CC.nm_mask(view, act.cuda() if kind == 2 else None, n, m, kind)
+        assert torch.equal(got.cpu(), _expected(src, act, n, m, kind))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_nan_raises(dtype, kind):
+    CC = _cuda_module()
+    for n, m in [(2, 4), (4, 8), (3, 6)]:
+        x = torch.randn(8, 96).to(dtype)
+        x[5, 17] = float("nan")
+        act = torch.rand(96) + 0.1
+        with pytest.raises(ValueError, match=NAN_MSG):
+            CC.nm_mask(x.cuda(), act.cuda() if kind == 2 else None, n, m, kind)
+    # After an error the module still works.
+    _check_cuda(CC, torch.randn(4, 64).to(dtype), torch.rand(64), 2, 4, kind)
