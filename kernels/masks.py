@@ -76,7 +76,7 @@ def _segment_keys(src_ptr, aux_ptr, segment, chunk, segment_len, n_cols,
     return _sort_key(score, index), score, offsets, in_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bit"])
 def _count_at_least_kernel(src_ptr, aux_ptr, prefix_ptr, count_ptr, bit, segment_len, n_cols,
                            SCORE_KIND: tl.constexpr, BLOCK: tl.constexpr):
     """count[segment] += #{keys >= prefix | (1 << bit)} in this program's chunk."""
@@ -88,7 +88,7 @@ def _count_at_least_kernel(src_ptr, aux_ptr, prefix_ptr, count_ptr, bit, segment
     tl.atomic_add(count_ptr + segment, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bit", "keep"])
 def _accept_bit_kernel(prefix_ptr, count_ptr, keep, bit, n_segments, BLOCK: tl.constexpr):
     """Set the bit in each segment's prefix when at least ``keep`` keys reach it; reset counts."""
     segments = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

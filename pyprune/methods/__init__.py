@@ -2,9 +2,10 @@
 from .base import Method
 from .magnitude import Magnitude
 from .sparsegpt import SparseGPT
+from .taylor import Taylor
 from .wanda import Wanda
 
-METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT)}
+METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor)}
 
 
 def get(name: str, **options) -> Method:
