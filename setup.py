@@ -13,7 +13,7 @@ import glob
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,7 +53,7 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["pyprune", "pyprune.ops", "pyprune.kernels"],
+    packages=find_packages(include=["pyprune", "pyprune.*"]) + ["pyprune.kernels"],
     package_dir={"pyprune.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -204,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=cmd_eval)
 
     demo = sub.add_parser("demo", help="Wanda 2:4 on SmolLM2-135M with Austen text")
-    demo.add_argument("--nsamples", type=int, default=32)
-    demo.add_argument("--eval-tokens", type=int, default=16384)
+    demo.add_argument("--nsamples", type=int, default=16)
+    demo.add_argument("--eval-tokens", type=int, default=8192)
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(run=cmd_demo)
     return parser
