@@ -51,3 +51,21 @@ def tiny_llama(seed=0, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=
 
 def random_tokens(shape, vocab=128, seed=0):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+WORDS = ["the", "a", "it", "that", "man", "woman", "house", "is", "was", "good", "fortune", "truth", "single",
+         "in", "of", "must", "be", "want", "wife", "possession", "universally", "acknowledged", ",", "."]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over WORDS (no download needed)."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        vocab[w] = len(vocab)
+    tk = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="</s>")

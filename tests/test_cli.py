@@ -60,3 +60,40 @@ def test_argparse_errors_exit_with_status_2():
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "required" in result.stderr
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
+    model_dir = tmp_path / "tiny"
+    tiny_llama(hidden=64, heads=4, kv_heads=2).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
+    return model_dir, text
+
+
+@pytest.mark.parametrize("method_args,check", [
+    (["--method", "wanda", "--pattern", "2:4"], "2:4"),
+    (["--method", "sparsegpt", "--sparsity", "0.5"], "unstructured 0.5"),
+    (["--method", "taylor", "--ratio", "0.25"], "structured 0.25"),
+])
+def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, method_args, check):
+    import json
+
+    import pyprune
+    model_dir, text = tiny_model_dir
+    output, report_path = tmp_path / "out", tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), *method_args, "--calib", str(text), "--nsamples", "4",
+            "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16", "--output", str(output),
+            "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    report = json.loads(report_path.read_text())
+    assert report["method"] == method_args[1] and report["pattern"] == check
+    assert report["time_s"] >= 0 and 0 < report["sparsity"] < 1
+    assert [e["data"] for e in report["eval"]] == [str(text)]
+    assert report["eval"][0]["tokens"] > 0 and report["eval"][0]["perplexity"] > 1
+    model, _ = pyprune.load(str(output))
+    if check == "2:4":
+        assert pyprune.eval.sparsity_report(model)["nm_valid"]["2:4"]
+    assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0

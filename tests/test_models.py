@@ -13,28 +13,12 @@ import torch
 
 from pyprune import models
 from pyprune.models import MODEL_ALIASES, load_model, resolve_model_dir
+from tests.helpers import tiny_tokenizer
 
 AUSTEN = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "austen",
                       "pride_and_prejudice.txt")
 if not os.path.exists(AUSTEN):
     AUSTEN = "/work/shared/data/austen/pride_and_prejudice.txt"
-
-WORDS = ["the", "a", "it", "that", "man", "woman", "house", "is", "was", "good", "fortune", "truth", "single",
-         "in", "of", "must", "be", "want", "wife", "possession", "universally", "acknowledged", ",", "."]
-
-
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in WORDS:
-        vocab[w] = len(vocab)
-    tk = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", pad_token="</s>")
-
 
 def _tiny_llama(tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,7 +31,7 @@ def _tiny_llama(tie: bool = False):
 
 
 def _save_tiny(path, tie=False):
-    model, tok = _tiny_llama(tie), _tiny_tokenizer()
+    model, tok = _tiny_llama(tie), tiny_tokenizer()
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return model, tok
