@@ -74,24 +74,22 @@ class SparseGPT(LayerwiseMaskMethod):
         blocksize = self.blocksize if nm is None else nm.m * math.ceil(self.blocksize / nm.m)
         for start in range(0, columns, blocksize):
             stop = min(start + blocksize, columns)
-            W1 = W[:, start:stop].clone()
+            block = W[:, start:stop].t().contiguous()  # [columns of the block, rows]: rows contiguous
             Hinv1 = Hinv[start:stop, start:stop]
             diag = torch.diag(Hinv1)
-            errors = torch.zeros_like(W1)
+            errors = torch.empty_like(block)
             if nm:
-                keep = torch.zeros_like(W1, dtype=torch.bool)
+                keep = torch.empty_like(block, dtype=torch.bool)
             else:
-                keep = pattern.keep_mask(W1.square() / diag.square())
+                keep = pattern.keep_mask(block.square().t() / diag.square()).t()
             for i in range(stop - start):
                 if nm and i % nm.m == 0:
                     group = slice(i, i + nm.m)
-                    keep[:, group] = nm.keep_mask(W1[:, group].square() / diag[group].square())
-                w = W1[:, i]
-                q = w * keep[:, i]
-                err = (w - q) / diag[i]
-                W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-                W1[:, i] = q
-                errors[:, i] = err
-            W[:, start:stop] = W1
-            W[:, stop:] -= errors @ Hinv[start:stop, stop:]
+                    keep[group] = nm.keep_mask((block[group].square() / diag[group, None].square()).t()).t()
+                q = block[i] * keep[i]
+                torch.div(block[i] - q, diag[i], out=errors[i])
+                block[i + 1:].addr_(Hinv1[i, i + 1:], errors[i], alpha=-1.0)
+                block[i] = q
+            W[:, start:stop] = block.t()
+            W[:, stop:].addmm_(errors.t(), Hinv[start:stop, stop:], alpha=-1.0)
         linear.weight.copy_(W.to(linear.weight.dtype))
