@@ -1,6 +1,7 @@
 """What every pruning method shares: its name, the patterns it produces, and how it runs."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Dict, Optional, Tuple, Type
 
 import torch
@@ -10,7 +11,7 @@ from .. import engine
 from ..patterns import NM, Pattern, Unstructured
 
 
-class Method:
+class Method(ABC):
     """A pruning method. ``prune`` changes the model in place and returns report details."""
 
     name: str = ""
@@ -36,9 +37,10 @@ class Method:
                 for name, linear in engine.block_linears(block).items():
                     pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
 
+    @abstractmethod
     def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
               batch_size: int = 8, progress: bool = True) -> Dict:
-        raise NotImplementedError
+        """Prune ``model`` in place; return details for the report."""
 
 
 class LayerwiseMaskMethod(Method):
@@ -47,15 +49,17 @@ class LayerwiseMaskMethod(Method):
 
     patterns = (Unstructured, NM)
 
+    @abstractmethod
     def new_stats(self, linear: nn.Linear):
         """Per-layer statistics object, updated by ``update`` for every calibration batch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def update(self, stats, x: Tensor) -> None:
-        raise NotImplementedError
+        """Add one batch of the layer's inputs ``x`` to ``stats``."""
 
+    @abstractmethod
     def prune_layer(self, linear: nn.Linear, stats, pattern: Pattern) -> None:
-        raise NotImplementedError
+        """Prune ``linear`` in place from its statistics."""
 
     def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
         pattern = self.resolve(pattern)
