@@ -41,7 +41,8 @@ def test_sparsegpt_beats_wanda_beats_magnitude(setup, pattern):
     ppl = {}
     for method in ("magnitude", "wanda", "sparsegpt"):
         ppl[method], report = _pruned_perplexity(setup, method, float(pattern) if "." in pattern else pattern)
-        assert report["sparsity"] == pytest.approx(0.5, abs=1e-6)
+        # the dequantised weights hold a few exact zeros, which a group may keep: >= 50%, barely
+        assert 0.5 <= report["sparsity"] < 0.5001
         if pattern == "2:4":
             assert report["nm_valid"]["2:4"]
     print(f"\n{pattern}: dense {dense_ppl:.2f}, " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()))
