@@ -1,10 +1,16 @@
 """Matmuls over pruned weights without materialising a dense or sliced copy of W.
 
-* ``nm_linear``: y = x @ (W ⊙ mask)ᵀ + b read from the compressed N:M form. Each [BLOCK_K, BLOCK_N]
-  tile of Wᵀ is expanded in registers from the packed mask and the kept values (the value slot of a
-  kept element is its group's base plus its rank among the group's kept elements), so W costs
-  n/m of the dense value bytes plus 1 bit per element. Needs a power-of-two m (BLOCK_K is a
-  multiple of m, so tiles hold whole groups).
+* ``nm_linear``: y = x @ (W ⊙ mask)ᵀ + b read from the compressed N:M form, so W costs n/m of the
+  dense value bytes plus 1 bit per element (9/16 of dense for 16-bit 2:4 and 4:8). Needs a
+  power-of-two m. Two kernels:
+
+  - decode (at most GEMV_MAX_ROWS rows of x): a GEMV over the kept values only. Each value's input
+    column is its group's first column plus the position of its slot's set bit in the group's
+    mask bits, and x is gathered at those columns (x is small and stays in cache), so the work
+    and the weight bytes are n/m of dense.
+  - prefill: each [BLOCK_K, BLOCK_N] tile of Wᵀ is expanded in registers from the packed mask and
+    the kept values (a kept element's value slot is its group's base plus its rank among the
+    group's kept elements) and fed to ``tl.dot``.
 * ``sliced_linear``: y = x @ W[out_index][:, in_index]ᵀ + b[out_index] with the indices applied
   to the pointers of each tile.
 
@@ -16,6 +22,9 @@ import triton
 import triton.language as tl
 
 from .nm_format import keep_bits
+
+#: x with at most this many rows goes through the GEMV kernel.
+GEMV_MAX_ROWS = 8
 
 
 @triton.jit
@@ -64,6 +73,54 @@ def _nm_linear_kernel(x_ptr, values_ptr, meta_ptr, bias_ptr, out_ptr, n_rows, n_
 
 
 @triton.jit
+def _group_bits(meta_ptr, row_offset, first_col, in_bounds, M: tl.constexpr):
+    """The M keep bits of the groups starting at ``first_col`` (bit i = column first_col + i)."""
+    byte_ptr = meta_ptr + row_offset + first_col // 8
+    if M >= 8:
+        bits = tl.zeros(byte_ptr.shape, dtype=tl.int64)
+        for j in tl.static_range(M // 8):
+            bits |= tl.load(byte_ptr + j, mask=in_bounds, other=0).to(tl.int64) << (8 * j)
+        return bits
+    byte = tl.load(byte_ptr, mask=in_bounds, other=0).to(tl.int64)
+    return (byte >> (first_col % 8)) & ((1 << M) - 1)
+
+
+@triton.jit
+def _slot_column(bits, slot, M: tl.constexpr):
+    """Position of the (slot+1)-th set bit of ``bits``: the number of prefixes of the group that
+    hold at most ``slot`` kept elements."""
+    position = tl.zeros(bits.shape, dtype=tl.int64)
+    seen = tl.zeros(bits.shape, dtype=tl.int64)
+    for b in tl.static_range(M):
+        seen += (bits >> b) & 1
+        position += (seen <= slot).to(tl.int64)
+    return position
+
+
+@triton.jit
+def _nm_gemv_kernel(x_ptr, values_ptr, meta_ptr, bias_ptr, out_ptr, n_rows, n_out, K, n_values,
+                    values_stride, meta_stride,
+                    N: tl.constexpr, M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for v0 in range(0, n_values, BLOCK_V):
+        v = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+        in_bounds = (cols[:, None] < n_out) & (v[None, :] < n_values)
+        w = tl.load(values_ptr + cols[:, None].to(tl.int64) * values_stride + v[None, :],
+                    mask=in_bounds, other=0.0).to(tl.float32)
+        first_col = (v // N) * M
+        bits = _group_bits(meta_ptr, cols[:, None].to(tl.int64) * meta_stride, first_col[None, :],
+                           in_bounds, M)
+        in_col = first_col[None, :] + _slot_column(bits, (v % N)[None, :], M)
+        x = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * K + in_col[None, :, :],
+                    mask=(rows[:, None, None] < n_rows) & in_bounds[None, :, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32) * w[None, :, :], axis=2)
+    _store_output(out_ptr, acc, bias_ptr, cols, rows, cols, n_rows, n_out, HAS_BIAS)
+
+
+@triton.jit
 def _sliced_linear_kernel(x_ptr, w_ptr, bias_ptr, in_index_ptr, out_index_ptr, out_ptr,
                           n_rows, n_out, K, w_stride,
                           HAS_IN: tl.constexpr, HAS_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -87,37 +144,75 @@ def _sliced_linear_kernel(x_ptr, w_ptr, bias_ptr, in_index_ptr, out_index_ptr, o
     _store_output(out_ptr, acc, bias_ptr, w_rows, rows, cols, n_rows, n_out, HAS_BIAS)
 
 
-def _tiles(n_rows: int, n_out: int, min_k: int = 32):
-    block_m = 16 if n_rows <= 16 else 64
-    block_n, block_k = 64, max(32, min_k)
-    return block_m, block_n, block_k, (triton.cdiv(n_rows, block_m), triton.cdiv(n_out, block_n))
+def _gemv_configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=w, num_stages=st)
+            for bn in (8, 16, 32, 64) for bv in (32, 64, 128, 256) for w in (2, 4, 8) for st in (2, 4)]
 
 
-def nm_linear(x, values, meta, n: int, m: int, bias, upcast: bool) -> torch.Tensor:
+def _fits_registers(configs, named_args, **kwargs):
+    """Keep GEMV configs whose [BLOCK_R, BLOCK_N, BLOCK_V] gather tile stays within 16K elements."""
+    block_r = kwargs.get("BLOCK_R", named_args.get("BLOCK_R"))
+    return [c for c in configs if block_r * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_V"] <= 16384]
+
+
+def _dot_configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn in (64, 128) for bk in (32, 64, 128) for w in (4, 8) for st in (3, 4)]
+
+
+_nm_gemv_tuned = triton.autotune(_gemv_configs(), key=["n_out", "n_values", "BLOCK_R", "N", "M"],
+                                 prune_configs_by={"early_config_prune": _fits_registers})(_nm_gemv_kernel)
+_nm_linear_tuned = triton.autotune(_dot_configs(), key=["n_out", "K", "BLOCK_M", "N", "M"])(
+    _nm_linear_kernel)
+_sliced_linear_tuned = triton.autotune(_dot_configs(), key=["n_out", "K", "BLOCK_M"])(_sliced_linear_kernel)
+
+
+def _block_m(n_rows: int) -> int:
+    return 16 if n_rows <= 16 else 64
+
+
+def _launch(kernel, tuned, interpreted: bool, n_rows: int, n_out: int, block_m: int,
+            fixed: dict, *args, **constexprs):
+    """Run ``tuned`` (autotuned over the block sizes in ``fixed``) on a GPU, or ``kernel`` with the
+    ``fixed`` block sizes under the interpreter (where autotuning would only cost time)."""
+    rows_grid = triton.cdiv(n_rows, block_m)
+    if interpreted:
+        kernel[(rows_grid, triton.cdiv(n_out, fixed["BLOCK_N"]))](*args, **constexprs, **fixed)
+    else:
+        tuned[lambda meta: (rows_grid, triton.cdiv(n_out, meta["BLOCK_N"]))](*args, **constexprs)
+
+
+def nm_linear(x, values, meta, n: int, m: int, bias, interpreted: bool) -> torch.Tensor:
     """x [rows, K] contiguous; values/meta from nm_compress; m a power of two."""
     n_rows, K = x.shape
     n_out = values.shape[0]
     out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, grid = _tiles(n_rows, n_out, m)
-    _nm_linear_kernel[grid](x, values, meta, out if bias is None else bias, out, n_rows, n_out, K,
-                            values.shape[1], meta.shape[1], N=n, M=m, HAS_BIAS=bias is not None,
-                            UPCAST=upcast, FP32_IEEE=x.dtype == torch.float32,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    bias_arg = out if bias is None else bias
+    if n_rows <= GEMV_MAX_ROWS:
+        block_r = triton.next_power_of_2(n_rows)
+        _launch(_nm_gemv_kernel, _nm_gemv_tuned, interpreted, n_rows, n_out, block_r,
+                {"BLOCK_N": 16, "BLOCK_V": 64}, x, values, meta, bias_arg, out, n_rows, n_out, K,
+                values.shape[1], values.shape[1], meta.shape[1],
+                N=n, M=m, HAS_BIAS=bias is not None, BLOCK_R=block_r)
+        return out
+    block_m = _block_m(n_rows)
+    _launch(_nm_linear_kernel, _nm_linear_tuned, interpreted, n_rows, n_out, block_m,
+            {"BLOCK_N": 64, "BLOCK_K": max(32, m)}, x, values, meta, bias_arg, out, n_rows, n_out,
+            K, values.shape[1], meta.shape[1], N=n, M=m, HAS_BIAS=bias is not None,
+            UPCAST=interpreted, FP32_IEEE=x.dtype == torch.float32, BLOCK_M=block_m)
     return out
 
 
-def sliced_linear(x, w, bias, in_index, out_index, upcast: bool) -> torch.Tensor:
+def sliced_linear(x, w, bias, in_index, out_index, interpreted: bool) -> torch.Tensor:
     """x [rows, K] contiguous with K = len(in_index) (or w's in); w [out, in] contiguous."""
     n_rows, K = x.shape
     n_out = w.shape[0] if out_index is None else out_index.numel()
     out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, grid = _tiles(n_rows, n_out)
-    _sliced_linear_kernel[grid](x, w, out if bias is None else bias,
-                                w if in_index is None else in_index,
-                                w if out_index is None else out_index, out,
-                                n_rows, n_out, K, w.shape[1],
-                                HAS_IN=in_index is not None, HAS_OUT=out_index is not None,
-                                HAS_BIAS=bias is not None, UPCAST=upcast,
-                                FP32_IEEE=x.dtype == torch.float32,
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _launch(_sliced_linear_kernel, _sliced_linear_tuned, interpreted, n_rows, n_out,
+            _block_m(n_rows), {"BLOCK_N": 64, "BLOCK_K": 32}, x, w, out if bias is None else bias,
+            w if in_index is None else in_index, w if out_index is None else out_index, out,
+            n_rows, n_out, K, w.shape[1],
+            HAS_IN=in_index is not None, HAS_OUT=out_index is not None,
+            HAS_BIAS=bias is not None, UPCAST=interpreted, FP32_IEEE=x.dtype == torch.float32,
+            BLOCK_M=_block_m(n_rows))
     return out

@@ -130,8 +130,8 @@ def test_compress_decompress(device, dtype, n, m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 2), (3, 6)])
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 24), (37, 96, 70)])
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (9, 32)])
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 24), (5, 96, 70), (37, 96, 70)])
 def test_nm_linear(device, dtype, n, m, rows, in_features, out_features):
     in_features = in_features // m * m
     w = randn((out_features, in_features), dtype, seed=14).to(device)

@@ -7,7 +7,7 @@ from torch import Tensor
 from .. import backend, reference
 from . import _validate as check
 from ._dispatch import kernels, run
-from .nm_format import check_compressed, nm_decompress
+from .nm_format import _nm_decompress, check_compressed
 
 
 def _flatten(x: Tensor) -> Tensor:
@@ -15,7 +15,7 @@ def _flatten(x: Tensor) -> Tensor:
 
 
 def _triton_nm_linear(x, values, meta, n, m, bias):
-    if m & (m - 1):  # the fused kernel tiles whole groups, which needs a power-of-two m
+    if m & (m - 1):  # the fused kernels read whole groups' bits, which needs a power-of-two m
         dense = kernels("nm_format").nm_decompress(values, meta, n, m)
         return torch.nn.functional.linear(x, dense, bias)
     return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
@@ -34,6 +34,32 @@ def _nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int, bias: Op
 @_nm_linear.register_fake
 def _(x, values, meta, n, m, bias):
     return x.new_empty(*x.shape[:-1], values.shape[0])
+
+
+def _nm_linear_setup(ctx, inputs, output):
+    x, values, meta, n, m, bias = inputs
+    ctx.save_for_backward(x, values, meta)
+    ctx.n, ctx.m, ctx.has_bias = n, m, bias is not None
+
+
+def _nm_linear_backward(ctx, grad):
+    """Gradients of x @ (W ⊙ mask)ᵀ + b: the mask is fixed, so values get the entries of gradᵀx at
+    the kept positions (sparse fine-tuning keeps the pattern)."""
+    x, values, meta = ctx.saved_tensors
+    dense = _nm_decompress(values, meta, ctx.n, ctx.m)
+    grad_x = grad_values = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad @ dense
+    if ctx.needs_input_grad[1]:
+        grad_w = _flatten(grad).t() @ _flatten(x)
+        mask = reference.unpack_mask(meta, dense.shape[1])
+        grad_values = grad_w[mask].reshape(values.shape)
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        grad_bias = _flatten(grad).sum(dim=0)
+    return grad_x, grad_values, None, None, None, grad_bias
+
+
+_nm_linear.register_autograd(_nm_linear_backward, setup_context=_nm_linear_setup)
 
 
 def _check_x_and_bias(x: Tensor, weight: Tensor, weight_name: str, in_features: int,
@@ -79,6 +105,32 @@ def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optio
 def _(x, w, bias, in_index, out_index):
     n_out = w.shape[0] if out_index is None else out_index.numel()
     return x.new_empty(*x.shape[:-1], n_out)
+
+
+def _sliced_setup(ctx, inputs, output):
+    x, w, bias, in_index, out_index = inputs
+    ctx.save_for_backward(x, w, in_index, out_index)
+    ctx.has_bias = bias is not None
+
+
+def _sliced_backward(ctx, grad):
+    """Gradients flow to the kept block of w (and of the bias) only; the rest of w gets zeros."""
+    x, w, in_index, out_index = ctx.saved_tensors
+    rows = torch.arange(w.shape[0], device=w.device) if out_index is None else out_index
+    cols = torch.arange(w.shape[1], device=w.device) if in_index is None else in_index
+    grad_x = grad_w = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad @ w[rows][:, cols]
+    if ctx.needs_input_grad[1]:
+        grad_w = torch.zeros_like(w)
+        grad_w[rows[:, None], cols[None, :]] = _flatten(grad).t() @ _flatten(x)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = w.new_zeros(w.shape[0])
+        grad_bias[rows] = _flatten(grad).sum(dim=0)
+    return grad_x, grad_w, grad_bias, None, None
+
+
+_sliced_linear.register_autograd(_sliced_backward, setup_context=_sliced_setup)
 
 
 def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
