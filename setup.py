@@ -30,7 +30,7 @@ def _native_extensions():
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     extensions = [CppExtension(
         "pyprune._C", cpu_sources,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + openmp},
+        extra_compile_args={"cxx": ["-O3"] + openmp},
         extra_link_args=openmp,
     )]
     force_cuda = os.environ.get("PYPRUNE_BUILD_CUDA", "") == "1"
@@ -39,7 +39,7 @@ def _native_extensions():
         cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         extensions.append(CUDAExtension(
             "pyprune._C_cuda", cuda_sources,
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
         ))
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

@@ -7,14 +7,16 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
 * the weights as safetensors (``save_pretrained``), the config and the tokenizer, and
 * ``pyprune.json``: the ``[out, in]`` shape of every linear layer of every decoder block with its
   query heads, key/value heads, head size and MLP channels, whether one config describes them
-  all (``config_compatible``), and the pruning report if given.
+  all (``config_compatible``), the :class:`~pyprune.nn.SparseLinear` layers with their N:M
+  pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``),
+  and the pruning report if given.
 
 :func:`load` rebuilds the architecture from the config, resizes each block to the recorded
 shapes (:mod:`pyprune.nn.compact`) and loads the weights strictly: the model it returns is the
-saved one, to the bit. When every block has the same sizes (e.g. after
+saved one, to the bit, with the same SparseLinear layers. When every block has the same sizes (e.g. after
 ``Structured(ratio, uniform=True)``) the saved config states those sizes, so plain
-``AutoModelForCausalLM.from_pretrained(directory)`` loads the model too; otherwise the config keeps
-the dense sizes and only :func:`load` can.
+``AutoModelForCausalLM.from_pretrained(directory)`` loads the model too (unless it holds
+SparseLinear layers); otherwise the config keeps the dense sizes and only :func:`load` can.
 
 Writing is atomic: everything goes into a temporary directory next to the target, ``pyprune.json``
 last, and the directory is renamed into place. A failure leaves no output directory behind.
@@ -33,13 +35,13 @@ import torch
 from torch import nn
 
 from . import engine
-from .nn import compact
+from .nn import compact, sparse
 
 __all__ = ["save", "load", "MANIFEST", "model_layout"]
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: sparse_layers
 
 
 def model_layout(model: nn.Module) -> Dict[str, Any]:
@@ -120,6 +122,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     directory = os.fspath(directory)
     _check_target(directory, overwrite)
     layout = model_layout(model)
+    sparse_layers = sparse.sparse_layers(model)
     parent, base = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
@@ -138,8 +141,9 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
             "architecture": type(model).__name__,
-            "config_compatible": layout["config_compatible"],
+            "config_compatible": layout["config_compatible"] and not sparse_layers,
             "layers": layout["layers"],
+            "sparse_layers": sparse_layers,
         }
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as handle:
             json.dump(dict(manifest, report=_json_safe(report)), handle, indent=1)
@@ -214,6 +218,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
                              f"the config builds {len(blocks)}")
         for block, layout in zip(blocks, layers):
             compact.resize_block_(block, layout)
+    sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {})
     _load_strict(model, state, directory)
     model.to(device)
     model.eval()

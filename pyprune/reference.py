@@ -131,6 +131,19 @@ def nm_decompress(values: Tensor, meta: Tensor, n: int, m: int) -> Tensor:
     return dense
 
 
+def sparse24_mma_meta(meta: Tensor, cols: int) -> Tensor:
+    """The 2:4 sparse tensor-core metadata (csrc/cuda/sparse24_mm.cu) of a packed 2:4 keep mask:
+    int16 [rows, cols/16]; word j holds groups 4j..4j+3 of its row, group i in bits 4i..4i+3 as
+    (first kept position) | (second kept position) << 2, positions 0..3 in the group."""
+    mask = unpack_mask(meta, cols).reshape(meta.shape[0], cols // 4, 4).to(torch.int32)
+    first = mask.argmax(dim=-1)
+    second = 3 - mask.flip(-1).argmax(dim=-1)
+    codes = (first | (second << 2)).reshape(meta.shape[0], cols // 16, 4)
+    shifts = torch.arange(0, 16, 4, device=meta.device)
+    words = (codes << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+
+
 def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
               bias: Optional[Tensor] = None) -> Tensor:
     """x @ (W ⊙ mask)ᵀ + b from the compressed form."""

@@ -13,11 +13,22 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <tuple>
 
 extern "C" cudaError_t pyprune_nm_mask_cuda(const void* src, int dtype, const float* act_sqnorm,
                                             uint8_t* out, int* nan_flag, int64_t rows,
                                             int64_t cols, int n, int m, int score_kind,
                                             cudaStream_t stream);
+
+extern "C" cudaError_t pyprune_sparse24_linear_cuda(const void* x, const void* values,
+                                                    const void* meta, const void* bias, void* y,
+                                                    int dtype, int64_t tokens,
+                                                    int64_t out_features, int64_t K,
+                                                    cudaStream_t stream);
+extern "C" cudaError_t pyprune_sparse24_compress_cuda(const void* w, const uint8_t* mask,
+                                                      void* values, void* meta, int* bad_group,
+                                                      int64_t rows, int64_t cols,
+                                                      cudaStream_t stream);
 
 namespace pyprune_cuda {
 
@@ -82,6 +93,83 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
   return out;
 }
 
+namespace {
+
+int half_dtype(const torch::Tensor& t, const char* op, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kHalf || st == at::kBFloat16, op, ": ", name,
+              " must be float16 or bfloat16, got ", st);
+  return st == at::kHalf ? 1 : 2;
+}
+
+void check_cuda_2d(const torch::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+}  // namespace
+
+// y = x @ (2:4 W)ᵀ + bias on sparse tensor cores; see csrc/cuda/sparse24_mm.cu for the layout.
+torch::Tensor sparse24_linear(const torch::Tensor& x, const torch::Tensor& values,
+                              const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias) {
+  constexpr const char* op = "sparse24_linear";
+  check_cuda_2d(x, op, "x");
+  check_cuda_2d(values, op, "values");
+  check_cuda_2d(meta, op, "meta");
+  const int dtype = half_dtype(x, op, "x");
+  TORCH_CHECK(values.scalar_type() == x.scalar_type(), op, ": values must have x's dtype");
+  TORCH_CHECK(meta.scalar_type() == at::kShort, op, ": meta must be int16 (sparse24_mma_meta)");
+  const int64_t tokens = x.size(0), K = x.size(1), out_features = values.size(0);
+  TORCH_CHECK(K % 32 == 0, op, ": in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(values.size(1) == K / 2, op, ": values must be [out, ", K / 2, "], got [",
+              values.size(0), ", ", values.size(1), "]");
+  TORCH_CHECK(meta.size(0) == out_features && meta.size(1) == K / 16, op, ": meta must be [",
+              out_features, ", ", K / 16, "]");
+  TORCH_CHECK(x.device() == values.device() && x.device() == meta.device(), op,
+              ": x, values and meta must be on one device");
+  const void* bias_ptr = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.is_cuda() && bias_c.device() == x.device() && bias_c.dim() == 1 &&
+                    bias_c.size(0) == out_features && bias_c.scalar_type() == x.scalar_type(),
+                op, ": bias must be [", out_features, "] of x's dtype on x's device");
+    bias_ptr = bias_c.data_ptr();
+  }
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  torch::Tensor y = torch::empty({tokens, out_features}, x.options());
+  const cudaError_t err = pyprune_sparse24_linear_cuda(
+      x.data_ptr(), values.data_ptr(), meta.data_ptr(), bias_ptr, y.data_ptr(), dtype, tokens,
+      out_features, K, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+// (values [rows, cols/2], meta [rows, cols/16] int16) of w ⊙ mask for sparse24_linear.
+std::tuple<torch::Tensor, torch::Tensor> sparse24_compress(const torch::Tensor& w,
+                                                           const torch::Tensor& mask) {
+  constexpr const char* op = "sparse24_compress";
+  check_cuda_2d(w, op, "w");
+  check_cuda_2d(mask, op, "mask");
+  half_dtype(w, op, "w");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.sizes() == w.sizes() &&
+                  mask.device() == w.device(), op, ": mask must be a bool tensor shaped like w");
+  const int64_t rows = w.size(0), cols = w.size(1);
+  TORCH_CHECK(cols % 16 == 0, op, ": w must have a multiple of 16 columns, got ", cols);
+  const c10::cuda::CUDAGuard device_guard(w.device());
+  torch::Tensor values = torch::empty({rows, cols / 2}, w.options());
+  torch::Tensor meta = torch::empty({rows, cols / 16}, w.options().dtype(torch::kShort));
+  torch::Tensor bad = torch::zeros({1}, w.options().dtype(torch::kInt));
+  const cudaError_t err = pyprune_sparse24_compress_cuda(
+      w.data_ptr(), reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()), values.data_ptr(),
+      meta.data_ptr(), bad.data_ptr<int>(), rows, cols,
+      c10::cuda::getCurrentCUDAStream(w.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK_VALUE(bad.item<int>() == 0, op, ": mask must keep exactly 2 of every 4 elements");
+  return {values, meta};
+}
+
 }  // namespace pyprune_cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -91,4 +179,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Bool N:M keep mask of a 2-D CUDA tensor: in every m consecutive elements of a row keep "
         "the n highest fp32 scores (lower index wins ties). score_kind 0: src are the scores; 1: "
         "|src|; 2: |src| * sqrt(act_sqnorm[col]) (Wanda). Raises ValueError on NaN scores.");
+  m.def("sparse24_linear", &pyprune_cuda::sparse24_linear, py::arg("x"), py::arg("values"),
+        py::arg("meta"), py::arg("bias"),
+        "x [tokens, K] @ Wᵀ + bias with W 2:4 sparse, on sparse tensor cores (mma.sp, sm80+): "
+        "values [out, K/2] as nm_compress gives them, meta [out, K/16] int16 as "
+        "pyprune.reference.sparse24_mma_meta gives it. fp16/bf16, K % 32 == 0.");
+  m.def("sparse24_compress", &pyprune_cuda::sparse24_compress, py::arg("w"), py::arg("mask"),
+        "(values, meta) of w ⊙ mask for sparse24_linear; mask keeps exactly 2 of every 4.");
 }

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .sparse import SparseLinear
+
 __all__ = [
     "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS",
     "check_llama_block", "head_dim", "block_layout", "layouts_uniform", "config_fields", "config_accepts",
@@ -44,7 +46,7 @@ def _missing(block: nn.Module) -> Optional[str]:
         node = block
         for part in name.split("."):
             node = getattr(node, part, None)
-        if not isinstance(node, nn.Linear):
+        if not isinstance(node, (nn.Linear, SparseLinear)):
             return name
     return None
 

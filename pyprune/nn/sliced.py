@@ -1,0 +1,79 @@
+"""SlicedLinear: evaluate a linear layer on kept channels only, without copying its weight.
+
+Structured methods score a channel mask and want the model's loss under it before committing to
+it (and to :mod:`pyprune.nn.compact`, which physically copies the kept rows/columns). A
+SlicedLinear wraps the original layer (``base``, whose weight it shares) and index tensors and runs
+:func:`pyprune.ops.sliced_linear`: its input holds the kept input channels, its output the kept
+output channels. :func:`slice_mlp_channels_` applies that to a LLaMA MLP and :func:`unslice_`
+puts the original layers back.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..ops import _validate as check
+
+
+class SlicedLinear(nn.Module):
+    """``base`` restricted to ``out_index`` rows and ``in_index`` columns (None keeps all)."""
+
+    def __init__(self, base: nn.Linear, in_index: Optional[Tensor] = None,
+                 out_index: Optional[Tensor] = None):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"base must be an nn.Linear; got {type(base).__name__}")
+        device = base.weight.device
+        in_index = check.index("in_index", in_index, base.in_features, "base's input features")
+        out_index = check.index("out_index", out_index, base.out_features, "base's output features")
+        self.base = base
+        self.register_buffer("in_index", None if in_index is None else in_index.to(device).long(),
+                             persistent=False)
+        self.register_buffer("out_index", None if out_index is None else out_index.to(device).long(),
+                             persistent=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features if self.in_index is None else self.in_index.numel()
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features if self.out_index is None else self.out_index.numel()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.sliced_linear(x, self.base.weight, self.base.bias, self.in_index, self.out_index)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def slice_mlp_channels_(block: nn.Module, keep: Tensor) -> None:
+    """Run the LLaMA MLP of ``block`` (gate/up/down_proj) on the intermediate channels ``keep``
+    (indices or a bool mask) only, in place; the weights are shared, not copied. The same
+    selection as :func:`pyprune.nn.keep_mlp_channels_`, undone by :func:`unslice_`."""
+    mlp = block.mlp
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), nn.Linear):
+            raise TypeError(f"mlp must have nn.Linear gate_proj, up_proj and down_proj (already "
+                            f"sliced? call unslice_ first); {name} is "
+                            f"{type(getattr(mlp, name, None)).__name__}")
+    keep = torch.as_tensor(keep)
+    if keep.dtype == torch.bool:
+        keep = keep.nonzero().flatten()
+    mlp.gate_proj = SlicedLinear(mlp.gate_proj, out_index=keep)
+    mlp.up_proj = SlicedLinear(mlp.up_proj, out_index=keep)
+    mlp.down_proj = SlicedLinear(mlp.down_proj, in_index=keep)
+
+
+def unslice_(model: nn.Module) -> int:
+    """Replace every SlicedLinear inside ``model`` by its original layer; returns how many."""
+    restored = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, SlicedLinear):
+                setattr(module, child_name, child.base)
+                restored += 1
+    return restored

@@ -1,0 +1,262 @@
+"""SparseLinear: an nn.Linear whose weight lives in the compressed N:M form, and ``sparsify_``.
+
+The weight is stored as ``values`` [out, in·n/m] (a parameter) and ``meta`` [out, ceil(in/8)]
+uint8 (the keep mask, a buffer), as :func:`pyprune.ops.nm_compress` produces them: 9/16 of the
+dense bytes for 16-bit 2:4 and 4:8. That pair is the module's whole state (``state_dict`` holds
+``values``, ``meta`` and ``bias``); every faster representation a backend needs is derived from
+it, cached, and rebuilt when the values change.
+
+Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` picks the one measured fastest
+for the device, dtype, pattern and shape class (:mod:`pyprune.nn.dispatch`):
+
+* ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
+  reference, which decompresses). Differentiable: gradients reach ``values`` at the kept
+  positions only, so fine-tuning keeps the pattern.
+* ``dense``: decompress, then ``F.linear`` (cuBLAS/MKL); no dense copy is kept.
+* ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16), with the
+  cuSPARSELt algorithm searched once per shape class and cached.
+* ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM (``pyprune._C_cuda``, sm80+).
+
+Training-mode calls that need gradients always run ``kernel``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import backend as _backend
+from .. import ops, reference
+from ..patterns import NM, parse
+from . import dispatch
+
+#: The patterns ``sparsify_`` recognises in a weight when none is given, most hardware-friendly first.
+DETECTED_PATTERNS = (NM(2, 4), NM(4, 8))
+_SEMI_STRUCTURED = ("cusparselt", "cutlass")
+
+
+def _as_nm(pattern) -> NM:
+    if isinstance(pattern, tuple) and len(pattern) == 2:
+        return NM(*pattern)
+    parsed = parse(pattern)
+    if not isinstance(parsed, NM):
+        raise ValueError(f"pattern must be N:M (e.g. '2:4', '4:8', NM(2, 4) or (2, 4)); got {pattern!r}")
+    return parsed
+
+
+def _check_backend(name: str) -> str:
+    if name != "auto" and name not in dispatch.BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {', '.join(dispatch.BACKENDS)}; got {name!r}")
+    return name
+
+
+def max_kept_per_group(weight: Tensor, m: int) -> int:
+    """The largest number of nonzeros in any group of m consecutive weights along a row."""
+    if weight.shape[-1] % m:
+        raise ValueError(f"m={m} must divide the input features; got {weight.shape[-1]}")
+    return int((weight.reshape(-1, m) != 0).sum(dim=1).max()) if weight.numel() else 0
+
+
+def detect_pattern(weight: Tensor, candidates: Iterable[NM] = DETECTED_PATTERNS) -> Optional[NM]:
+    """The first candidate N:M pattern that ``weight`` satisfies (at most n nonzeros in every
+    group of m), or None."""
+    for pattern in candidates:
+        if weight.shape[-1] % pattern.m == 0 and max_kept_per_group(weight, pattern.m) <= pattern.n:
+            return pattern
+    return None
+
+
+class SparseLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` (same forward, bias, dtype/device moves) with an N:M weight.
+
+    Build one with :meth:`from_dense`; the constructor makes an all-zero layer of the given shape
+    (what ``load_state_dict`` fills)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, n: int = 2,
+                 m: int = 4, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        pattern = NM(n, m)
+        pattern.check_layer("SparseLinear", in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.n, self.m = n, m
+        self.backend = _check_backend(backend)
+        factory = {"device": device, "dtype": dtype}
+        self.values = nn.Parameter(torch.zeros(out_features, in_features * n // m, **factory))
+        mask = torch.zeros(out_features, in_features // m, m, dtype=torch.bool, device=device)
+        mask[..., :n] = True
+        self.register_buffer("meta", reference.pack_mask(mask.reshape(out_features, in_features)))
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        self._cache: Dict[str, Tuple[tuple, object]] = {}
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, pattern: Union[str, NM, Tuple[int, int]] = "2:4",
+                   mask: Optional[Tensor] = None, backend: str = "auto") -> "SparseLinear":
+        """A SparseLinear holding ``linear.weight ⊙ mask`` (and its bias).
+
+        Without ``mask`` the weight must already be N:M sparse (as after pruning with that
+        pattern): anything else raises rather than silently pruning. ``linear`` is not modified.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear; got {type(linear).__name__}")
+        pattern = _as_nm(pattern)
+        weight = linear.weight.detach()
+        pattern.check_layer("linear", weight.shape[1])
+        if mask is None:
+            kept = max_kept_per_group(weight, pattern.m)
+            if kept > pattern.n:
+                raise ValueError(f"linear's weight is not {pattern} sparse (a group of {pattern.m} "
+                                 f"holds {kept} nonzeros); prune it first or pass mask= "
+                                 f"(e.g. pyprune.ops.score_nm_mask(weight, {pattern.n}, {pattern.m}))")
+            mask = ops.score_nm_mask(weight, pattern.n, pattern.m)  # keeps every nonzero
+        values, meta = ops.nm_compress(weight, mask.to(weight.device), pattern.n, pattern.m)
+        layer = cls(weight.shape[1], weight.shape[0], linear.bias is not None, n=pattern.n,
+                    m=pattern.m, backend=backend, device="meta", dtype=weight.dtype)
+        layer.values = nn.Parameter(values, requires_grad=linear.weight.requires_grad)
+        layer.meta = meta
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(),
+                                      requires_grad=linear.bias.requires_grad)
+        return layer
+
+    @property
+    def pattern(self) -> NM:
+        return NM(self.n, self.m)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense ``W ⊙ mask`` (materialised on every access; for inspection, not for speed)."""
+        return ops.nm_decompress(self.values.detach(), self.meta, self.n, self.m)
+
+    def to_dense(self) -> nn.Linear:
+        """An nn.Linear with the same weight and bias."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device="meta")
+        dense.weight = nn.Parameter(self.weight.clone(), requires_grad=self.values.requires_grad)
+        if self.bias is not None:
+            dense.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=self.bias.requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, pattern={self.pattern}, backend={self.backend}")
+
+    def choose_backend(self, x: Tensor) -> str:
+        """The backend this forward runs on (see the module docstring)."""
+        tokens = x.numel() // max(x.shape[-1], 1)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad
+                                                  or (self.bias is not None and self.bias.requires_grad))
+        if needs_grad:
+            return "kernel"
+        name = self.backend
+        if name == "auto":
+            name = dispatch.lookup(x.device, x.dtype, str(self.pattern), tokens) or dispatch.DEFAULT_BACKEND
+            if not self.supports(name, x):
+                name = dispatch.DEFAULT_BACKEND
+        elif not self.supports(name, x):
+            raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
+                               f"{x.dtype} on {x.device.type} here: {self._unsupported_reason(name, x)}")
+        return name
+
+    def supports(self, name: str, x: Tensor) -> bool:
+        return self._unsupported_reason(name, x) is None
+
+    def _unsupported_reason(self, name: str, x: Tensor) -> Optional[str]:
+        if name in ("kernel", "dense"):
+            return None
+        if x.device.type != "cuda":
+            return "it needs CUDA tensors"
+        if (self.n, self.m) != (2, 4) or x.dtype not in (torch.float16, torch.bfloat16):
+            return "it runs 2:4 fp16/bf16 only"
+        if name == "mma_sp":
+            if self.in_features % 32:
+                return "it needs in_features divisible by 32"
+            module = _backend.native_module("cuda")
+            return None if module is not None and hasattr(module, "sparse24_linear") else \
+                "pyprune._C_cuda is not built"
+        if self._semi_structured(name) is None:
+            return f"torch rejected this weight for {name} (shape or library)"
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        name = self.choose_backend(x)
+        if name == "kernel":
+            return ops.nm_linear(x, self.values, self.meta, self.n, self.m, self.bias)
+        if name == "dense":
+            return F.linear(x, self.weight, self.bias)
+        if name == "mma_sp":
+            meta = self._cached("mma_sp", lambda: reference.sparse24_mma_meta(self.meta, self.in_features))
+            out = _backend.native_module("cuda").sparse24_linear(
+                x.reshape(-1, self.in_features).contiguous(), self.values.detach(), meta, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self._semi_structured(name), self.bias)
+
+    def _cached(self, name: str, build):
+        """``build()`` cached until values or meta change (in place or replaced) or move."""
+        key = (self.values.data_ptr(), self.values._version, self.meta.data_ptr(),
+               self.meta._version, self.values.dtype, self.values.device)
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, build())
+            self._cache[name] = hit
+        return hit[1]
+
+    def _semi_structured(self, name: str):
+        """The weight as torch's 2:4 semi-structured tensor for ``name``, or None if torch refuses it."""
+        def build():
+            from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+            kind = SparseSemiStructuredTensorCUSPARSELT if name == "cusparselt" else SparseSemiStructuredTensorCUTLASS
+            try:
+                return kind.from_dense(self.weight)
+            except (RuntimeError, ValueError, NotImplementedError):
+                return None
+        return self._cached(name, build)
+
+    def _apply(self, fn, recurse=True):
+        self._cache.clear()
+        return super()._apply(fn, recurse)
+
+
+def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
+              backend: str = "auto", skip: Iterable[str] = ("lm_head",)) -> Dict[str, str]:
+    """Replace, in place, every nn.Linear of ``model`` whose weight is N:M sparse by a SparseLinear.
+
+    ``pattern`` None detects 2:4, else 4:8, per layer; a given pattern converts exactly the layers
+    that satisfy it. Layers named in ``skip`` (by the last part of their name) stay dense, as do
+    layers that satisfy no pattern. Returns {qualified name: pattern} of the replaced layers.
+    """
+    candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
+    _check_backend(backend)
+    skip = set(skip)
+    plan = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in skip:
+            found = detect_pattern(module.weight.detach(), candidates)
+            if found is not None:
+                plan[name] = found
+    for name, found in plan.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, SparseLinear.from_dense(getattr(parent, child), found, backend=backend))
+    return {name: str(found) for name, found in plan.items()}
+
+
+def sparse_layers(model: nn.Module) -> Dict[str, Dict]:
+    """{qualified name: constructor arguments} of the SparseLinear layers of ``model``."""
+    return {name: {"in_features": module.in_features, "out_features": module.out_features,
+                   "bias": module.bias is not None, "n": module.n, "m": module.m}
+            for name, module in model.named_modules() if isinstance(module, SparseLinear)}
+
+
+def restore_sparse_layers_(model: nn.Module, layers: Dict[str, Dict]) -> None:
+    """Put empty SparseLinear layers where ``layers`` (from :func:`sparse_layers`) names them, with
+    the dtype/device of the module they replace, ready for ``load_state_dict``."""
+    for name, spec in layers.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        reference_tensor = next(old.parameters())
+        setattr(parent, child, SparseLinear(spec["in_features"], spec["out_features"], spec["bias"],
+                                            n=spec["n"], m=spec["m"], device=reference_tensor.device,
+                                            dtype=reference_tensor.dtype))

@@ -1,0 +1,234 @@
+"""SparseLinear is a drop-in nn.Linear for N:M weights: same outputs as the dense masked layer on
+every backend that runs here, the state of the compressed form only, save/load through pyprune,
+and sparsify_ on a pruned model."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import pyprune
+from pyprune import ops
+from pyprune import reference as R
+from pyprune.nn import SparseLinear, dispatch, sparsify_
+from pyprune.nn.sparse import detect_pattern
+from pyprune.patterns import NM
+
+from .helpers import DTYPES, HAS_CUDA, assert_close, random_tokens, randn, tiny_llama
+
+PATTERNS = [(2, 4), (4, 8), (1, 4)]
+
+
+def _pruned_linear(in_features, out_features, n, m, dtype=torch.float32, bias=True, seed=0):
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(randn((out_features, in_features), dtype, seed=seed))
+        mask = R.nm_mask(linear.weight.float().abs(), n, m)
+        linear.weight.mul_(mask)
+    return linear, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", PATTERNS)
+@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+@pytest.mark.parametrize("shape", [(2, 5, 64), (1, 64), (3, 1, 64)])
+def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
+    linear, _ = _pruned_linear(64, 40, n, m, dtype)
+    layer = SparseLinear.from_dense(linear, (n, m), backend=backend)
+    x = randn(shape, dtype, seed=1)
+    with torch.no_grad():
+        expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        assert_close(layer(x), expected, dtype)
+    assert layer(x).dtype == dtype and layer(x).shape == (*shape[:-1], 40)
+
+
+def test_stores_the_compressed_form_only():
+    linear, mask = _pruned_linear(128, 32, 2, 4, torch.bfloat16)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    state = layer.state_dict()
+    assert set(state) == {"values", "meta", "bias"}
+    assert state["values"].shape == (32, 64) and state["meta"].shape == (32, 16)
+    assert state["meta"].dtype == torch.uint8
+    assert torch.equal(layer.weight, linear.weight)
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in state.items() if name != "bias")
+    assert weight_bytes * 16 == linear.weight.numel() * 2 * 9  # 9/16 of the dense bf16 bytes
+
+
+def test_from_dense_refuses_a_weight_that_is_not_n_m_sparse_unless_given_a_mask():
+    linear = nn.Linear(16, 4)
+    before = linear.weight.detach().clone()
+    with pytest.raises(ValueError, match="not 2:4 sparse.*mask="):
+        SparseLinear.from_dense(linear, "2:4")
+    mask = R.nm_mask(linear.weight.detach().abs(), 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", mask=mask)
+    assert torch.equal(layer.weight, before * mask)
+    assert torch.equal(linear.weight, before)  # the source layer is untouched
+
+
+def test_from_dense_keeps_every_nonzero_of_a_sparser_weight():
+    linear, _ = _pruned_linear(32, 6, 1, 4)  # 1:4 also satisfies 2:4
+    assert torch.equal(SparseLinear.from_dense(linear, "2:4").weight, linear.weight)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(pattern="0.5"), "pattern must be N:M"),
+    (dict(pattern="3:4", backend="fast"), "backend must be 'auto' or one of kernel, dense"),
+    (dict(pattern="2:3"), "M=3 to divide the input features"),
+])
+def test_bad_arguments_name_the_argument(bad, match):
+    linear, _ = _pruned_linear(16, 4, 1, 4)
+    with pytest.raises(ValueError, match=match):
+        SparseLinear.from_dense(linear, **bad)
+
+
+def test_state_dict_round_trip_and_device_dtype_moves():
+    linear, _ = _pruned_linear(64, 24, 4, 8)
+    layer = SparseLinear.from_dense(linear, "4:8")
+    fresh = SparseLinear(64, 24, n=4, m=8)
+    fresh.load_state_dict(layer.state_dict())
+    x = randn((3, 64), seed=2)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), layer(x))
+        half = fresh.to(torch.bfloat16)
+        assert half.values.dtype == torch.bfloat16 and half.meta.dtype == torch.uint8
+        expected = nn.functional.linear(x.bfloat16().float(), half.weight.float(), half.bias.float())
+        assert_close(half(x.bfloat16()), expected, torch.bfloat16)
+    assert "pattern=4:8" in repr(layer)
+
+
+def test_cached_backend_state_follows_value_updates():
+    linear, _ = _pruned_linear(64, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    x = randn((2, 64), seed=3)
+    with torch.no_grad():
+        first = layer(x)
+        layer.values.mul_(2)
+        assert torch.allclose(layer(x), 2 * first - layer.bias, atol=1e-5)
+
+
+def test_training_keeps_the_pattern():
+    linear, mask = _pruned_linear(32, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(3):
+        loss = layer(randn((4, 32), seed=step)).square().sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert not layer.weight[~mask].any()
+    assert not torch.equal(layer.weight, linear.weight)
+
+
+def test_gpu_only_backends_refuse_cpu_tensors_clearly():
+    linear, _ = _pruned_linear(64, 16, 2, 4, torch.float16)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="cusparselt")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cusparselt.*needs CUDA tensors"):
+        layer(randn((1, 64), torch.float16))
+
+
+def test_dispatch_table_picks_a_measured_backend(tmp_path, monkeypatch):
+    linear, _ = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    table = {"decode_max_tokens": 4, "entries": {
+        dispatch.entry_key("cpu", torch.float32, "2:4", "decode"): {"backend": "dense"},
+        dispatch.entry_key("cpu", torch.float32, "2:4", "prefill"): {"backend": "cutlass"}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
+    with torch.no_grad():
+        assert layer.choose_backend(torch.zeros(4, 64)) == "dense"
+        # the measured winner cannot run on CPU, so the always-available kernel runs
+        assert layer.choose_backend(torch.zeros(5, 64)) == "kernel"
+    x = torch.zeros(4, 64, requires_grad=True)
+    assert layer.choose_backend(x) == "kernel"  # gradients always go through the kernel
+
+
+def test_detect_pattern():
+    two_four, _ = _pruned_linear(32, 4, 2, 4)
+    four_eight, _ = _pruned_linear(32, 4, 4, 8)
+    assert detect_pattern(two_four.weight) == NM(2, 4)
+    assert detect_pattern(four_eight.weight) == NM(4, 8)
+    assert detect_pattern(nn.Linear(32, 4).weight) is None
+
+
+def _nm_pruned_llama(n=2, m=4, seed=0):
+    model = tiny_llama(seed=seed, hidden=64, intermediate=128, layers=2)
+    pyprune.prune(model, "magnitude", f"{n}:{m}", progress=False)
+    return model
+
+
+def test_sparsify_replaces_the_pruned_layers_and_keeps_the_logits():
+    model = _nm_pruned_llama()
+    tokens = random_tokens((2, 12), seed=5)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    replaced = sparsify_(model)
+    assert len(replaced) == 2 * 7 and set(replaced.values()) == {"2:4"}
+    assert isinstance(model.model.layers[0].mlp.down_proj, SparseLinear)
+    assert type(model.lm_head) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_sparsify_leaves_dense_layers_alone():
+    model = tiny_llama(layers=1)
+    assert sparsify_(model) == {}
+    assert sparsify_(model, "4:8") == {}
+
+
+def test_save_and_load_restore_the_same_sparse_layers(tmp_path):
+    model = _nm_pruned_llama(4, 8)
+    sparsify_(model)
+    tokens = random_tokens((2, 12), seed=6)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    manifest = pyprune.save(model, None, str(tmp_path / "out"))
+    assert len(manifest["sparse_layers"]) == 14 and not manifest["config_compatible"]
+    loaded, _ = pyprune.load(str(tmp_path / "out"))
+    layers = {name: type(m) for name, m in loaded.named_modules() if isinstance(m, SparseLinear)}
+    assert set(layers) == set(manifest["sparse_layers"])
+    assert loaded.model.layers[1].self_attn.q_proj.pattern == NM(4, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, before)
+    stored = os.path.getsize(tmp_path / "out" / "model.safetensors")
+    dense_dir = tmp_path / "dense"
+    pyprune.save(_nm_pruned_llama(4, 8), None, str(dense_dir))
+    assert stored < os.path.getsize(dense_dir / "model.safetensors")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["kernel", "dense", "cusparselt", "cutlass", "mma_sp"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
+    linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    x = randn((tokens, 256), dtype, seed=7).cuda()
+    if not layer.supports(backend, x):
+        pytest.skip(f"{backend} is not available here: {layer._unsupported_reason(backend, x)}")
+    with torch.no_grad():
+        expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,out_features,in_features", [(1, 24, 64), (13, 130, 96), (70, 64, 512)])
+def test_mma_sp_kernel_and_compress(dtype, tokens, out_features, in_features):
+    from pyprune import backend
+    cuda = backend.native_module("cuda")
+    if cuda is None:
+        pytest.skip("pyprune._C_cuda is not built")
+    w = randn((out_features, in_features), dtype, seed=8).cuda()
+    mask = R.nm_mask(w.float().abs(), 2, 4)
+    values, meta = cuda.sparse24_compress(w, mask)
+    ref_values, packed = R.nm_compress(w, mask, 2, 4)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(meta, R.sparse24_mma_meta(packed, in_features))
+    x, bias = randn((tokens, in_features), dtype, seed=9).cuda(), randn((out_features,), dtype, seed=10).cuda()
+    expected = nn.functional.linear(x.float(), (w * mask).float(), bias.float())
+    torch.testing.assert_close(cuda.sparse24_linear(x, values, meta, bias).float(), expected,
+                               rtol=2e-2, atol=2e-2)
