@@ -8,23 +8,17 @@ device, versions and thread count) and a markdown table beside it.
     python benchmarks/bench_ops.py --quick            # small shapes, a smoke run
 """
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
-import time
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
+from _common import environment, roofline, timed, write_atomic, write_json
 
-import pyprune
-from pyprune import backend, ops
+from pyprune import ops
 
 LLAMA7B_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 QUICK_SHAPES = [(512, 1024), (1024, 512)]
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
 
 # ---- baselines: the eager PyTorch that pruning code writes today ---------------------------
@@ -67,60 +61,6 @@ def eager_sqnorm(acc, x):
 
 def eager_compress(w, mask, n, m):
     return w[mask].reshape(w.shape[0], -1), mask
-
-
-# ---- timing --------------------------------------------------------------------------------
-
-def timed(fn, device, repeat):
-    """Seconds of ``fn()`` after one warm-up: the median over ``repeat`` CUDA-event timings on a GPU,
-    the minimum over ``repeat`` runs on a CPU (robust to a shared, throttled machine)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeat):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeat):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return min(times)
-
-
-def environment(device):
-    info = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "pyprune": pyprune.__version__,
-        "native_cpu_kernels": backend.native_module("cpu") is not None,
-        "native_cuda_kernels": backend.native_module("cuda") is not None,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["cuda"] = torch.version.cuda
-        info["driver"] = torch.cuda.get_device_properties(device).name
-    return info
-
-
-def peak_bandwidth(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
 
 
 # ---- the cases -----------------------------------------------------------------------------
@@ -172,7 +112,8 @@ def run(args):
     shapes = QUICK_SHAPES if args.quick else LLAMA7B_SHAPES
     dtype = getattr(torch, args.dtype)
     env = environment(device)
-    peak = peak_bandwidth(device)
+    peaks = roofline(device)
+    peak = peaks["bytes"] if peaks else None
     rows = []
     for shape in shapes:
         for op, baseline, ours, theirs, nbytes in cases(shape, dtype, device, args.quick):
@@ -192,11 +133,7 @@ def run(args):
 
 
 def write(report, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
+    write_json(path, report)
     env = report["environment"]
     lines = [f"# pyprune ops on {env['device']}", "",
              f"torch {env['torch']}, triton {env['triton']}, {env['cpu_threads']} CPU threads, "
@@ -206,10 +143,7 @@ def write(report, path):
     for r in report["results"]:
         lines.append(f"| {r['op']} | {r['shape'][0]}×{r['shape'][1]} | {r['dtype']} | {r['pyprune_ms']} | "
                      f"{r['baseline']} | {r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} |")
-    md = os.path.splitext(path)[0] + ".md"
-    with open(md + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(md + ".tmp", md)
+    write_atomic(os.path.splitext(path)[0] + ".md", "\n".join(lines) + "\n")
 
 
 def main(argv=None):

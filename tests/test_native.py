@@ -207,6 +207,50 @@ def test_storage_offset_views():
 
 
 # ----------------------------------------------------------------------------------------------
+# The compressed N:M form on the CPU: decompression (exact) and the decode GEMV (fp32 accumulate).
+
+def _compressed(shape, dtype, n, m, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen).to(dtype)
+    mask = ref.nm_mask(w.float().abs(), n, m)
+    return w, mask, *ref.nm_compress(w, mask, n, m)
+
+
+@pytest.mark.parametrize("n,m", NM)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nm_decompress_is_exact(dtype, n, m):
+    for shape in _shapes(m):
+        w, mask, values, meta = _compressed(shape, dtype, n, m)
+        assert torch.equal(C.nm_decompress(values, meta, n, m), w * mask), shape
+
+
+@pytest.mark.parametrize("n,m", NM)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for shape in _shapes(m)[:5]:
+        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=1)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(tokens, shape[1], generator=gen).to(dtype)
+        bias = torch.randn(shape[0], generator=gen).to(dtype)
+        want = torch.nn.functional.linear(x.float(), (w * mask).float(), bias.float())
+        got = C.nm_linear_gemv(x, values, meta, n, m, bias)
+        assert got.dtype == dtype and got.shape == (tokens, shape[0])
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, shape[1] ** 0.5))
+
+
+def test_nm_linear_gemv_bad_arguments():
+    _, _, values, meta = _compressed((4, 16), torch.float32, 2, 4)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        C.nm_linear_gemv(torch.zeros(9, 16), values, meta, 2, 4, None)
+    with pytest.raises(RuntimeError, match="x must have 16 columns"):
+        C.nm_linear_gemv(torch.zeros(1, 12), values, meta, 2, 4, None)
+    with pytest.raises(RuntimeError, match="meta must be"):
+        C.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
+
+
+# ----------------------------------------------------------------------------------------------
 # pyprune._C_cuda: the same contract on CUDA tensors (only where a GPU and the extension exist).
 
 def _cuda_module():

@@ -207,7 +207,7 @@ def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
     layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
     x = randn((tokens, 256), dtype, seed=7).cuda()
     if not layer.supports(backend, x):
-        pytest.skip(f"{backend} is not available here: {layer._unsupported_reason(backend, x)}")
+        pytest.skip(f"{backend} is not available here: {layer.unsupported_reason(backend, x)}")
     with torch.no_grad():
         expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)

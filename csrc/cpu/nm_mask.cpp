@@ -22,6 +22,8 @@
 // performs the same IEEE operations (exact conversion, fabs, one correctly rounded multiply; the
 // sqrt is computed once per column), so results never depend on the variant chosen.
 
+#include "ops.h"
+
 #include <torch/extension.h>
 
 #include <c10/util/Optional.h>
@@ -388,14 +390,3 @@ int64_t openmp_threads() {
 }
 
 }  // namespace pyprune_cpu
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pyprune CPU kernels (C++/OpenMP)";
-  m.def("nm_mask", &pyprune_cpu::nm_mask, py::arg("src"), py::arg("act_sqnorm"), py::arg("n"),
-        py::arg("m"), py::arg("score_kind"),
-        "Bool N:M keep mask of a 2-D CPU tensor: in every m consecutive elements of a row keep the "
-        "n highest fp32 scores (lower index wins ties). score_kind 0: src are the scores; 1: |src|;"
-        " 2: |src| * sqrt(act_sqnorm[col]) (Wanda). Raises ValueError on NaN scores.");
-  m.def("openmp_threads", &pyprune_cpu::openmp_threads,
-        "Number of OpenMP threads the CPU kernels use (1 when built without OpenMP).");
-}

@@ -156,13 +156,13 @@ class SparseLinear(nn.Module):
                 name = dispatch.DEFAULT_BACKEND
         elif not self.supports(name, x):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
-                               f"{x.dtype} on {x.device.type} here: {self._unsupported_reason(name, x)}")
+                               f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
         return name
 
     def supports(self, name: str, x: Tensor) -> bool:
-        return self._unsupported_reason(name, x) is None
+        return self.unsupported_reason(name, x) is None
 
-    def _unsupported_reason(self, name: str, x: Tensor) -> Optional[str]:
+    def unsupported_reason(self, name: str, x: Tensor) -> Optional[str]:
         if name in ("kernel", "dense"):
             return None
         if x.device.type != "cuda":

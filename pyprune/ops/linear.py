@@ -6,7 +6,7 @@ from torch import Tensor
 
 from .. import backend, reference
 from . import _validate as check
-from ._dispatch import kernels, run
+from ._dispatch import kernels, native, run
 from .nm_format import _nm_decompress, check_compressed
 
 
@@ -21,7 +21,19 @@ def _triton_nm_linear(x, values, meta, n, m, bias):
     return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
 
 
-_NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linear}
+#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp).
+CPU_GEMV_MAX_ROWS = 8
+
+
+def _cpu_nm_linear(x, values, meta, n, m, bias):
+    cpu = native("cpu")
+    if x.shape[0] <= CPU_GEMV_MAX_ROWS:
+        return cpu.nm_linear_gemv(x, values, meta, n, m, None if bias is None else bias.contiguous())
+    return torch.nn.functional.linear(x, cpu.nm_decompress(values, meta, n, m), bias)
+
+
+_NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linear,
+                    "cpu": _cpu_nm_linear}
 
 
 @torch.library.custom_op("pyprune::nm_linear", mutates_args=())

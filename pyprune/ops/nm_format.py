@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import reference
 from . import _validate as check
-from ._dispatch import kernels, run
+from ._dispatch import kernels, native, run
 
 _COMPRESS_IMPLS = {
     "reference": reference.nm_compress,
@@ -63,6 +63,7 @@ def check_compressed(values: Tensor, meta: Tensor, n: int, m: int) -> None:
 
 _DECOMPRESS_IMPLS = {
     "reference": reference.nm_decompress,
+    "cpu": lambda values, meta, n, m: native("cpu").nm_decompress(values, meta, n, m),
     "triton": lambda values, meta, n, m: kernels("nm_format").nm_decompress(values, meta, n, m),
 }
 

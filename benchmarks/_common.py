@@ -1,0 +1,142 @@
+"""What every benchmark script shares: timing, the machine record, atomic writes, an SVG plot."""
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+
+import torch
+
+import pyprune
+from pyprune import backend
+
+#: H100 SXM5 peaks (kernel-landscape.md §1): dense bf16/fp16 tensor-core FLOP/s and HBM3 bytes/s.
+ROOFLINES = {"H100": {"flops": 989.4e12, "bytes": 3.35e12},
+             "H200": {"flops": 989.4e12, "bytes": 4.8e12}}
+
+
+def timed(fn, device, repeat):
+    """Seconds of ``fn()`` after one warm-up: the median over ``repeat`` CUDA-event timings on a GPU,
+    the minimum over ``repeat`` runs on a CPU (robust to a shared, throttled machine)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return min(times)
+
+
+def _nvidia_driver():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment(device):
+    """The machine and library versions a result was measured with."""
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()})",
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pyprune": pyprune.__version__,
+        "native_cpu_kernels": backend.native_module("cpu") is not None,
+        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _nvidia_driver()
+        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(device)
+        try:
+            info["cusparselt"] = torch.backends.cusparselt.version()
+        except (AttributeError, RuntimeError):
+            info["cusparselt"] = None
+    return info
+
+
+def roofline(device):
+    """{"flops", "bytes"} peaks of ``device`` when known (NVIDIA H100/H200), else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks for key, peaks in ROOFLINES.items() if key in name), None)
+
+
+def write_atomic(path, text):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path, report):
+    write_atomic(path, json.dumps(report, indent=2) + "\n")
+
+
+def svg_line_plot(series, title, x_label, y_label, log2_x=True, reference_y=1.0,
+                  width=720, height=420):
+    """A self-contained SVG line chart. ``series`` maps a label to [(x, y), ...]; a dashed line
+    marks ``reference_y`` (speedup 1 = parity with the baseline)."""
+    points = [p for values in series.values() for p in values]
+    if not points:
+        raise ValueError("svg_line_plot needs at least one point")
+    fx = (lambda v: math.log2(v)) if log2_x else (lambda v: v)
+    xs = [fx(x) for x, _ in points]
+    ys = [y for _, y in points] + ([reference_y] if reference_y is not None else [])
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = 0.0, max(ys) * 1.1
+    left, right, top, bottom = 60, 200, 40, 50
+    px = lambda x: left + (fx(x) - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
+    py = lambda y: height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)  # noqa: E731
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+           f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>',
+           f'<text x="{(left + width - right) / 2}" y="{height - 12}" text-anchor="middle">{x_label}</text>',
+           f'<text x="15" y="{height / 2}" transform="rotate(-90 15 {height / 2})" '
+           f'text-anchor="middle">{y_label}</text>']
+    for x in sorted({x for x, _ in points}):
+        out.append(f'<text x="{px(x):.1f}" y="{height - bottom + 16}" text-anchor="middle">{x:g}</text>')
+    for i in range(6):
+        y = y0 + (y1 - y0) * i / 5
+        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>')
+    if reference_y is not None:
+        out.append(f'<line x1="{left}" y1="{py(reference_y):.1f}" x2="{width - right}" '
+                   f'y2="{py(reference_y):.1f}" stroke="gray" stroke-dasharray="4 3"/>')
+    for i, (label, values) in enumerate(series.items()):
+        color = colors[i % len(colors)]
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(values))
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{width - right + 10}" y="{top + 16 * i + 10}" fill="{color}">{label}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,220 @@
+"""SparseLinear against dense F.linear, per backend, shape, token count M, dtype and N:M pattern.
+
+Every row times one SparseLinear backend and the dense ``F.linear`` on the same masked weight in
+the same process (cuBLAS on a GPU, MKL/oneDNN on a CPU), after checking the backend's output
+against an fp32 dense reference; a backend that fails the check is reported and never enters the
+dispatch table. Reported: milliseconds, speedup over dense, TFLOP/s (dense-equivalent 2·M·N·K),
+GB/s (weight bytes as that backend stores them plus x and y) and, on H100/H200, the share of the
+roofline (useful FLOPs 2·M·N·K·n/m at the dense tensor-core peak, doubled for the 2:4 hardware
+backends, against bytes at the HBM peak).
+
+Writes ``sparse-linear-<device>.json``, ``.md`` and one ``.svg`` plot per dtype (geometric-mean
+speedup over the shapes against M) under benchmarks/results/. ``--write-dispatch`` also stores,
+for this device, the fastest correct backend per dtype, pattern and shape class (decode: M <= 16,
+prefill: larger) in pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads.
+
+    python benchmarks/bench_sparse_linear.py                 # GPU: LLaMA-7B/LLaMA-3-8B linears
+    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: smaller shapes, labelled CPU
+"""
+import argparse
+import math
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from _common import environment, roofline, svg_line_plot, timed, write_atomic, write_json
+
+from pyprune import ops
+from pyprune.nn import SparseLinear, dispatch
+
+GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336)]
+GPU_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+CPU_SHAPES = [(1024, 1024), (2816, 1024), (1024, 2816)]
+CPU_TOKENS = [1, 4, 16, 64, 256]
+PATTERNS = [(2, 4), (4, 8)]
+HARDWARE_24 = ("cusparselt", "cutlass", "mma_sp")
+#: Largest error allowed, relative to the largest |output| of the fp32 reference.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def weight_bytes(layer, backend, dense_weight):
+    if backend == "dense_linear":
+        return dense_weight.numel() * dense_weight.element_size()
+    return layer.values.numel() * layer.values.element_size() + layer.meta.numel()
+
+
+def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks):
+    out_features, in_features = shape
+    n, m = pattern
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g).to(dtype).to(device)
+    mask = ops.score_nm_mask(w, n, m)
+    dense = torch.nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(w * mask)
+    layers = {b: SparseLinear.from_dense(dense, pattern, backend=b) for b in backends}
+    rows = []
+    for M in tokens:
+        x = torch.randn(M, in_features, generator=g).to(dtype).to(device)
+        with torch.no_grad():
+            reference = F.linear(x.float(), dense.weight.float())
+            scale = reference.abs().max().item() or 1.0
+            t_dense = timed(lambda: F.linear(x, dense.weight), device, repeat)
+            for backend, layer in layers.items():
+                row = {"shape": list(shape), "M": M, "dtype": str(dtype).replace("torch.", ""),
+                       "pattern": f"{n}:{m}", "backend": backend, "dense_ms": round(t_dense * 1e3, 4)}
+                reason = layer.unsupported_reason(backend, x)
+                if reason is not None:
+                    rows.append(dict(row, status=f"unavailable: {reason}"))
+                    continue
+                try:
+                    error = ((layer(x).float() - reference).abs().max().item()) / scale
+                except RuntimeError as exc:  # a library refusing this shape at run time
+                    rows.append(dict(row, status=f"failed: {str(exc).splitlines()[0][:120]}"))
+                    continue
+                row["max_rel_error"] = error
+                if not error <= TOLERANCE[dtype]:
+                    rows.append(dict(row, status="wrong result"))
+                    continue
+                t = timed(lambda: layer(x), device, repeat)
+                flops = 2.0 * M * out_features * in_features
+                moved = weight_bytes(layer, backend, dense.weight) + (x.numel() + M * out_features) * x.element_size()
+                row.update(status="ok", ms=round(t * 1e3, 4), speedup=round(t_dense / t, 3),
+                           tflops=round(flops / t / 1e12, 3), gbps=round(moved / t / 1e9, 1))
+                if peaks:
+                    compute_peak = peaks["flops"] * (2 if backend in HARDWARE_24 else 1)
+                    bound = max(flops * n / m / compute_peak, moved / peaks["bytes"])
+                    row["pct_roofline"] = round(100 * bound / t, 1)
+                rows.append(row)
+                print(f"{shape!s:14} M={M:<5} {row['dtype']:9} {n}:{m} {backend:10} "
+                      f"{row['ms']:9.4f} ms  dense {row['dense_ms']:9.4f} ms  x{row['speedup']}", flush=True)
+    return rows
+
+
+def geomean(values):
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def dispatch_entries(report, source):
+    """The fastest correct backend per dtype, pattern and shape class (geomean speedup over the
+    class's shapes and M; only backends that ran every case of the class compete)."""
+    decode_max = dispatch.DEFAULT_DECODE_MAX_TOKENS
+    cases = defaultdict(set)
+    speedups = defaultdict(list)
+    for r in report["results"]:
+        klass = "decode" if r["M"] <= decode_max else "prefill"
+        group = (r["dtype"], r["pattern"], klass)
+        cases[group].add((tuple(r["shape"]), r["M"]))
+        if r["status"] == "ok":
+            speedups[group + (r["backend"],)].append(r["speedup"])
+    device = report["environment"]["dispatch_device"]
+    entries = {}
+    for (dtype, pattern, klass), needed in cases.items():
+        scores = {key[3]: geomean(v) for key, v in speedups.items()
+                  if key[:3] == (dtype, pattern, klass) and len(v) == len(needed)}
+        if scores:
+            best = max(scores, key=scores.get)
+            entries[dispatch.entry_key(device, getattr(torch, dtype), pattern, klass)] = {
+                "backend": best, "geomean_speedup_vs_dense": round(scores[best], 3),
+                "source": source, "measured": report["environment"]["timestamp"]}
+    return entries
+
+
+def write_dispatch(report, path, source):
+    import json
+    table = {"decode_max_tokens": dispatch.DEFAULT_DECODE_MAX_TOKENS, "entries": {}}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            table = json.load(handle)
+    device = report["environment"]["dispatch_device"]
+    table["entries"] = {k: v for k, v in table.get("entries", {}).items()
+                        if not k.startswith(device + "|")}
+    table["entries"].update(dispatch_entries(report, source))
+    table["entries"] = dict(sorted(table["entries"].items()))
+    write_json(path, table)
+
+
+def markdown(report):
+    env = report["environment"]
+    lines = [f"# SparseLinear vs dense F.linear on {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda')}, driver "
+             f"{env.get('driver')}, cuSPARSELt {env.get('cusparselt')}, {env['cpu_threads']} CPU threads, "
+             f"{env['timestamp']}. Times: median of CUDA events on a GPU, minimum of runs on a CPU.", "",
+             "| shape (out×in) | M | dtype | pattern | backend | ms | dense ms | speedup | TFLOP/s | GB/s "
+             "| % roofline | status |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["results"]:
+        lines.append(f"| {r['shape'][0]}×{r['shape'][1]} | {r['M']} | {r['dtype']} | {r['pattern']} | "
+                     f"{r['backend']} | {r.get('ms', '')} | {r['dense_ms']} | "
+                     f"{str(r['speedup']) + '×' if 'speedup' in r else ''} | {r.get('tflops', '')} | "
+                     f"{r.get('gbps', '')} | {r.get('pct_roofline', '')} | {r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report):
+    """{dtype: svg} of the geomean speedup over shapes against M, a line per pattern and backend."""
+    by_dtype = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in report["results"]:
+        if r["status"] == "ok":
+            by_dtype[r["dtype"]][f"{r['pattern']} {r['backend']}"][r["M"]].append(r["speedup"])
+    device = report["environment"]["device"]
+    return {dtype: svg_line_plot({label: [(M, geomean(v)) for M, v in per_m.items()]
+                                  for label, per_m in series.items()},
+                                 f"SparseLinear speedup over dense F.linear, {dtype}, {device}",
+                                 "tokens M", "speedup (geomean over shapes)")
+            for dtype, series in by_dtype.items()}
+
+
+def run(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else \
+        (GPU_SHAPES if on_gpu else CPU_SHAPES)
+    tokens = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    dtypes = [getattr(torch, d) for d in (args.dtypes or (["bfloat16", "float16"] if on_gpu
+                                                          else ["float32", "bfloat16"]))]
+    patterns = [tuple(int(v) for v in p.split(":")) for p in args.patterns] if args.patterns else PATTERNS
+    backends = args.backends or list(dispatch.BACKENDS)
+    env = environment(device)
+    env["dispatch_device"] = dispatch.device_key(device)
+    rows = []
+    for dtype in dtypes:
+        for shape in shapes:
+            for pattern in patterns:
+                rows += measure_shape(shape, dtype, pattern, tokens, backends, device, args.repeat,
+                                      roofline(device))
+    return {"environment": env, "results": rows}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtypes", nargs="*", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--shapes", nargs="*", help="OUTxIN, e.g. 4096x11008")
+    parser.add_argument("--tokens", nargs="*", type=int, help="token counts M")
+    parser.add_argument("--patterns", nargs="*", help="N:M patterns (default 2:4 4:8)")
+    parser.add_argument("--backends", nargs="*", choices=list(dispatch.BACKENDS))
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--output-dir", default=RESULTS)
+    parser.add_argument("--name", default=None, help="file stem (default sparse-linear-<cpu|cuda>)")
+    parser.add_argument("--write-dispatch", nargs="?", const=dispatch.TABLE_PATH, default=None,
+                        metavar="TABLE", help="store this device's fastest backends in the dispatch table")
+    args = parser.parse_args(argv)
+    report = run(args)
+    stem = args.name or f"sparse-linear-{'cuda' if report['environment']['dispatch_device'] != 'cpu' else 'cpu'}"
+    path = os.path.join(args.output_dir, stem + ".json")
+    write_json(path, report)
+    write_atomic(os.path.join(args.output_dir, stem + ".md"), markdown(report))
+    for dtype, svg in plots(report).items():
+        write_atomic(os.path.join(args.output_dir, f"{stem}-{dtype}.svg"), svg)
+    if args.write_dispatch:
+        write_dispatch(report, args.write_dispatch, os.path.relpath(path, os.path.dirname(RESULTS)))
+        print(f"updated {args.write_dispatch}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+// pyprune._C: Python bindings of the CPU kernels (C++/OpenMP).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyprune CPU kernels (C++/OpenMP)";
+  m.def("nm_mask", &pyprune_cpu::nm_mask, py::arg("src"), py::arg("act_sqnorm"), py::arg("n"),
+        py::arg("m"), py::arg("score_kind"),
+        "Bool N:M keep mask of a 2-D CPU tensor: in every m consecutive elements of a row keep the "
+        "n highest fp32 scores (lower index wins ties). score_kind 0: src are the scores; 1: |src|;"
+        " 2: |src| * sqrt(act_sqnorm[col]) (Wanda). Raises ValueError on NaN scores.");
+  m.def("openmp_threads", &pyprune_cpu::openmp_threads,
+        "Number of OpenMP threads the CPU kernels use (1 when built without OpenMP).");
+  m.def("nm_decompress", &pyprune_cpu::nm_decompress, py::arg("values"), py::arg("meta"),
+        py::arg("n"), py::arg("m"),
+        "Dense W ⊙ mask [rows, cols] from the compressed N:M form (values, packed-mask meta).");
+  m.def("nm_linear_gemv", &pyprune_cpu::nm_linear_gemv, py::arg("x"), py::arg("values"),
+        py::arg("meta"), py::arg("n"), py::arg("m"), py::arg("bias"),
+        "x [tokens <= 8, K] @ (W ⊙ mask)ᵀ + bias straight from the compressed form: only the kept "
+        "weights are read and multiplied (fp32 accumulation).");
+}

@@ -1,0 +1,155 @@
+// The compressed N:M form on the CPU: decompression, and a GEMV for decode-size inputs that reads
+// only the kept weights.
+//
+// Format (pyprune.ops.nm_compress): values [rows, cols·n/m] hold the kept weights of each row in
+// column order; meta [rows, ceil(cols/8)] uint8 is the keep mask, column 8b+j in bit j of byte b.
+// The kept weights of group g are values[g·n .. g·n+n-1], at the set bits of the group's m mask
+// bits in increasing order.
+
+#include "ops.h"
+
+#include <cstdint>
+#include <cstring>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace pyprune_cpu {
+namespace {
+
+constexpr int64_t kMaxTokens = 8;
+
+// The m mask bits of the group starting at column `first` (m <= 32, so at most 5 bytes).
+inline uint64_t group_bits(const uint8_t* row_meta, int64_t first, int m, int64_t meta_bytes) {
+  const int64_t byte = first >> 3;
+  uint64_t word = 0;
+  const int64_t avail = meta_bytes - byte;
+  std::memcpy(&word, row_meta + byte, static_cast<size_t>(avail < 8 ? avail : 8));
+  return (word >> (first & 7)) & ((uint64_t{1} << m) - 1);
+}
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+void check_compressed(const char* op, const torch::Tensor& values, const torch::Tensor& meta,
+                      int64_t n, int64_t m) {
+  TORCH_CHECK(values.device().is_cpu() && meta.device().is_cpu(), op,
+              ": values and meta must be CPU tensors");
+  TORCH_CHECK(values.dim() == 2 && values.is_contiguous(), op, ": values must be 2-D contiguous");
+  TORCH_CHECK(meta.dim() == 2 && meta.is_contiguous() && meta.scalar_type() == at::kByte, op,
+              ": meta must be 2-D contiguous uint8");
+  TORCH_CHECK(n >= 1 && n < m && m <= 32, op, ": need 1 <= n < m <= 32, got n=", n, ", m=", m);
+  TORCH_CHECK(values.size(1) % n == 0, op, ": values must have a multiple of n columns");
+  const int64_t cols = values.size(1) / n * m;
+  TORCH_CHECK(meta.size(0) == values.size(0) && meta.size(1) == (cols + 7) / 8, op,
+              ": meta must be [", values.size(0), ", ", (cols + 7) / 8, "]");
+}
+
+template <typename T>
+void decompress_rows(const T* values, const uint8_t* meta, T* dense, int64_t rows, int64_t cols,
+                     int n, int m, int64_t meta_bytes) {
+  const int64_t kv = cols / m * n;
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* v = values + r * kv;
+    const uint8_t* mr = meta + r * meta_bytes;
+    T* out = dense + r * cols;
+    std::memset(static_cast<void*>(out), 0, sizeof(T) * static_cast<size_t>(cols));
+    for (int64_t first = 0; first < cols; first += m) {
+      uint64_t bits = group_bits(mr, first, m, meta_bytes);
+      while (bits) {
+        out[first + __builtin_ctzll(bits)] = *v++;
+        bits &= bits - 1;
+      }
+    }
+  }
+}
+
+// Dot product of n floats with 8 independent partial sums, so the compiler vectorises it.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+  float sum = 0.f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int j = 0; j < 8; ++j) sum += part[j];
+  return sum;
+}
+
+// Each row is expanded chunk by chunk into a small fp32 buffer (zeros, then the kept weights at
+// their columns) and dotted with the fp32 tokens, which the caller converted once.
+template <typename T>
+void gemv_rows(const float* x, const T* values, const uint8_t* meta, const T* bias, T* y,
+               int64_t tokens, int64_t rows, int64_t cols, int n, int m, int64_t meta_bytes) {
+  constexpr int64_t kChunk = 512;
+  const int64_t kv = cols / m * n;
+  const int64_t chunk = kChunk / m * m;
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kMaxTokens] = {0.f};
+    float buf[kChunk];
+    const T* v = values + r * kv;
+    const uint8_t* mr = meta + r * meta_bytes;
+    for (int64_t c0 = 0; c0 < cols; c0 += chunk) {
+      const int64_t len = cols - c0 < chunk ? cols - c0 : chunk;
+      std::memset(buf, 0, sizeof(float) * static_cast<size_t>(len));
+      for (int64_t first = 0; first < len; first += m) {
+        uint64_t bits = group_bits(mr, c0 + first, m, meta_bytes);
+        while (bits) {
+          buf[first + __builtin_ctzll(bits)] = to_float(*v++);
+          bits &= bits - 1;
+        }
+      }
+      for (int64_t t = 0; t < tokens; ++t) acc[t] += dot(buf, x + t * cols + c0, len);
+    }
+    const float b = bias ? to_float(bias[r]) : 0.f;
+    for (int64_t t = 0; t < tokens; ++t) y[t * rows + r] = static_cast<T>(acc[t] + b);
+  }
+}
+
+}  // namespace
+
+torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
+                            int64_t m) {
+  check_compressed("nm_decompress", values, meta, n, m);
+  const int64_t rows = values.size(0), cols = values.size(1) / n * m;
+  torch::Tensor dense = torch::empty({rows, cols}, values.options());
+  if (dense.numel() == 0) return dense;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "nm_decompress", [&] {
+    decompress_rows<scalar_t>(values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(),
+                              dense.data_ptr<scalar_t>(), rows, cols, static_cast<int>(n),
+                              static_cast<int>(m), meta.size(1));
+  });
+  return dense;
+}
+
+torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
+                             const torch::Tensor& meta, int64_t n, int64_t m,
+                             const c10::optional<torch::Tensor>& bias) {
+  check_compressed("nm_linear_gemv", values, meta, n, m);
+  const int64_t rows = values.size(0), cols = values.size(1) / n * m;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+              "nm_linear_gemv: x must be a 2-D contiguous CPU tensor");
+  TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
+  TORCH_CHECK(x.size(0) <= kMaxTokens, "nm_linear_gemv: x may have at most ", kMaxTokens, " rows");
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == rows &&
+                    bias->is_contiguous() && bias->scalar_type() == x.scalar_type(),
+                "nm_linear_gemv: bias must be a contiguous [", rows, "] CPU tensor of x's dtype");
+  }
+  torch::Tensor y = torch::empty({x.size(0), rows}, x.options());
+  if (y.numel() == 0) return y;
+  const torch::Tensor x_float = x.to(at::kFloat).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
+    gemv_rows<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(),
+                        has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
+                        x.size(0), rows, cols, static_cast<int>(n), static_cast<int>(m), meta.size(1));
+  });
+  return y;
+}
+
+}  // namespace pyprune_cpu
