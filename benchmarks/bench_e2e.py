@@ -18,6 +18,7 @@ import torch
 from _common import environment, timed, write_atomic, write_json
 
 import pyprune
+from pyprune.models import load_model
 from pyprune.nn import SparseLinear, sparsify_
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -37,7 +38,7 @@ def llama7b_shaped(layers, dtype, device):
 def build(name, layers, dtype, device):
     if name == "llama-7b-shape":
         return llama7b_shaped(layers, dtype, device)
-    model, _ = pyprune.models.load_model(name, dtype=dtype, device=str(device))
+    model, _ = load_model(name, dtype=dtype, device=str(device))
     return model
 
 

@@ -2,9 +2,9 @@
 // only the kept weights.
 //
 // Format (pyprune.ops.nm_compress): values [rows, cols·n/m] hold the kept weights of each row in
-// column order; meta [rows, ceil(cols/8)] uint8 is the keep mask, column 8b+j in bit j of byte b.
-// The kept weights of group g are values[g·n .. g·n+n-1], at the set bits of the group's m mask
-// bits in increasing order.
+// column order; meta [rows, ceil(cols/8)] uint8 is the keep mask, column 8b+j in bit j of byte b
+// (bits past the last column are 0). Groups never reorder values, so the i-th set bit of a row's
+// mask holds the row's i-th value whatever n and m are: both kernels walk the mask bytes.
 
 #include "ops.h"
 
@@ -19,15 +19,6 @@ namespace pyprune_cpu {
 namespace {
 
 constexpr int64_t kMaxTokens = 8;
-
-// The m mask bits of the group starting at column `first` (m <= 32, so at most 5 bytes).
-inline uint64_t group_bits(const uint8_t* row_meta, int64_t first, int m, int64_t meta_bytes) {
-  const int64_t byte = first >> 3;
-  uint64_t word = 0;
-  const int64_t avail = meta_bytes - byte;
-  std::memcpy(&word, row_meta + byte, static_cast<size_t>(avail < 8 ? avail : 8));
-  return (word >> (first & 7)) & ((uint64_t{1} << m) - 1);
-}
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
@@ -56,12 +47,8 @@ void decompress_rows(const T* values, const uint8_t* meta, T* dense, int64_t row
     const uint8_t* mr = meta + r * meta_bytes;
     T* out = dense + r * cols;
     std::memset(static_cast<void*>(out), 0, sizeof(T) * static_cast<size_t>(cols));
-    for (int64_t first = 0; first < cols; first += m) {
-      uint64_t bits = group_bits(mr, first, m, meta_bytes);
-      while (bits) {
-        out[first + __builtin_ctzll(bits)] = *v++;
-        bits &= bits - 1;
-      }
+    for (int64_t byte = 0; byte < meta_bytes; ++byte) {
+      for (unsigned bits = mr[byte]; bits; bits &= bits - 1) out[8 * byte + __builtin_ctz(bits)] = *v++;
     }
   }
 }
@@ -85,22 +72,18 @@ void gemv_rows(const float* x, const T* values, const uint8_t* meta, const T* bi
                int64_t tokens, int64_t rows, int64_t cols, int n, int m, int64_t meta_bytes) {
   constexpr int64_t kChunk = 512;
   const int64_t kv = cols / m * n;
-  const int64_t chunk = kChunk / m * m;
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kMaxTokens] = {0.f};
     float buf[kChunk];
     const T* v = values + r * kv;
     const uint8_t* mr = meta + r * meta_bytes;
-    for (int64_t c0 = 0; c0 < cols; c0 += chunk) {
-      const int64_t len = cols - c0 < chunk ? cols - c0 : chunk;
+    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {  // kChunk is a multiple of 8: whole bytes
+      const int64_t len = cols - c0 < kChunk ? cols - c0 : kChunk;
       std::memset(buf, 0, sizeof(float) * static_cast<size_t>(len));
-      for (int64_t first = 0; first < len; first += m) {
-        uint64_t bits = group_bits(mr, c0 + first, m, meta_bytes);
-        while (bits) {
-          buf[first + __builtin_ctzll(bits)] = to_float(*v++);
-          bits &= bits - 1;
-        }
+      for (int64_t byte = 0; byte < (len + 7) / 8; ++byte) {
+        for (unsigned bits = mr[c0 / 8 + byte]; bits; bits &= bits - 1)
+          buf[8 * byte + __builtin_ctz(bits)] = to_float(*v++);
       }
       for (int64_t t = 0; t < tokens; ++t) acc[t] += dot(buf, x + t * cols + c0, len);
     }

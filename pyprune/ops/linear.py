@@ -23,13 +23,24 @@ def _triton_nm_linear(x, values, meta, n, m, bias):
 
 #: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp).
 CPU_GEMV_MAX_ROWS = 8
+#: Larger x: W is decompressed this many bytes at a time (a block the allocator reuses, warm in
+#: cache) and multiplied by BLAS, so no dense copy of W is ever allocated.
+CPU_BLOCK_BYTES = 1 << 21
 
 
 def _cpu_nm_linear(x, values, meta, n, m, bias):
     cpu = native("cpu")
     if x.shape[0] <= CPU_GEMV_MAX_ROWS:
         return cpu.nm_linear_gemv(x, values, meta, n, m, None if bias is None else bias.contiguous())
-    return torch.nn.functional.linear(x, cpu.nm_decompress(values, meta, n, m), bias)
+    n_out, row_bytes = values.shape[0], values.shape[1] // n * m * values.element_size()
+    block = max(1, CPU_BLOCK_BYTES // row_bytes)
+    out_t = x.new_empty(n_out, x.shape[0])
+    for r0 in range(0, n_out, block):
+        w = cpu.nm_decompress(values[r0:r0 + block], meta[r0:r0 + block], n, m)
+        torch.mm(w, x.t(), out=out_t[r0:r0 + block])
+    if bias is not None:
+        out_t += bias[:, None]
+    return out_t.t().contiguous()
 
 
 _NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linear,
