@@ -175,7 +175,7 @@ class SparseLinear(nn.Module):
             module = _backend.native_module("cuda")
             return None if module is not None and hasattr(module, "sparse24_linear") else \
                 "pyprune._C_cuda is not built"
-        if self._semi_structured(name) is None:
+        if self._semi_structured(name, x) is None:
             return f"torch rejected this weight for {name} (shape or library)"
         return None
 
@@ -190,7 +190,7 @@ class SparseLinear(nn.Module):
             out = _backend.native_module("cuda").sparse24_linear(
                 x.reshape(-1, self.in_features).contiguous(), self.values.detach(), meta, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self._semi_structured(name), self.bias)
+        return F.linear(x, self._semi_structured(name, x), self.bias)
 
     def _cached(self, name: str, build):
         """``build()`` cached until values or meta change (in place or replaced) or move."""
@@ -202,20 +202,36 @@ class SparseLinear(nn.Module):
             self._cache[name] = hit
         return hit[1]
 
-    def _semi_structured(self, name: str):
-        """The weight as torch's 2:4 semi-structured tensor for ``name``, or None if torch refuses it."""
+    def _semi_structured(self, name: str, x: Tensor):
+        """The weight as torch's 2:4 semi-structured tensor for ``name``, or None if torch refuses
+        it. For cuSPARSELt the algorithm is searched (``torch._cslt_sparse_mm_search``) on the first
+        input of each shape class and cached with the tensor."""
+        tokens = x.numel() // max(x.shape[-1], 1)
+        key = name if name == "cutlass" else f"{name}-{dispatch.shape_class(tokens)}"
+
         def build():
             from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
-            kind = SparseSemiStructuredTensorCUSPARSELT if name == "cusparselt" else SparseSemiStructuredTensorCUTLASS
             try:
-                return kind.from_dense(self.weight)
+                if name == "cutlass":
+                    return SparseSemiStructuredTensorCUTLASS.from_dense(self.weight)
+                sparse = SparseSemiStructuredTensorCUSPARSELT.from_dense(self.weight)
+                sparse.alg_id_cusparselt = _cusparselt_algorithm(sparse, x)
+                return sparse
             except (RuntimeError, ValueError, NotImplementedError):
                 return None
-        return self._cached(name, build)
+        return self._cached(key, build)
 
     def _apply(self, fn, recurse=True):
         self._cache.clear()
         return super()._apply(fn, recurse)
+
+
+def _cusparselt_algorithm(sparse, x: Tensor) -> int:
+    """The fastest cuSPARSELt algorithm id for ``x @ sparseᵀ`` (0, the default, if the search fails)."""
+    try:
+        return int(torch._cslt_sparse_mm_search(sparse.packed, x.reshape(-1, x.shape[-1]).t()))
+    except (RuntimeError, AttributeError, TypeError):
+        return 0
 
 
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
