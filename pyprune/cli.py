@@ -98,6 +98,8 @@ def cmd_prune(args) -> int:
         data.check_source(source)
     _check_output(args.output, "--output")
     _check_report(args.report)
+    if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
+        raise UsageError("--sparse-layers needs --pattern N:M and --output")
     for flag in ("nsamples", "seqlen", "batch_size"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
@@ -116,6 +118,10 @@ def cmd_prune(args) -> int:
                    "seqlen": args.seqlen, "seed": args.seed, "dtype": args.dtype})
     report["eval"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
                                args.batch_size, not args.quiet)
+    if args.sparse_layers:
+        from .nn import sparsify_
+        report["sparse_layers"] = len(sparsify_(model, pattern))
+        print(f"stored {report['sparse_layers']} layers as SparseLinear {pattern}")
     if args.output:
         save(model, tokenizer, args.output, report=report)
         print(f"saved the pruned model to {args.output}")
@@ -192,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--eval-seqlen", type=int, default=512)
     prune.add_argument("--eval-max-tokens", type=int, default=None)
     prune.add_argument("--output", help="directory for the pruned model (written atomically)")
+    prune.add_argument("--sparse-layers", action="store_true",
+                       help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
+                            "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
     prune.add_argument("--report", help="JSON report path")
     prune.set_defaults(run=cmd_prune)
 

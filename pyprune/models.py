@@ -435,6 +435,13 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import io
+    if os.path.isfile(os.path.join(model_dir, io.MANIFEST)):
+        # written by pyprune.save: per-layer shapes and SparseLinear layers only pyprune.load restores
+        model, tokenizer = io.load(model_dir, dtype=dtype, device=dev)
+        if tokenizer is None:
+            raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: {model_dir!r} holds no tokenizer")
+        return model, tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:

@@ -21,6 +21,7 @@ EMMA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "au
     (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
     (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
+    (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
 ])
 def test_bad_prune_arguments(tmp_path, capsys, args, message):
     output = tmp_path / "out"
@@ -97,3 +98,25 @@ def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, me
     if check == "2:4":
         assert pyprune.eval.sparsity_report(model)["nm_valid"]["2:4"]
     assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0
+
+
+def test_prune_can_store_sparse_layers(tiny_model_dir, tmp_path):
+    import json
+
+    import pyprune
+    from pyprune.nn import SparseLinear
+    model_dir, text = tiny_model_dir
+    output, report_path, eval_path = tmp_path / "out", tmp_path / "report.json", tmp_path / "eval.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "wanda", "--pattern", "4:8",
+                     "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--eval", str(text),
+                     "--eval-seqlen", "16", "--output", str(output), "--report", str(report_path),
+                     "--sparse-layers", "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    model, _ = pyprune.load(str(output))
+    layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+    assert report["sparse_layers"] == len(layers) > 0 and all(str(m.pattern) == "4:8" for m in layers)
+    assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16",
+                     "--report", str(eval_path), "--quiet"]) == 0
+    evaluated = json.loads(eval_path.read_text())
+    ppl = evaluated["eval"][0]["perplexity"]
+    assert abs(ppl - report["eval"][0]["perplexity"]) < 1e-3 * ppl
