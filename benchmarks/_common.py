@@ -13,9 +13,11 @@ import torch
 import pyprune
 from pyprune import backend
 
-#: H100 SXM5 peaks (kernel-landscape.md §1): dense bf16/fp16 tensor-core FLOP/s and HBM3 bytes/s.
-ROOFLINES = {"H100": {"flops": 989.4e12, "bytes": 3.35e12},
-             "H200": {"flops": 989.4e12, "bytes": 4.8e12}}
+#: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
+#: torch.cuda.get_device_name, most specific first; other devices get no roofline.
+ROOFLINES = [("H100 PCIe", {"flops": 756e12, "bytes": 2.0e12}),
+             ("H100 80GB HBM3", {"flops": 989.4e12, "bytes": 3.35e12}),
+             ("H200", {"flops": 989.4e12, "bytes": 4.8e12})]
 
 
 def timed(fn, device, repeat):
@@ -84,7 +86,7 @@ def roofline(device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peaks for key, peaks in ROOFLINES.items() if key in name), None)
+    return next((peaks for key, peaks in ROOFLINES if key in name), None)
 
 
 def write_atomic(path, text):

@@ -68,9 +68,12 @@ def measure(name, args, device, dtype):
     short_prompt = long_prompt[:, :8]
     with torch.no_grad():
         agreement = (prefill(dense, long_prompt).argmax(-1) == prefill(sparse, long_prompt).argmax(-1)).float().mean()
+        layers = [m for m in sparse.modules() if isinstance(m, SparseLinear)]
+        backends = {klass: sorted({m.choose_backend(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
+                                   for m in layers})
+                    for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "sparse_layers": len(replaced),
-           "backends": sorted({m.choose_backend(short_prompt.new_zeros(1, m.in_features, dtype=dtype))
-                               for m in sparse.modules() if isinstance(m, SparseLinear)}),
+           "backends": backends,
            "prefill_tokens": args.prefill, "decode_steps": args.decode,
            "top1_agreement_sparse_vs_dense": round(float(agreement), 4)}
     for label, model in (("dense", dense), ("sparse", sparse)):

@@ -47,11 +47,12 @@ def test_stores_the_compressed_form_only():
     linear, mask = _pruned_linear(128, 32, 2, 4, torch.bfloat16)
     layer = SparseLinear.from_dense(linear, "2:4")
     state = layer.state_dict()
-    assert set(state) == {"values", "meta", "bias"}
+    assert set(state) == {"values", "meta", "bias", "_extra_state"}
+    assert state["_extra_state"].tolist() == [2, 4, 128]
     assert state["values"].shape == (32, 64) and state["meta"].shape == (32, 16)
     assert state["meta"].dtype == torch.uint8
     assert torch.equal(layer.weight, linear.weight)
-    weight_bytes = sum(t.numel() * t.element_size() for name, t in state.items() if name != "bias")
+    weight_bytes = sum(state[name].numel() * state[name].element_size() for name in ("values", "meta"))
     assert weight_bytes * 16 == linear.weight.numel() * 2 * 9  # 9/16 of the dense bf16 bytes
 
 
@@ -90,11 +91,33 @@ def test_state_dict_round_trip_and_device_dtype_moves():
     x = randn((3, 64), seed=2)
     with torch.no_grad():
         assert torch.equal(fresh(x), layer(x))
+        with pytest.raises(ValueError, match="x must have 64 features"):
+            fresh(x[:, :32])
         half = fresh.to(torch.bfloat16)
         assert half.values.dtype == torch.bfloat16 and half.meta.dtype == torch.uint8
         expected = nn.functional.linear(x.bfloat16().float(), half.weight.float(), half.bias.float())
         assert_close(half(x.bfloat16()), expected, torch.bfloat16)
     assert "pattern=4:8" in repr(layer)
+
+
+def test_load_refuses_another_pattern_or_a_broken_mask():
+    linear, _ = _pruned_linear(64, 8, 4, 8)
+    state = SparseLinear.from_dense(linear, "4:8").state_dict()
+    with pytest.raises(ValueError, match="state is 4:8 with 64 inputs; this layer is 2:4"):
+        SparseLinear(64, 8).load_state_dict(state)  # same tensor shapes as 2:4
+    broken = dict(state, meta=state["meta"] | 1)  # a fifth kept element in some group
+    with pytest.raises(ValueError, match="meta is not a 4:8 mask"):
+        SparseLinear(64, 8, n=4, m=8).load_state_dict(broken)
+
+
+def test_deepcopy_and_pickle_drop_backend_caches():
+    import copy
+    import pickle
+    linear, _ = _pruned_linear(64, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    layer._cache["dense"] = ("key", torch.zeros(1000))
+    assert copy.deepcopy(layer)._cache == {} and pickle.loads(pickle.dumps(layer))._cache == {}
+    assert layer._cache  # the original keeps its cache
 
 
 def test_cached_backend_state_follows_value_updates():
@@ -105,6 +128,9 @@ def test_cached_backend_state_follows_value_updates():
         first = layer(x)
         layer.values.mul_(2)
         assert torch.allclose(layer(x), 2 * first - layer.bias, atol=1e-5)
+        layer.values.data.mul_(0.5)  # bypasses the version counter ...
+        layer.invalidate()           # ... so the cache is dropped by hand
+        torch.testing.assert_close(layer(x), first)
 
 
 def test_training_keeps_the_pattern():
@@ -232,3 +258,13 @@ def test_mma_sp_kernel_and_compress(dtype, tokens, out_features, in_features):
     expected = nn.functional.linear(x.float(), (w * mask).float(), bias.float())
     torch.testing.assert_close(cuda.sparse24_linear(x, values, meta, bias).float(), expected,
                                rtol=2e-2, atol=2e-2)
+
+
+def test_compaction_refuses_sparse_layers():
+    from pyprune.nn import keep_mlp_channels_
+    model = _nm_pruned_llama()
+    sparsify_(model)
+    block = model.model.layers[0]
+    with pytest.raises(TypeError, match="compact the model before pyprune.nn.sparsify_"):
+        keep_mlp_channels_(block, torch.arange(64))
+    assert isinstance(block.mlp.gate_proj, SparseLinear) and block.mlp.gate_proj.out_features == 128

@@ -44,11 +44,15 @@ void decompress_rows(const T* values, const uint8_t* meta, T* dense, int64_t row
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const T* v = values + r * kv;
+    const T* const v_end = v + kv;  // a mask with too many set bits must not read past its row
     const uint8_t* mr = meta + r * meta_bytes;
     T* out = dense + r * cols;
     std::memset(static_cast<void*>(out), 0, sizeof(T) * static_cast<size_t>(cols));
     for (int64_t byte = 0; byte < meta_bytes; ++byte) {
-      for (unsigned bits = mr[byte]; bits; bits &= bits - 1) out[8 * byte + __builtin_ctz(bits)] = *v++;
+      for (unsigned bits = mr[byte]; bits && v < v_end; bits &= bits - 1) {
+        const int64_t col = 8 * byte + __builtin_ctz(bits);
+        if (col < cols) out[col] = *v++;
+      }
     }
   }
 }
@@ -77,13 +81,16 @@ void gemv_rows(const float* x, const T* values, const uint8_t* meta, const T* bi
     float acc[kMaxTokens] = {0.f};
     float buf[kChunk];
     const T* v = values + r * kv;
+    const T* const v_end = v + kv;  // a mask with too many set bits must not read past its row
     const uint8_t* mr = meta + r * meta_bytes;
     for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {  // kChunk is a multiple of 8: whole bytes
       const int64_t len = cols - c0 < kChunk ? cols - c0 : kChunk;
       std::memset(buf, 0, sizeof(float) * static_cast<size_t>(len));
       for (int64_t byte = 0; byte < (len + 7) / 8; ++byte) {
-        for (unsigned bits = mr[c0 / 8 + byte]; bits; bits &= bits - 1)
-          buf[8 * byte + __builtin_ctz(bits)] = to_float(*v++);
+        for (unsigned bits = mr[c0 / 8 + byte]; bits && v < v_end; bits &= bits - 1) {
+          const int64_t col = 8 * byte + __builtin_ctz(bits);
+          if (col < len) buf[col] = to_float(*v++);
+        }
       }
       for (int64_t t = 0; t < tokens; ++t) acc[t] += dot(buf, x + t * cols + c0, len);
     }

@@ -128,6 +128,14 @@ torch::Tensor sparse24_linear(const torch::Tensor& x, const torch::Tensor& value
               out_features, ", ", K / 16, "]");
   TORCH_CHECK(x.device() == values.device() && x.device() == meta.device(), op,
               ": x, values and meta must be on one device");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
+                  reinterpret_cast<uintptr_t>(values.data_ptr()) % 4 == 0,
+              op, ": x and values must be 4-byte aligned (pairs are loaded as 32-bit words)");
+  int major = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                     x.device().index()) == cudaSuccess,
+              op, ": cannot query the device's compute capability");
+  TORCH_CHECK(major >= 8, op, ": needs sparse tensor cores (sm80 or newer), device is sm", major, "x");
   const void* bias_ptr = nullptr;
   torch::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {

@@ -81,6 +81,8 @@ __device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], co
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
           "r"(meta));
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no sparse tensor cores before sm80; the bindings refuse such devices
 #endif
 }
 

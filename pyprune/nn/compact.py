@@ -127,6 +127,9 @@ def _sliced_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional
                    out_features: Optional[int] = None, in_features: Optional[int] = None) -> nn.Linear:
     """A new Linear with ``old``'s rows ``rows`` and columns ``cols`` (None: all), or, with explicit
     sizes and no indices, uninitialised weights of that shape."""
+    if isinstance(old, SparseLinear):
+        raise TypeError("cannot remove channels from a SparseLinear (its N:M groups would break); "
+                        "compact the model before pyprune.nn.sparsify_")
     weight = old.weight.detach()
     bias = None if old.bias is None else old.bias.detach()
     if out_features is not None or in_features is not None:

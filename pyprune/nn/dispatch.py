@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 import torch
 
-#: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, reference on CPU);
+#: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: decompress, then F.linear (cuBLAS/MKL); ``cusparselt`` / ``cutlass``: torch's 2:4
 #: semi-structured tensors; ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM.
 BACKENDS = ("kernel", "dense", "cusparselt", "cutlass", "mma_sp")
@@ -29,9 +29,12 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_
 def device_key(device: torch.device) -> str:
     """``cpu``, or the CUDA device's name (e.g. ``NVIDIA H100 80GB HBM3``)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
+    return _device_name(device.type, device.index)
+
+
+@lru_cache(maxsize=None)
+def _device_name(kind: str, index: Optional[int]) -> str:
+    return torch.cuda.get_device_name(index) if kind == "cuda" else kind
 
 
 def entry_key(device: str, dtype: torch.dtype, pattern: str, shape_class: str) -> str:

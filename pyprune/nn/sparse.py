@@ -3,21 +3,25 @@
 The weight is stored as ``values`` [out, in·n/m] (a parameter) and ``meta`` [out, ceil(in/8)]
 uint8 (the keep mask, a buffer), as :func:`pyprune.ops.nm_compress` produces them: 9/16 of the
 dense bytes for 16-bit 2:4 and 4:8. That pair is the module's whole state (``state_dict`` holds
-``values``, ``meta`` and ``bias``); every faster representation a backend needs is derived from
-it, cached, and rebuilt when the values change.
+``values``, ``meta``, ``bias`` and ``_extra_state`` = [n, m, in_features], checked on load along
+with the mask's exact n-of-m groups); every faster representation a backend needs is derived from
+it, cached, and rebuilt when the values change in place or are replaced. Writes through
+``values.data`` bypass the version counter: call :meth:`SparseLinear.invalidate` after them.
 
 Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` picks the one measured fastest
 for the device, dtype, pattern and shape class (:mod:`pyprune.nn.dispatch`):
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
-  reference, which decompresses). Differentiable: gradients reach ``values`` at the kept
-  positions only, so fine-tuning keeps the pattern.
+  C++ kernel: a GEMV over kept weights for <= 8 tokens, block-wise decompression into BLAS
+  above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
+  keeps the pattern.
 * ``dense``: decompress, then ``F.linear`` (cuBLAS/MKL); no dense copy is kept.
-* ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16), with the
-  cuSPARSELt algorithm searched once per shape class and cached.
+* ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16; one cached
+  copy), with the cuSPARSELt algorithm searched once per shape class.
 * ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM (``pyprune._C_cuda``, sm80+).
 
-Training-mode calls that need gradients always run ``kernel``.
+Calls in grad mode where x or a parameter requires grad always run ``kernel`` (the only
+differentiable backend), whatever ``backend`` says.
 """
 from __future__ import annotations
 
@@ -89,6 +93,37 @@ class SparseLinear(nn.Module):
         self.register_buffer("meta", reference.pack_mask(mask.reshape(out_features, in_features)))
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
+        self._cusparselt_algorithms: Dict[str, int] = {}
+
+    def get_extra_state(self) -> Tensor:
+        return torch.tensor([self.n, self.m, self.in_features], dtype=torch.int64)
+
+    def set_extra_state(self, state: Tensor) -> None:
+        n, m, in_features = (int(v) for v in state.tolist())
+        if (n, m, in_features) != (self.n, self.m, self.in_features):
+            raise ValueError(f"SparseLinear state is {n}:{m} with {in_features} inputs; this layer is "
+                             f"{self.pattern} with {self.in_features} (build it with those first)")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            self.set_extra_state(extra)  # a wrong pattern is named before its mask is checked
+        meta = state_dict.get(prefix + "meta")
+        if isinstance(meta, Tensor) and tuple(meta.shape) == tuple(self.meta.shape):
+            kept = reference.unpack_mask(meta, self.in_features).reshape(-1, self.m).sum(dim=1)
+            if not bool((kept == self.n).all()):
+                raise ValueError(f"{prefix}meta is not a {self.pattern} mask: a group keeps "
+                                 f"{int(kept[kept != self.n][0])} of {self.m}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def invalidate(self) -> None:
+        """Drop the cached backend forms (needed only after writes through ``values.data``)."""
+        self._cache.clear()
+        self._cusparselt_algorithms.clear()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        return dict(state, _cache={}, _cusparselt_algorithms={})
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, pattern: Union[str, NM, Tuple[int, int]] = "2:4",
@@ -172,6 +207,8 @@ class SparseLinear(nn.Module):
         if name == "mma_sp":
             if self.in_features % 32:
                 return "it needs in_features divisible by 32"
+            if torch.cuda.get_device_capability(x.device) < (8, 0):
+                return "it needs sparse tensor cores (sm80 or newer)"
             module = _backend.native_module("cuda")
             return None if module is not None and hasattr(module, "sparse24_linear") else \
                 "pyprune._C_cuda is not built"
@@ -180,6 +217,8 @@ class SparseLinear(nn.Module):
         return None
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have {self.in_features} features in its last dim; got {x.shape[-1]}")
         name = self.choose_backend(x)
         if name == "kernel":
             return ops.nm_linear(x, self.values, self.meta, self.n, self.m, self.bias)
@@ -203,26 +242,26 @@ class SparseLinear(nn.Module):
         return hit[1]
 
     def _semi_structured(self, name: str, x: Tensor):
-        """The weight as torch's 2:4 semi-structured tensor for ``name``, or None if torch refuses
-        it. For cuSPARSELt the algorithm is searched (``torch._cslt_sparse_mm_search``) on the first
-        input of each shape class and cached with the tensor."""
-        tokens = x.numel() // max(x.shape[-1], 1)
-        key = name if name == "cutlass" else f"{name}-{dispatch.shape_class(tokens)}"
-
+        """The weight as torch's 2:4 semi-structured tensor for ``name`` (one cached copy), or None
+        if torch refuses it. For cuSPARSELt the algorithm is searched
+        (``torch._cslt_sparse_mm_search``) on the first input of each shape class."""
         def build():
             from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+            kind = SparseSemiStructuredTensorCUTLASS if name == "cutlass" else SparseSemiStructuredTensorCUSPARSELT
             try:
-                if name == "cutlass":
-                    return SparseSemiStructuredTensorCUTLASS.from_dense(self.weight)
-                sparse = SparseSemiStructuredTensorCUSPARSELT.from_dense(self.weight)
-                sparse.alg_id_cusparselt = _cusparselt_algorithm(sparse, x)
-                return sparse
+                return kind.from_dense(self.weight)
             except (RuntimeError, ValueError, NotImplementedError):
                 return None
-        return self._cached(key, build)
+        sparse = self._cached(name, build)
+        if sparse is not None and name == "cusparselt":
+            klass = dispatch.shape_class(x.numel() // max(x.shape[-1], 1))
+            if klass not in self._cusparselt_algorithms:
+                self._cusparselt_algorithms[klass] = _cusparselt_algorithm(sparse, x)
+            sparse.alg_id_cusparselt = self._cusparselt_algorithms[klass]
+        return sparse
 
     def _apply(self, fn, recurse=True):
-        self._cache.clear()
+        self.invalidate()
         return super()._apply(fn, recurse)
 
 
@@ -261,7 +300,8 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
 def sparse_layers(model: nn.Module) -> Dict[str, Dict]:
     """{qualified name: constructor arguments} of the SparseLinear layers of ``model``."""
     return {name: {"in_features": module.in_features, "out_features": module.out_features,
-                   "bias": module.bias is not None, "n": module.n, "m": module.m}
+                   "bias": module.bias is not None, "n": module.n, "m": module.m,
+                   "backend": module.backend}
             for name, module in model.named_modules() if isinstance(module, SparseLinear)}
 
 
@@ -274,5 +314,6 @@ def restore_sparse_layers_(model: nn.Module, layers: Dict[str, Dict]) -> None:
         old = getattr(parent, child)
         reference_tensor = next(old.parameters())
         setattr(parent, child, SparseLinear(spec["in_features"], spec["out_features"], spec["bias"],
-                                            n=spec["n"], m=spec["m"], device=reference_tensor.device,
+                                            n=spec["n"], m=spec["m"], backend=spec.get("backend", "auto"),
+                                            device=reference_tensor.device,
                                             dtype=reference_tensor.dtype))
