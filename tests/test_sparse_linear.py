@@ -268,3 +268,21 @@ def test_compaction_refuses_sparse_layers():
     with pytest.raises(TypeError, match="compact the model before pyprune.nn.sparsify_"):
         keep_mlp_channels_(block, torch.arange(64))
     assert isinstance(block.mlp.gate_proj, SparseLinear) and block.mlp.gate_proj.out_features == 128
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+def test_traces_into_one_graph_under_torch_compile(backend):
+    linear, _ = _pruned_linear(64, 32, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend=backend)
+    x = randn((3, 64), seed=11)
+    with torch.no_grad():
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_generate_with_sparse_layers_matches_dense():
+    model = _nm_pruned_llama()
+    prompt = random_tokens((1, 6), seed=12)
+    dense_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    sparsify_(model)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), dense_tokens)

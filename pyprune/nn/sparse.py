@@ -185,6 +185,8 @@ class SparseLinear(nn.Module):
         if needs_grad:
             return "kernel"
         name = self.backend
+        if name == "auto" and torch.compiler.is_compiling():
+            return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
         if name == "auto":
             name = dispatch.lookup(x.device, x.dtype, str(self.pattern), tokens) or dispatch.DEFAULT_BACKEND
             if not self.supports(name, x):
