@@ -24,20 +24,29 @@ from pyprune.nn import SparseLinear, sparsify_
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def llama7b_shaped(layers, dtype, device):
-    """A random-weight model with LLaMA-7B's widths (4096 hidden, 11008 MLP, 32 heads)."""
+#: Random-weight stand-ins with the real models' shapes (speed depends on shapes, not weights):
+#: LLaMA-7B, and SmolLM2-135M for machines without the SmolLM2 cache (a GPU lease carries 64 MiB).
+SHAPES = {
+    "llama-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                           num_attention_heads=32, num_key_value_heads=32),
+    "smollm2-135m-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
+                               tie_word_embeddings=True),
+}
+
+
+def random_model(name, layers, dtype, device):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=32,
-                         max_position_embeddings=4096)
+    fields = dict(num_hidden_layers=layers, max_position_embeddings=4096)
+    fields.update(SHAPES[name])
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).eval()
+        return LlamaForCausalLM(LlamaConfig(**fields)).to(dtype).eval()
 
 
 def build(name, layers, dtype, device):
-    if name == "llama-7b-shape":
-        return llama7b_shaped(layers, dtype, device)
+    if name in SHAPES:
+        return random_model(name, layers, dtype, device)
     model, _ = load_model(name, dtype=dtype, device=str(device))
     return model
 
@@ -108,7 +117,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--models", nargs="*", default=None,
-                        help="smollm2-135m, llama-7b-shape, or a model directory")
+                        help="smollm2-135m, llama-7b-shape, smollm2-135m-shape, or a model directory")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of llama-7b-shape")
     parser.add_argument("--prefill", type=int, default=None)
