@@ -226,7 +226,7 @@ def test_nm_decompress_is_exact(dtype, n, m):
 
 @pytest.mark.parametrize("n,m", NM)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # <= 2: the AVX2 gather path for 1:2, 2:4, 4:8
 def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for shape in _shapes(m)[:5]:
@@ -238,6 +238,20 @@ def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
         got = C.nm_linear_gemv(x, values, meta, n, m, bias)
         assert got.dtype == dtype and got.shape == (tokens, shape[0])
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, shape[1] ** 0.5))
+
+
+@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_half_density_gather_path(dtype, n, m):
+    # cols % 16 == 0 and at most 2 tokens: the AVX2 table-and-gather kernel (where the CPU has it)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for shape in [(1, 16), (7, 48), (3, 4096)]:
+        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=3)
+        for tokens in (1, 2):
+            x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(4)).to(dtype)
+            want = torch.nn.functional.linear(x.float(), (w * mask).float())
+            got = C.nm_linear_gemv(x, values, meta, n, m, None)
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * shape[1] ** 0.5)
 
 
 def test_nm_linear_gemv_bad_arguments():

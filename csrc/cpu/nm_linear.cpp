@@ -11,6 +11,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PYPRUNE_X86 1
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -99,6 +104,86 @@ void gemv_rows(const float* x, const T* values, const uint8_t* meta, const T* bi
   }
 }
 
+#ifdef PYPRUNE_X86
+// Half-density patterns (1:2, 2:4, 4:8) keep exactly 4 columns of every 8, so each mask byte
+// names 4 consecutive values: a table gives the byte's 4 set-bit positions, two bytes make the 8
+// gather indices of one AVX2 vector, and the kept weights are multiplied with no expansion.
+struct HalfDensityTable {
+  alignas(16) int32_t positions[256][4] = {};
+  HalfDensityTable() {
+    for (int byte = 0; byte < 256; ++byte) {
+      if (__builtin_popcount(byte) != 4) continue;  // never looked up for a valid mask
+      for (int bit = 0, k = 0; bit < 8; ++bit)
+        if (byte >> bit & 1) positions[byte][k++] = bit;
+    }
+  }
+};
+
+const HalfDensityTable& half_density_table() {
+  static const HalfDensityTable table;
+  return table;
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 is the top half of fp32
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const double*) {
+  return _mm256_setzero_ps();  // never called: the caller sends double down the generic path
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Needs n/m = 1/2 with m <= 8 and cols % 16 == 0; x in fp32.
+template <typename T>
+__attribute__((target("avx2,fma,f16c")))
+void gemv_half_density_avx2(const float* x, const T* values, const uint8_t* meta, const T* bias, T* y,
+                            int64_t tokens, int64_t rows, int64_t cols, int64_t meta_bytes) {
+  const HalfDensityTable& table = half_density_table();
+  const int64_t kv = cols / 2;
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[kMaxTokens];
+    for (int64_t t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
+    const T* v = values + r * kv;
+    const uint8_t* mr = meta + r * meta_bytes;
+    for (int64_t j = 0; j < cols / 16; ++j) {
+      const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(table.positions[mr[2 * j]]));
+      const __m128i hi = _mm_add_epi32(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(table.positions[mr[2 * j + 1]])),
+          _mm_set1_epi32(8));
+      const __m256i index = _mm256_add_epi32(_mm256_set_m128i(hi, lo),
+                                             _mm256_set1_epi32(static_cast<int>(16 * j)));
+      const __m256 w = load8(v + 8 * j);
+      for (int64_t t = 0; t < tokens; ++t)
+        acc[t] = _mm256_fmadd_ps(w, _mm256_i32gather_ps(x + t * cols, index, 4), acc[t]);
+    }
+    const float b = bias ? to_float(bias[r]) : 0.f;
+    for (int64_t t = 0; t < tokens; ++t) y[t * rows + r] = static_cast<T>(horizontal_sum(acc[t]) + b);
+  }
+}
+
+bool has_avx2_fma_f16c() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
@@ -135,6 +220,17 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   if (y.numel() == 0) return y;
   const torch::Tensor x_float = x.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
+#ifdef PYPRUNE_X86
+    // One gather per token and vector: it wins for 1-2 tokens, the expanded buffer above that.
+    if (x.size(0) <= 2 && 2 * n == m && m <= 8 && cols % 16 == 0 && x.scalar_type() != at::kDouble &&
+        rows < (int64_t{1} << 31) / 16 && has_avx2_fma_f16c()) {
+      gemv_half_density_avx2<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
+                                       meta.data_ptr<uint8_t>(),
+                                       has_bias ? bias->data_ptr<scalar_t>() : nullptr,
+                                       y.data_ptr<scalar_t>(), x.size(0), rows, cols, meta.size(1));
+      return;
+    }
+#endif
     gemv_rows<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(),
                         has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
                         x.size(0), rows, cols, static_cast<int>(n), static_cast<int>(m), meta.size(1));
