@@ -28,6 +28,9 @@ def test_bad_index_names_the_argument():
         SlicedLinear(nn.Linear(12, 10), out_index=torch.tensor([10]))
     with pytest.raises(TypeError, match="base must be an nn.Linear"):
         SlicedLinear(nn.Conv1d(1, 1, 1))
+    layer = SlicedLinear(nn.Linear(12, 10), in_index=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 2\] of dtype torch.float32"):
+        layer(torch.zeros(3, 12))
 
 
 def test_sliced_mlp_gives_the_compacted_model_and_unslice_restores_it():

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import ops
 from ..ops import _validate as check
+from ..ops.linear import _sliced_linear
 
 
 class SlicedLinear(nn.Module):
@@ -44,7 +44,12 @@ class SlicedLinear(nn.Module):
         return self.base.out_features if self.out_index is None else self.out_index.numel()
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.sliced_linear(x, self.base.weight, self.base.bias, self.in_index, self.out_index)
+        # The indices were checked once, here in __init__; the op's per-call index checks (unique,
+        # min/max) would stall a GPU on every forward, so only x is checked.
+        if x.shape[-1] != self.in_features or x.dtype != self.base.weight.dtype:
+            raise ValueError(f"x must be [..., {self.in_features}] of dtype {self.base.weight.dtype}; "
+                             f"got [..., {x.shape[-1]}] {x.dtype}")
+        return _sliced_linear(x, self.base.weight, self.base.bias, self.in_index, self.out_index)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
