@@ -286,3 +286,30 @@ def test_generate_with_sparse_layers_matches_dense():
     dense_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
     sparsify_(model)
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), dense_tokens)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64), (20, 64)])  # GEMV, GEMV, tl.dot kernel
+def test_kernel_backend_runs_the_triton_kernels(dtype, shape):
+    from pyprune.ops import use_backend
+    linear, _ = _pruned_linear(64, 48, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="kernel")
+    x = randn(shape, dtype, seed=13)
+    with torch.no_grad(), use_backend("triton"):
+        got = layer(x)
+    expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert_close(got, expected, dtype)
+
+
+def test_autocast_casts_like_nn_linear_and_trains_the_stored_values():
+    linear, mask = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    x = randn((4, 64), seed=14)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        reference = linear(x)
+    assert out.dtype == reference.dtype == torch.bfloat16
+    assert_close(out, reference.float(), torch.bfloat16)
+    out.float().sum().backward()
+    assert layer.values.grad is not None and layer.values.grad.dtype == torch.float32

@@ -17,7 +17,7 @@ for the device, dtype, pattern and shape class (:mod:`pyprune.nn.dispatch`):
   keeps the pattern.
 * ``dense``: decompress, then ``F.linear`` (cuBLAS/MKL); no dense copy is kept.
 * ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16; one cached
-  copy), with the cuSPARSELt algorithm searched once per shape class.
+  copy), with the cuSPARSELt algorithm searched once per power-of-two token count.
 * ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM (``pyprune._C_cuda``, sm80+).
 
 Calls in grad mode where x or a parameter requires grad always run ``kernel`` (the only
@@ -93,7 +93,7 @@ class SparseLinear(nn.Module):
         self.register_buffer("meta", reference.pack_mask(mask.reshape(out_features, in_features)))
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
-        self._cusparselt_algorithms: Dict[str, int] = {}
+        self._cusparselt_algorithms: Dict[int, int] = {}
 
     def get_extra_state(self) -> Tensor:
         return torch.tensor([self.n, self.m, self.in_features], dtype=torch.int64)
@@ -221,6 +221,16 @@ class SparseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must have {self.in_features} features in its last dim; got {x.shape[-1]}")
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            if dtype != self.values.dtype or dtype != x.dtype:
+                # as nn.Linear under autocast: inputs and weights cast to the autocast dtype (a
+                # differentiable cast, so mixed-precision training updates the stored values)
+                with torch.autocast(device_type, enabled=False):
+                    bias = None if self.bias is None else self.bias.to(dtype)
+                    return ops.nm_linear(x.to(dtype), self.values.to(dtype), self.meta, self.n,
+                                         self.m, bias)
         name = self.choose_backend(x)
         if name == "kernel":
             return ops.nm_linear(x, self.values, self.meta, self.n, self.m, self.bias)
@@ -246,7 +256,7 @@ class SparseLinear(nn.Module):
     def _semi_structured(self, name: str, x: Tensor):
         """The weight as torch's 2:4 semi-structured tensor for ``name`` (one cached copy), or None
         if torch refuses it. For cuSPARSELt the algorithm is searched
-        (``torch._cslt_sparse_mm_search``) on the first input of each shape class."""
+        (``torch._cslt_sparse_mm_search``) on the first input of each power-of-two token count."""
         def build():
             from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
             kind = SparseSemiStructuredTensorCUTLASS if name == "cutlass" else SparseSemiStructuredTensorCUSPARSELT
@@ -256,10 +266,11 @@ class SparseLinear(nn.Module):
                 return None
         sparse = self._cached(name, build)
         if sparse is not None and name == "cusparselt":
-            klass = dispatch.shape_class(x.numel() // max(x.shape[-1], 1))
-            if klass not in self._cusparselt_algorithms:
-                self._cusparselt_algorithms[klass] = _cusparselt_algorithm(sparse, x)
-            sparse.alg_id_cusparselt = self._cusparselt_algorithms[klass]
+            tokens = x.numel() // max(x.shape[-1], 1)
+            bucket = 1 << max(tokens - 1, 0).bit_length()  # the token count rounded up to a power of 2
+            if bucket not in self._cusparselt_algorithms:
+                self._cusparselt_algorithms[bucket] = _cusparselt_algorithm(sparse, x)
+            sparse.alg_id_cusparselt = self._cusparselt_algorithms[bucket]
         return sparse
 
     def _apply(self, fn, recurse=True):
