@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .engine import block_prefix, decoder_blocks
+from .patterns import NM
 
 
 @torch.no_grad()
@@ -40,13 +41,6 @@ def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int
     return math.exp(nll / count)
 
 
-def _nm_valid(mask: Tensor, n: int, m: int) -> bool:
-    """Every group of m along the input dim has at most n nonzeros (a valid N:M pattern)."""
-    if mask.shape[-1] % m:
-        return False
-    return bool((mask.reshape(-1, m).sum(dim=1) <= n).all())
-
-
 def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) -> Dict:
     """Measured sparsity of every linear layer in the decoder blocks and overall, and whether each
     layer satisfies the given N:M patterns."""
@@ -64,7 +58,7 @@ def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) ->
                 "name": f"{prefix}.{index}.{name}",
                 "shape": list(module.weight.shape),
                 "sparsity": layer_zeros / nonzero.numel(),
-                "nm_valid": {f"{n}:{m}": _nm_valid(nonzero, n, m) for n, m in nm},
+                "nm_valid": {f"{n}:{m}": NM(n, m).fits(nonzero) for n, m in nm},
             })
     return {"sparsity": zeros / total if total else 0.0, "parameters": total, "layers": layers,
             "nm_valid": {f"{n}:{m}": all(layer["nm_valid"][f"{n}:{m}"] for layer in layers) for n, m in nm}}

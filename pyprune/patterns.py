@@ -47,6 +47,13 @@ class Unstructured:
         return f"unstructured {self.sparsity:g}"
 
 
+def max_kept_per_group(weight: Tensor, m: int) -> int:
+    """The largest number of nonzeros in any group of m consecutive weights along the last dim."""
+    if weight.shape[-1] % m:
+        raise ValueError(f"m={m} must divide the last dim of weight; got {weight.shape[-1]}")
+    return int((weight.reshape(-1, m) != 0).sum(dim=1).max()) if weight.numel() else 0
+
+
 @dataclass(frozen=True)
 class NM:
     n: int
@@ -63,6 +70,11 @@ class NM:
     def weight_mask(self, w: Tensor, act_sqnorm: Optional[Tensor] = None) -> Tensor:
         """Mask of |W| (or of the Wanda score with ``act_sqnorm``), fused: no score tensor."""
         return ops.score_nm_mask(w, self.n, self.m, act_sqnorm)
+
+    def fits(self, weight: Tensor) -> bool:
+        """Whether ``weight`` already has this pattern: at most n nonzeros in every group of m
+        along its last dim (which m must divide)."""
+        return weight.shape[-1] % self.m == 0 and max_kept_per_group(weight, self.m) <= self.n
 
     def check_layer(self, name: str, in_features: int) -> None:
         if in_features % self.m:

@@ -66,21 +66,18 @@ template <int DT>
 __device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[4],
                                        uint32_t meta) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (DT == kF16) {
-    asm volatile(
-        PYPRUNE_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
-          "r"(meta));
-  } else {
-    asm volatile(
-        PYPRUNE_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
-          "r"(meta));
-  }
+// One instruction per element type; only the type names differ.
+#define PYPRUNE_MMA_SP_ASM(TYPE)                                                                 \
+  asm volatile(PYPRUNE_MMA_SP ".sync.aligned.m16n8k32.row.col.f32." TYPE "." TYPE ".f32 "        \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n" \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]),    \
+                 "r"(b[3]), "r"(meta))
+  if (DT == kF16)
+    PYPRUNE_MMA_SP_ASM("f16");
+  else
+    PYPRUNE_MMA_SP_ASM("bf16");
+#undef PYPRUNE_MMA_SP_ASM
 #elif defined(__CUDA_ARCH__)
   __trap();  // no sparse tensor cores before sm80; the bindings refuse such devices
 #endif

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .. import backend as _backend
 from .. import ops, reference
-from ..patterns import NM, parse
+from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch
 
 #: The patterns ``sparsify_`` recognises in a weight when none is given, most hardware-friendly first.
@@ -56,20 +56,10 @@ def _check_backend(name: str) -> str:
     return name
 
 
-def max_kept_per_group(weight: Tensor, m: int) -> int:
-    """The largest number of nonzeros in any group of m consecutive weights along a row."""
-    if weight.shape[-1] % m:
-        raise ValueError(f"m={m} must divide the input features; got {weight.shape[-1]}")
-    return int((weight.reshape(-1, m) != 0).sum(dim=1).max()) if weight.numel() else 0
-
-
 def detect_pattern(weight: Tensor, candidates: Iterable[NM] = DETECTED_PATTERNS) -> Optional[NM]:
     """The first candidate N:M pattern that ``weight`` satisfies (at most n nonzeros in every
     group of m), or None."""
-    for pattern in candidates:
-        if weight.shape[-1] % pattern.m == 0 and max_kept_per_group(weight, pattern.m) <= pattern.n:
-            return pattern
-    return None
+    return next((pattern for pattern in candidates if pattern.fits(weight)), None)
 
 
 class SparseLinear(nn.Module):
