@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from . import methods
 from .eval import parameter_count, sparsity_report
-from .patterns import Pattern, Structured, parse
+from .patterns import NM, Pattern, Structured, parse
 
 
 def prune(model: nn.Module, method: str, pattern: Union[str, float, Pattern],
@@ -30,7 +30,10 @@ def prune(model: nn.Module, method: str, pattern: Union[str, float, Pattern],
     start = time.perf_counter()
     details = runner.prune(model, pattern, calib, batch_size=batch_size, progress=progress)
     elapsed = time.perf_counter() - start
-    measured = sparsity_report(model)
+    checked = [(2, 4), (4, 8)]
+    if isinstance(pattern, NM) and (pattern.n, pattern.m) not in checked:
+        checked.append((pattern.n, pattern.m))  # the report always states whether the asked pattern holds
+    measured = sparsity_report(model, nm=checked)
     report = {
         "method": method,
         "pattern": str(pattern),

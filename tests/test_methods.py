@@ -23,10 +23,13 @@ def test_nm_patterns_are_exact(method, pattern):
     model = tiny_llama()
     report = pyprune.prune(model, method, pattern, random_tokens((4, 16)), progress=False)
     n, m = (int(v) for v in str(pattern).split(":"))
-    for linear in _linears(model):
+    pruned = list(_linears(model))
+    assert len(pruned) == len(report["layers"]) == 2 * 7
+    for linear in pruned:
         nonzero = (linear.weight != 0).reshape(-1, m).sum(dim=1)
         assert bool((nonzero == n).all()), "random weights have no zeros, so exactly n survive"
-    assert report["nm_valid"].get(f"{n}:{m}", True)
+    assert report["nm_valid"][f"{n}:{m}"] is True
+    assert all(layer["nm_valid"][f"{n}:{m}"] is True for layer in report["layers"])
     assert report["sparsity"] == pytest.approx(1 - n / m)
 
 
