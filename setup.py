@@ -55,7 +55,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pyprune", "pyprune.*"]) + ["pyprune.kernels"],
     package_dir={"pyprune.kernels": "kernels"},
-    package_data={"pyprune.nn": ["dispatch_table.json"]},
+    package_data={"pyprune.nn": ["dispatch_table.json"],
+                  "pyprune": ["corpora/*.txt", "corpora/*.md", "corpora/*.xz", "corpora/*/*.xz"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[

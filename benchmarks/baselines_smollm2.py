@@ -1,6 +1,6 @@
 """Perplexity of the baseline methods on SmolLM2-135M: the README results table.
 
-Calibration: random windows of Emma; evaluation: Pride and Prejudice (../shared/data/austen).
+Calibration: random windows of Emma; evaluation: Pride and Prejudice (the embedded corpora `emma` and `pride_and_prejudice`).
 Each method runs on a fresh copy of the dense model; results go to JSON and a markdown table.
 
     python benchmarks/baselines_smollm2.py                      # 64 x 512 calibration tokens
@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 
 import torch
@@ -43,9 +42,7 @@ def main(argv=None):
                                                          "results", "baselines-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
-    austen = os.path.join(data.shared_data_dir(), "austen")
-    calib_source = os.path.join(austen, "emma.txt")
-    eval_source = os.path.join(austen, "pride_and_prejudice.txt")
+    calib_source, eval_source = "emma", "pride_and_prejudice"
     dense_model, tokenizer = load_model("smollm2-135m")
     calib = data.calibration_samples(tokenizer, calib_source, nsamples=args.nsamples, seqlen=args.seqlen,
                                      seed=args.seed)

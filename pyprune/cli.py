@@ -1,8 +1,8 @@
 """The ``pyprune`` command line: prune, eval, demo.
 
-    pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma.txt \\
-                  --eval pride_and_prejudice.txt --output pruned/ --report report.json
-    pyprune eval --model pruned/ --data pride_and_prejudice.txt
+    pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
+                  --eval pride_and_prejudice --output pruned/ --report report.json
+    pyprune eval --model pruned/ --data pride_and_prejudice
     pyprune demo
 
 Every argument is checked before the model is loaded or anything is written; a bad one prints a
@@ -94,7 +94,9 @@ def cmd_prune(args) -> int:
     if not isinstance(pattern, runner.patterns):
         allowed = ", ".join(p.__name__ for p in runner.patterns)
         raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
-    for source in [args.calib] + list(args.eval or []):
+    if runner.needs_calibration and args.calib is None:
+        raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
+    for source in ([args.calib] if args.calib is not None else []) + list(args.eval or []):
         data.check_source(source)
     _check_output(args.output, "--output")
     _check_report(args.report)
@@ -148,10 +150,7 @@ def cmd_demo(args) -> int:
     from . import pruning
     from .eval import perplexity
     from .models import load_model
-    calib_source = os.path.join(data.shared_data_dir(), "austen", "emma.txt")
-    eval_source = os.path.join(data.shared_data_dir(), "austen", "pride_and_prejudice.txt")
-    for source in (calib_source, eval_source):
-        data.check_source(source)
+    calib_source, eval_source = "emma", "pride_and_prejudice"
     model, tokenizer = load_model("smollm2-135m")
     calib = data.calibration_samples(tokenizer, calib_source, nsamples=args.nsamples, seqlen=256, seed=0)
     tokens = data.eval_tokens(tokenizer, eval_source, max_tokens=args.eval_tokens)
@@ -189,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--ratio", type=float, help="structured ratio of heads/channels removed")
     prune.add_argument("--uniform", action="store_true",
                        help="structured: same sizes in every layer, so plain transformers can load it")
-    prune.add_argument("--calib", required=True, help="calibration text: a .txt file, a directory, "
-                       "PATH:first_half, or wikitext2/c4/ptb")
+    prune.add_argument("--calib", help="calibration text (every method but magnitude): an embedded "
+                       f"corpus ({', '.join(data.EMBEDDED)}), a .txt file, a directory, "
+                       "wikitext2/c4/ptb; any of them with :first_half or :second_half")
     prune.add_argument("--nsamples", type=int, default=64)
     prune.add_argument("--seqlen", type=int, default=512)
     prune.add_argument("--seed", type=int, default=0)

@@ -4,14 +4,20 @@ A *source* names some text. It is one of
 
 * a local ``.txt`` file, or a directory (every ``*.txt`` file in it, in sorted order, joined by
   ``"\\n\\n"``);
+* the name of a corpus the package carries (:data:`EMBEDDED`, stored xz-compressed in
+  ``pyprune/corpora``): ``"emma"``, ``"pride_and_prejudice"`` and the other Austen novels,
+  ``"austen"`` (all six), ``"moby_dick"``, ``"python"`` (CPython 3.11 standard-library source, PSF
+  licence in ``pyprune/corpora/PYTHON_LICENSE.txt``).  When ``$PYPRUNE_DATA`` names a directory
+  holding the same layout (``austen/emma.txt``, ``moby_dick.txt``, ...), a named corpus is read
+  from there instead;
 * a dataset name: ``"wikitext2"``, ``"c4"`` or ``"ptb"`` (loaded with the ``datasets`` library;
   see :func:`load_text` for the protocol each one follows);
-* either of the above followed by ``":first_half"`` or ``":second_half"``, which keeps that half
+* any of the above followed by ``":first_half"`` or ``":second_half"``, which keeps that half
   of the text.  The text is cut at the first newline at or after the character midpoint (the
   newline stays with the first half), so the two halves partition the text exactly and the cut
-  is deterministic.  This gives the fixed calibration / evaluation splits described in
-  ``shared/data/README.md``, e.g. ``"moby_dick.txt:first_half"`` to calibrate and
-  ``"moby_dick.txt:second_half"`` to evaluate.
+  is deterministic.  This gives the fixed calibration / evaluation splits the project uses:
+  ``"emma"`` / ``"pride_and_prejudice"``, ``"moby_dick:first_half"`` / ``"moby_dick:second_half"``,
+  ``"python:first_half"`` / ``"python:second_half"``.
 
 Public functions:
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import lzma
 import os
 import sys
 import urllib.error
@@ -35,10 +42,26 @@ from pathlib import Path
 import torch
 
 __all__ = ["load_text", "eval_tokens", "calibration_samples", "windows", "check_source",
-           "shared_data_dir", "KNOWN_DATASETS"]
+           "EMBEDDED", "KNOWN_DATASETS"]
 
-#: Dataset names :func:`load_text` understands (anything else must be a local path).
+#: Corpora carried by the package, by name: their files, relative to ``pyprune/corpora`` (stored
+#: as ``FILE.xz``) or to ``$PYPRUNE_DATA`` when that directory holds them.
+EMBEDDED = {
+    "emma": ("austen/emma.txt",),
+    "mansfield_park": ("austen/mansfield_park.txt",),
+    "northanger_abbey": ("austen/northanger_abbey.txt",),
+    "persuasion": ("austen/persuasion.txt",),
+    "pride_and_prejudice": ("austen/pride_and_prejudice.txt",),
+    "sense_and_sensibility": ("austen/sense_and_sensibility.txt",),
+    "moby_dick": ("moby_dick.txt",),
+    "python": ("python_stdlib.py.txt",),
+}
+EMBEDDED["austen"] = tuple(files[0] for name, files in EMBEDDED.items() if files[0].startswith("austen/"))
+
+#: Dataset names :func:`load_text` loads from the Hugging Face hub.
 KNOWN_DATASETS = ("wikitext2", "c4", "ptb")
+
+_CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
 
 _SPLITS = ("eval", "calib")
 _SLICES = ("first_half", "second_half")
@@ -63,7 +86,8 @@ def load_text(source: str | os.PathLike, *, split: str = "eval") -> str:
 
     Args:
         source: a local ``.txt`` file; a directory (all ``*.txt`` files in it, sorted by name,
-            joined by ``"\\n\\n"``); or a dataset name from :data:`KNOWN_DATASETS`.  A suffix
+            joined by ``"\\n\\n"``); an embedded corpus name from :data:`EMBEDDED`; or a
+            dataset name from :data:`KNOWN_DATASETS`.  A suffix
             ``":first_half"`` / ``":second_half"`` keeps that half of the text (cut at the first
             newline at or after the character midpoint; ``first + second == whole``).
         split: ``"eval"`` (default) or ``"calib"``.  It picks the split of a dataset; a local
@@ -81,7 +105,7 @@ def load_text(source: str | os.PathLike, *, split: str = "eval") -> str:
       ``train`` split (``"calib"``) joined by ``" "`` (the common protocol).
 
     Raises:
-        FileNotFoundError: ``source`` is neither an existing path nor a known dataset name.
+        FileNotFoundError: ``source`` is neither an existing path nor a known corpus or dataset name.
         ValueError: bad ``split``, or a directory without ``*.txt`` files.
         RuntimeError: a dataset could not be loaded (e.g. offline with nothing cached).
     """
@@ -100,15 +124,25 @@ def check_source(source: str | os.PathLike) -> None:
     name, without reading or downloading anything."""
     base, _ = _parse_source(source)
     path = Path(base).expanduser()
-    if path.exists() or base.strip().lower() in KNOWN_DATASETS:
+    name = base.strip().lower()
+    if path.exists() or name in EMBEDDED or name in KNOWN_DATASETS:
         return
     raise _not_found(source)
 
 
-def shared_data_dir() -> str:
-    """The project's text corpora: $PYPRUNE_DATA, else ``../shared/data`` beside the repository."""
-    default = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return os.environ.get("PYPRUNE_DATA", str(default))
+def _embedded_text(name: str) -> str:
+    """The text of an embedded corpus (its files joined by ``"\\n\\n"``), from ``$PYPRUNE_DATA``
+    when that directory has every file, else from the package's compressed copy."""
+    override = os.environ.get("PYPRUNE_DATA")
+    files = EMBEDDED[name]
+    if override and all((Path(override) / f).is_file() for f in files):
+        return "\n\n".join((Path(override) / f).read_text(encoding="utf-8") for f in files)
+    texts = []
+    for f in files:
+        packed = _CORPORA_DIR / f"{f}.xz"
+        with lzma.open(packed, "rt", encoding="utf-8") as handle:
+            texts.append(handle.read())
+    return "\n\n".join(texts)
 
 
 def _parse_source(source) -> tuple[str, str | None]:
@@ -137,11 +171,12 @@ def _halves(text: str) -> tuple[str, str]:
 
 def _not_found(source) -> FileNotFoundError:
     return FileNotFoundError(f"source={source!r} is neither an existing .txt file or directory nor "
-                             f"a known dataset name ({_known_hint()})")
+                             f"a known name ({_known_hint()})")
 
 
 def _known_hint() -> str:
-    return "known dataset names: " + ", ".join(repr(n) for n in KNOWN_DATASETS)
+    return ("embedded corpora: " + ", ".join(EMBEDDED) + "; hub datasets: " + ", ".join(KNOWN_DATASETS)
+            + "; any of them may end in :first_half or :second_half")
 
 
 def _load_whole(source: str, split: str) -> str:
@@ -154,6 +189,8 @@ def _load_whole(source: str, split: str) -> str:
             raise ValueError(f"source={source!r} is a directory with no *.txt files")
         return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
     name = source.strip().lower()
+    if name in EMBEDDED:
+        return _embedded_text(name)
     if name in KNOWN_DATASETS:
         return _dataset_text(name, split)
     raise _not_found(source)

@@ -7,7 +7,7 @@ import pytest
 
 from pyprune import cli
 
-EMMA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "austen", "emma.txt")
+EMMA = "emma"  # the embedded corpus
 
 
 @pytest.mark.parametrize("args,message", [
@@ -22,6 +22,7 @@ EMMA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "au
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
     (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
     (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
+    (["--method", "wanda", "--pattern", "2:4", "--calib", "emma:third_half"], "emma:third_half' is neither"),
 ])
 def test_bad_prune_arguments(tmp_path, capsys, args, message):
     output = tmp_path / "out"
@@ -98,6 +99,35 @@ def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, me
     if check == "2:4":
         assert pyprune.eval.sparsity_report(model)["nm_valid"]["2:4"]
     assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0
+
+
+def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--report", str(report_path), "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+
+
+def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--method", "wanda", "--pattern", "2:4"]
+    assert cli.main(argv) == 2
+    assert "method 'wanda' needs --calib" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_end_to_end():
+    """The README's first command: Wanda 2:4 on SmolLM2-135M from the embedded Austen texts."""
+    import re
+    result = subprocess.run([sys.executable, "-m", "pyprune.cli", "demo", "--nsamples", "4",
+                             "--eval-tokens", "2048", "--quiet"], capture_output=True, text=True,
+                            timeout=1200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "every linear layer of every block is 2:4 = True" in result.stdout
+    dense, pruned = map(float, re.search(r"dense ([\d.]+) -> pruned ([\d.]+)", result.stdout).groups())
+    assert 10 < dense < 60 and dense < pruned < 50 * dense
 
 
 def test_prune_can_store_sparse_layers(tiny_model_dir, tmp_path):

@@ -1,9 +1,11 @@
 """Tests for pyprune.data: text sources, token streams, calibration windows.
 
-They read the real corpora in ../shared/data and use a small word-level tokenizer trained here
-on a slice of Emma, so no downloaded model (and no network) is needed.
+They read the corpora the package embeds (by name, and written out to a temporary directory to
+test paths) and use a small word-level tokenizer trained here on a slice of Emma, so no
+downloaded model (and no network) is needed.
 """
 import logging
+import lzma
 from pathlib import Path
 
 import pytest
@@ -11,11 +13,29 @@ import torch
 
 from pyprune import data
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-EMMA = DATA / "austen" / "emma.txt"
-MOBY = DATA / "moby_dick.txt"
+AUSTEN_NAMES = ["emma", "mansfield_park", "northanger_abbey", "persuasion", "pride_and_prejudice",
+                "sense_and_sensibility"]
 
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared corpora not found at {DATA}")
+
+@pytest.fixture(scope="module")
+def DATA(tmp_path_factory):
+    """The embedded corpora written out as plain files in the ``$PYPRUNE_DATA`` layout."""
+    root = tmp_path_factory.mktemp("corpora")
+    for name, files in data.EMBEDDED.items():
+        if len(files) == 1:
+            (root / files[0]).parent.mkdir(parents=True, exist_ok=True)
+            (root / files[0]).write_text(data.load_text(name), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def EMMA(DATA):
+    return DATA / "austen" / "emma.txt"
+
+
+@pytest.fixture(scope="module")
+def MOBY(DATA):
+    return DATA / "moby_dick.txt"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +46,7 @@ def tokenizer():
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=4000, special_tokens=["[UNK]", "[BOS]"])
-    text = EMMA.read_text(encoding="utf-8")[:200_000]
+    text = data.load_text("emma")[:200_000]
     tok.train_from_iterator(text.splitlines(), trainer=trainer)
     bos = tok.token_to_id("[BOS]")
     # A post-processor that adds BOS, so the tests can check that no special tokens are added.
@@ -42,7 +62,7 @@ def tokenizer():
 # ------------------------------------------------------------------------------------- text
 
 
-def test_load_text_file():
+def test_load_text_file(MOBY):
     assert data.load_text(str(MOBY)) == MOBY.read_text(encoding="utf-8")
     assert data.load_text(MOBY) == MOBY.read_text(encoding="utf-8")  # os.PathLike accepted
     # a local file gives the same text for both splits
@@ -58,7 +78,7 @@ def test_load_text_directory_sorted(tmp_path):
     assert data.load_text(str(tmp_path)) == "first\n\nsecond"
 
 
-def test_load_text_real_directory_order():
+def test_load_text_real_directory_order(DATA, EMMA):
     austen = DATA / "austen"
     files = sorted(austen.glob("*.txt"))
     assert [f.name for f in files][0] == "emma.txt"
@@ -72,8 +92,9 @@ def test_empty_directory(tmp_path):
         data.load_text(str(tmp_path))
 
 
-@pytest.mark.parametrize("path", [MOBY, DATA / "python_stdlib.py.txt", EMMA])
-def test_halves_partition_file(path):
+@pytest.mark.parametrize("relative", ["moby_dick.txt", "python_stdlib.py.txt", "austen/emma.txt"])
+def test_halves_partition_file(DATA, relative):
+    path = DATA / relative
     whole = path.read_text(encoding="utf-8")
     first = data.load_text(f"{path}:first_half")
     second = data.load_text(f"{path}:second_half")
@@ -98,11 +119,70 @@ def test_missing_source_error():
         data.load_text("/nonexistent/definitely_missing.txt")
     msg = str(err.value)
     assert "source" in msg and "definitely_missing.txt" in msg
-    for name in ("wikitext2", "c4", "ptb"):
+    for name in ("wikitext2", "c4", "ptb", "emma", "moby_dick", "python", "first_half"):
         assert name in msg
+    with pytest.raises(FileNotFoundError, match="emma"):
+        data.check_source("emmma")
 
 
-def test_bad_split():
+# ---------------------------------------------------------------------------- embedded corpora
+
+
+def test_embedded_corpora_shipped():
+    """Every named corpus is in the package, compressed, with the Python licence beside it."""
+    corpora = Path(data.__file__).parent / "corpora"
+    for files in data.EMBEDDED.values():
+        for name in files:
+            assert (corpora / f"{name}.xz").is_file()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE" in (corpora / "PYTHON_LICENSE.txt").read_text()
+
+
+def test_embedded_names(monkeypatch):
+    monkeypatch.delenv("PYPRUNE_DATA", raising=False)
+    emma = data.load_text("emma")
+    assert emma.lstrip().startswith("EMMA") and "Woodhouse" in emma[:2000]
+    assert len(emma) > 800_000
+    assert "Call me Ishmael" in data.load_text("moby_dick")[:50_000]
+    assert "def " in data.load_text("python")
+    assert data.load_text("Emma") == emma  # names are case-insensitive
+    assert data.load_text("emma", split="calib") == emma
+    austen = data.load_text("austen")
+    assert austen == "\n\n".join(data.load_text(n) for n in AUSTEN_NAMES)
+    data.check_source("pride_and_prejudice:second_half")
+
+
+@pytest.mark.parametrize("name", ["emma", "moby_dick", "python"])
+def test_embedded_halves(name):
+    first, second = data.load_text(f"{name}:first_half"), data.load_text(f"{name}:second_half")
+    assert first + second == data.load_text(name)
+    assert first.endswith("\n") and abs(len(first) - len(second)) < 0.01 * len(first)
+
+
+def test_pyprune_data_override(tmp_path, monkeypatch):
+    """$PYPRUNE_DATA with the same layout replaces a named corpus; without the file, the embedded
+    copy is used."""
+    (tmp_path / "austen").mkdir()
+    (tmp_path / "austen" / "emma.txt").write_text("a different emma", encoding="utf-8")
+    monkeypatch.setenv("PYPRUNE_DATA", str(tmp_path))
+    assert data.load_text("emma") == "a different emma"
+    packed = Path(data.__file__).parent / "corpora" / "moby_dick.txt.xz"
+    assert data.load_text("moby_dick") == lzma.decompress(packed.read_bytes()).decode("utf-8")
+
+
+def test_path_wins_over_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "emma").write_text("a local file called emma", encoding="utf-8")
+    assert data.load_text("emma") == "a local file called emma"
+
+
+def test_embedded_matches_compressed_bytes():
+    """The loader decodes exactly the shipped bytes (no newline or encoding changes)."""
+    packed = Path(data.__file__).parent / "corpora" / "moby_dick.txt.xz"
+    raw = lzma.decompress(packed.read_bytes()).decode("utf-8")
+    assert data.load_text("moby_dick") == raw
+
+
+def test_bad_split(MOBY):
     with pytest.raises(ValueError, match="split"):
         data.load_text(str(MOBY), split="train")
 
@@ -122,7 +202,7 @@ def test_known_dataset_offline(name, monkeypatch):
 # ----------------------------------------------------------------------------------- tokens
 
 
-def test_eval_tokens(tokenizer):
+def test_eval_tokens(tokenizer, MOBY):
     text = MOBY.read_text(encoding="utf-8")
     stream = data.eval_tokens(tokenizer, str(MOBY))
     assert stream.dtype == torch.long and stream.dim() == 1
@@ -137,7 +217,7 @@ def test_eval_tokens(tokenizer):
         data.eval_tokens(tokenizer, str(MOBY), max_tokens=0)
 
 
-def test_eval_tokens_no_length_warning(tokenizer):
+def test_eval_tokens_no_length_warning(tokenizer, EMMA):
     records = []
 
     class Collect(logging.Handler):
@@ -159,7 +239,7 @@ def _is_slice(stream, row):
     return bool((stream.unfold(0, seqlen, 1) == row).all(dim=1).any())
 
 
-def test_calibration_samples(tokenizer):
+def test_calibration_samples(tokenizer, MOBY):
     source = f"{MOBY}:first_half"
     stream = data.eval_tokens(tokenizer, source)
     s = data.calibration_samples(tokenizer, source, nsamples=8, seqlen=64, seed=0)
@@ -184,7 +264,7 @@ def test_calibration_samples_exact_fit(tokenizer, tmp_path):
     assert torch.equal(s, stream[:4].expand(3, 4))
 
 
-def test_calibration_errors(tokenizer, tmp_path):
+def test_calibration_errors(tokenizer, tmp_path, MOBY):
     with pytest.raises(ValueError, match="nsamples"):
         data.calibration_samples(tokenizer, str(MOBY), nsamples=0, seqlen=16)
     with pytest.raises(ValueError, match="seqlen"):
@@ -210,7 +290,7 @@ def test_windows():
         data.windows(t.reshape(2, 5), 2)
 
 
-def test_windows_of_eval_stream(tokenizer):
+def test_windows_of_eval_stream(tokenizer, EMMA):
     stream = data.eval_tokens(tokenizer, str(EMMA), max_tokens=1000)
     w = data.windows(stream, 128)
     assert w.shape == (7, 128)

@@ -191,17 +191,11 @@ def test_load_rejects_missing_or_mismatched(tmp_path):
         pyprune.load(tmp_path / "m")
 
 
-_SMOLLM = os.path.join(os.environ.get("PYPRUNE_CACHE", os.path.expanduser("~/.cache/pyprune")),
-                       "models", "smollm2-135m")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isfile(os.path.join(_SMOLLM, "config.json")),
-                    reason="SmolLM2-135M is not in the pyprune cache")
 @pytest.mark.parametrize("uniform", [False, True])
 def test_smollm2_pruned_round_trip(tmp_path, uniform):
     from pyprune.models import load_model
-    model, tokenizer = load_model(_SMOLLM)
+    model, tokenizer = load_model("smollm2-135m")
     calib = random_tokens((4, 32), vocab=model.config.vocab_size)
     report = pyprune.prune(model, "taylor", Structured(0.2, uniform=uniform), calib, progress=False,
                            first_layer=0 if uniform else 1)

@@ -15,10 +15,6 @@ from pyprune import models
 from pyprune.models import MODEL_ALIASES, load_model, resolve_model_dir
 from tests.helpers import tiny_tokenizer
 
-AUSTEN = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "austen",
-                      "pride_and_prejudice.txt")
-if not os.path.exists(AUSTEN):
-    AUSTEN = "/work/shared/data/austen/pride_and_prejudice.txt"
 
 def _tiny_llama(tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -212,8 +208,8 @@ def test_smollm2_config_and_tied_embeddings(smollm2):
 @pytest.mark.slow
 def test_smollm2_perplexity_on_austen(smollm2):
     model, tok = smollm2
-    with open(AUSTEN, encoding="utf-8") as f:
-        text = f.read(40_000)
+    from pyprune.data import load_text
+    text = load_text("pride_and_prejudice")[:40_000]
     ids = tok(text).input_ids
     window, n_windows = 512, 4
     assert len(ids) >= window * n_windows

@@ -4,7 +4,6 @@ Calibration: 16 x 256 tokens of Emma; evaluation: the first 8192 tokens of Pride
 in 256-token windows. Small enough for two CPU cores, large enough for stable orderings.
 """
 import copy
-import os
 
 import pytest
 
@@ -14,16 +13,15 @@ from pyprune.eval import perplexity
 from pyprune.models import load_model
 
 pytestmark = pytest.mark.slow
-AUSTEN = os.path.join(data.shared_data_dir(), "austen")
 SEQLEN = 256
 
 
 @pytest.fixture(scope="module")
 def setup():
     model, tokenizer = load_model("smollm2-135m")
-    calib = data.calibration_samples(tokenizer, os.path.join(AUSTEN, "emma.txt"), nsamples=16,
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=16,
                                      seqlen=SEQLEN, seed=0)
-    tokens = data.eval_tokens(tokenizer, os.path.join(AUSTEN, "pride_and_prejudice.txt"), max_tokens=8192)
+    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=8192)
     return model, calib, tokens, perplexity(model, tokens, SEQLEN, progress=False)
 
 
