@@ -45,14 +45,36 @@ def test_capture_sees_every_linear_input_and_output():
 def test_block_forward_with_grad_gives_gradients_through_one_block():
     model = tiny_llama()
     tokens = random_tokens((2, 8))
+    grads = []  # per call: the block's parameter gradients of mean(output²)
 
     def process(ctx):
         out = ctx.forward(grad=True)
         out.square().mean().backward()
-        assert all(p.grad is not None for p in ctx.block.parameters())
+        grads.append([None if p.grad is None else p.grad.clone() for p in ctx.block.parameters()])
         ctx.block.zero_grad(set_to_none=True)
 
     engine.run_blockwise(model, tokens, process, progress=False)
+    blocks = model.model.layers
+    assert len(grads) == len(blocks) == 2
+    # the same gradients through the whole model: each block's output, differentiated w.r.t. its
+    # own parameters (earlier blocks are unchanged, so each block sees the same inputs)
+    outputs = []
+
+    def keep_output(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [block.register_forward_hook(keep_output) for block in blocks]
+    try:
+        model(input_ids=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for block, out, got in zip(blocks, outputs, grads):
+        params = list(block.parameters())
+        expected = torch.autograd.grad(out.square().mean(), params, retain_graph=True)
+        assert all(g is not None for g in got)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
 
 
 def test_accumulate_gradients_is_the_gradient_of_the_mean_loss():
