@@ -5,9 +5,12 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 
 from pyprune import backend, ops
 from pyprune import reference as R
+
+from .helpers import rand, randn, tied_scores
 
 W = torch.randn(4, 8)
 
@@ -110,6 +113,70 @@ def test_ops_trace_under_torch_compile():
     compiled = torch.compile(pipeline, backend="aot_eager", fullgraph=True)
     for got, expected in zip(compiled(w, sqnorm, x, values, meta), pipeline(w, sqnorm, x, values, meta)):
         assert torch.equal(got, expected)
+
+
+def _compile_cases(dtype):
+    """{public op: (function of tensors, its tensor arguments)}, on awkward shapes and tied scores."""
+    w = randn((6, 24), dtype, seed=1)
+    grad = randn((6, 24), dtype, seed=2)
+    sqnorm = rand((24,), seed=3) + 0.1
+    scores = tied_scores((6, 24), dtype, seed=4)
+    mask = R.nm_mask(w.float().abs(), 2, 4)
+    values, meta = R.nm_compress(w, mask, 2, 4)
+    x = randn((2, 3, 24), dtype, seed=5)
+    bias = randn((6,), dtype, seed=6)
+    in_index, out_index = torch.tensor([3, 0, 17, 8, 23]), torch.tensor([5, 1, 2])
+    return {
+        "magnitude_score": (ops.magnitude_score, (w,)),
+        "wanda_score": (ops.wanda_score, (w, sqnorm)),
+        "taylor_score": (ops.taylor_score, (w, grad)),
+        "accumulate_sqnorm_": (ops.accumulate_sqnorm_, (torch.ones(24), x)),
+        "topk_mask": (lambda s: (ops.topk_mask(s, 0.4), ops.topk_mask(s, 0.7, scope="tensor")), (scores,)),
+        "nm_mask": (lambda s: (ops.nm_mask(s, 2, 4), ops.nm_mask(s, 5, 8)), (scores,)),
+        "score_nm_mask": (lambda w, a: (ops.score_nm_mask(w, 2, 4), ops.score_nm_mask(w, 1, 3, a)), (w, sqnorm)),
+        "score_topk_mask": (lambda w, a: (ops.score_topk_mask(w, 0.5, "tensor"),
+                                          ops.score_topk_mask(w, 0.3, "row", a)), (w, sqnorm)),
+        "soft_threshold": (lambda x: ops.soft_threshold(x, 0.5), (w,)),
+        "group_soft_threshold": (lambda x: (ops.group_soft_threshold(x, 2.0, 0),
+                                            ops.group_soft_threshold(x, 1.5, 1)), (w,)),
+        "nm_compress": (lambda w, mask: ops.nm_compress(w, mask, 2, 4), (w, mask)),
+        "nm_decompress": (lambda v, meta: ops.nm_decompress(v, meta, 2, 4), (values, meta)),
+        "nm_linear": (lambda x, v, meta, b: ops.nm_linear(x, v, meta, 2, 4, b), (x, values, meta, bias)),
+        "sliced_linear": (lambda x, w, b, i, o: ops.sliced_linear(x, w, b, i, o),
+                          (x[..., :5].contiguous(), w, bias, in_index, out_index)),
+    }
+
+
+PUBLIC_OPS = sorted(set(ops.__all__) - {"BACKENDS", "use_backend"})
+
+
+def test_every_public_op_has_a_compile_case():
+    assert sorted(_compile_cases(torch.float32)) == PUBLIC_OPS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", PUBLIC_OPS)
+def test_every_public_op_traces_into_one_graph(name, dtype):
+    fn, args = _compile_cases(dtype)[name]
+    eager_args = [a.clone() for a in args]  # accumulate_sqnorm_ writes its first argument
+    expected = torch.utils._pytree.tree_leaves(fn(*eager_args))
+    traced = []  # the graph's outputs as traced: what the fake implementations said
+
+    def aot_eager_recording(graph, example_inputs):
+        output = next(node for node in graph.graph.nodes if node.op == "output")
+        traced.extend(node.meta["example_value"] for node in torch.utils._pytree.tree_leaves(output.args))
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=aot_eager_recording, fullgraph=True)
+    compiled_args = [a.clone() for a in args]
+    got = torch.utils._pytree.tree_leaves(compiled(*compiled_args))
+    assert len(got) == len(expected) == len(traced)
+    for g, e, fake in zip(got, expected, traced):
+        assert (fake.shape, fake.dtype) == (e.shape, e.dtype), name
+        assert g.dtype == e.dtype and torch.equal(g, e), name
+    for g, e in zip(compiled_args, eager_args):
+        assert torch.equal(g, e), name  # and the same in-place writes
 
 
 def test_importing_pyprune_does_not_import_triton_kernels():

@@ -49,7 +49,7 @@ class SlicedLinear(nn.Module):
         if x.shape[-1] != self.in_features or x.dtype != self.base.weight.dtype:
             raise ValueError(f"x must be [..., {self.in_features}] of dtype {self.base.weight.dtype}; "
                              f"got [..., {x.shape[-1]}] {x.dtype}")
-        return _sliced_linear(x, self.base.weight, self.base.bias, self.in_index, self.out_index)
+        return _sliced_linear(x, self.base.weight, self.base.bias, self.in_index, self.out_index, False)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

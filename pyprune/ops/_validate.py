@@ -95,17 +95,31 @@ def index(name: str, value: Optional[Tensor], size: int, dim_name: str) -> Optio
     """A 1-D int64 index tensor of distinct positions in [0, size)."""
     if value is None:
         return None
+    index_type(name, value)
+    index_values(name, value, size, dim_name)
+    return value
+
+
+def index_type(name: str, value: Optional[Tensor]) -> None:
+    """The checks of :func:`index` that need no tensor values (so they also run while tracing)."""
+    if value is None:
+        return
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int64; got {type(value).__name__}")
     if value.dtype not in (torch.int64, torch.int32) or value.dim() != 1 or value.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1-D int64/int32 tensor; got "
                          f"dtype {value.dtype}, shape {tuple(value.shape)}")
+
+
+def index_values(name: str, value: Optional[Tensor], size: int, dim_name: str) -> None:
+    """The checks of :func:`index` on its values: distinct positions in [0, size)."""
+    if value is None:
+        return
     if int(value.min()) < 0 or int(value.max()) >= size:
         raise ValueError(f"{name} must hold positions in [0, {size}) of {dim_name}; got "
                          f"values in [{int(value.min())}, {int(value.max())}]")
     if torch.unique(value).numel() != value.numel():
         raise ValueError(f"{name} must not repeat a position")
-    return value
 
 
 def contiguous(name: str, value: Tensor) -> None:

@@ -117,7 +117,12 @@ _SLICED_IMPLS = {"reference": reference.sliced_linear, "triton": _triton_sliced}
 
 @torch.library.custom_op("pyprune::sliced_linear", mutates_args=())
 def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optional[Tensor],
-                   out_index: Optional[Tensor]) -> Tensor:
+                   out_index: Optional[Tensor], check_indices: bool) -> Tensor:
+    if check_indices:
+        # Range and repeats depend on the index values, so they are checked here, where the
+        # tensors are real also inside a torch.compile graph (SlicedLinear checks them once).
+        check.index_values("in_index", in_index, w.shape[1], "w's input dim")
+        check.index_values("out_index", out_index, w.shape[0], "w's output dim")
     n_out = w.shape[0] if out_index is None else out_index.numel()
     out = run("sliced_linear", _SLICED_IMPLS, x.device, _flatten(x), w.contiguous(), bias,
               in_index, out_index)
@@ -125,13 +130,13 @@ def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optio
 
 
 @_sliced_linear.register_fake
-def _(x, w, bias, in_index, out_index):
+def _(x, w, bias, in_index, out_index, check_indices):
     n_out = w.shape[0] if out_index is None else out_index.numel()
     return x.new_empty(*x.shape[:-1], n_out)
 
 
 def _sliced_setup(ctx, inputs, output):
-    x, w, bias, in_index, out_index = inputs
+    x, w, bias, in_index, out_index, _ = inputs
     ctx.save_for_backward(x, w, in_index, out_index)
     ctx.has_bias = bias is not None
 
@@ -150,7 +155,7 @@ def _sliced_backward(ctx, grad):
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = w.new_zeros(w.shape[0])
         grad_bias[rows] = _flatten(grad).sum(dim=0)
-    return grad_x, grad_w, grad_bias, None, None
+    return grad_x, grad_w, grad_bias, None, None, None
 
 
 _sliced_linear.register_autograd(_sliced_backward, setup_context=_sliced_setup)
@@ -165,10 +170,10 @@ def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
     ``bias`` is the full [out] bias of ``w``.
     """
     check.tensor("w", w, dims=(2,))
-    in_index = check.index("in_index", in_index, w.shape[1], "w's input dim")
-    out_index = check.index("out_index", out_index, w.shape[0], "w's output dim")
+    check.index_type("in_index", in_index)
+    check.index_type("out_index", out_index)
     in_features = w.shape[1] if in_index is None else in_index.numel()
     _check_x_and_bias(x, w, "w", in_features, bias, w.shape[0])
     check.same_device(w=w, in_index=in_index, out_index=out_index)
     to_long = lambda index: None if index is None else index.long()  # noqa: E731
-    return _sliced_linear(x, w, bias, to_long(in_index), to_long(out_index))
+    return _sliced_linear(x, w, bias, to_long(in_index), to_long(out_index), True)

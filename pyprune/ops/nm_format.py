@@ -17,6 +17,14 @@ _COMPRESS_IMPLS = {
 
 @torch.library.custom_op("pyprune::nm_compress", mutates_args=())
 def _nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
+    # The mask's group counts depend on its values, so they are checked here, where the tensors
+    # are real also inside a torch.compile graph (the fake implementation cannot see them).
+    kept = mask.reshape(-1, m).sum(dim=1)
+    if not bool((kept == n).all()):
+        bad = int((kept != n).nonzero()[0, 0])
+        row, group = divmod(bad, w.shape[1] // m)
+        raise ValueError(f"mask must keep exactly n={n} of every m={m} elements; row {row}, group "
+                         f"{group} keeps {int(kept[bad])}")
     return run("nm_compress", _COMPRESS_IMPLS, w.device, w.contiguous(), mask.contiguous(), n, m)
 
 
@@ -35,12 +43,6 @@ def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor
         raise TypeError(f"mask must be a bool tensor; got {getattr(mask, 'dtype', type(mask).__name__)}")
     check.same_shape("mask", mask, w.shape, "w")
     check.same_device(w=w, mask=mask)
-    kept = mask.reshape(-1, m).sum(dim=1)
-    if not bool((kept == n).all()):
-        bad = int((kept != n).nonzero()[0, 0])
-        row, group = divmod(bad, w.shape[1] // m)
-        raise ValueError(f"mask must keep exactly n={n} of every m={m} elements; row {row}, group "
-                         f"{group} keeps {int(kept[bad])}")
     return _nm_compress(w, mask, n, m)
 
 
