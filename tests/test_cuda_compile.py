@@ -11,10 +11,10 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "csrc", "check_cuda.sh")
 
 
 def test_cuda_sources_and_bindings_compile():
-    if shutil.which(os.environ.get("NVCC", "nvcc")) is None:
-        if os.environ.get("CI"):
-            pytest.fail("nvcc is not on PATH in CI; the CUDA compile check cannot run")
-        pytest.skip("nvcc not installed")
+    nvcc = os.environ.get("NVCC", "nvcc")
+    if shutil.which(nvcc) is None:  # every machine of this project has nvcc (DESIGN: nvcc 13.0)
+        pytest.fail(f"{nvcc!r} is not on PATH (set NVCC to its path): the CUDA sources cannot be "
+                    "compile-checked without it", pytrace=False)
     result = subprocess.run(["bash", SCRIPT], capture_output=True, text=True,
                             env=dict(os.environ, PYTHON=sys.executable))
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
