@@ -120,17 +120,40 @@ def test_deepcopy_and_pickle_drop_backend_caches():
     assert layer._cache  # the original keeps its cache
 
 
-def test_cached_backend_state_follows_value_updates():
+def test_backend_cache_follows_the_stored_weight():
+    # The cache behind the GPU backends (SparseLinear._cached, which cusparselt, cutlass and mma_sp
+    # use), exercised on CPU: one build per state of values and meta.
     linear, _ = _pruned_linear(64, 8, 2, 4)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
-    x = randn((2, 64), seed=3)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    other, _ = _pruned_linear(64, 8, 2, 4, seed=5)  # another mask
+    other = SparseLinear.from_dense(other, "2:4")
+    builds = []
+
+    def cached_weight():
+        def build():
+            builds.append(layer.values.dtype)
+            return layer.weight.clone()
+        return layer._cached("test", build)
+
+    first = cached_weight()
+    assert cached_weight() is first and len(builds) == 1
     with torch.no_grad():
-        first = layer(x)
-        layer.values.mul_(2)
-        assert torch.allclose(layer(x), 2 * first - layer.bias, atol=1e-5)
-        layer.values.data.mul_(0.5)  # bypasses the version counter ...
-        layer.invalidate()           # ... so the cache is dropped by hand
-        torch.testing.assert_close(layer(x), first)
+        layer.values.mul_(2)  # in place: seen through the version counter
+    assert torch.equal(cached_weight(), 2 * first) and len(builds) == 2
+    layer.values.data.mul_(0.5)  # bypasses the version counter, so the cached form is stale ...
+    assert torch.equal(cached_weight(), 2 * first) and len(builds) == 2
+    layer._cusparselt_algorithms[1] = 7
+    layer.invalidate()  # ... until invalidate() drops every cached form
+    assert layer._cache == {} and layer._cusparselt_algorithms == {}
+    assert torch.equal(cached_weight(), first) and len(builds) == 3
+    layer.meta.copy_(other.meta)  # a new mask for the same values
+    assert torch.equal(cached_weight(), R.nm_decompress(layer.values.detach(), other.meta, 2, 4))
+    assert len(builds) == 4
+    layer.values = nn.Parameter(3 * other.values)  # replaced
+    assert torch.equal(cached_weight(), 3 * other.weight) and len(builds) == 5
+    layer.to(torch.bfloat16)  # moved
+    assert cached_weight().dtype == torch.bfloat16 and builds[-1] == torch.bfloat16 and len(builds) == 6
+    assert cached_weight().dtype == torch.bfloat16 and len(builds) == 6
 
 
 def test_training_keeps_the_pattern():
@@ -237,6 +260,43 @@ def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
     with torch.no_grad():
         expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cusparselt", "cutlass", "mma_sp"])
+def test_cuda_backend_caches_follow_value_and_mask_updates(backend):
+    # These backends keep a form derived from values/meta (_cache[backend]); it must be rebuilt
+    # when either changes in place, and after invalidate() for writes through .data.
+    dtype = torch.float16
+    linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    other = SparseLinear.from_dense(_pruned_linear(256, 128, 2, 4, dtype, seed=5)[0].cuda(), "2:4")
+    x = randn((8, 256), dtype, seed=3).cuda()
+    if not layer.supports(backend, x):
+        pytest.skip(f"{backend} is not available on this GPU: {layer.unsupported_reason(backend, x)}")
+
+    def expected(weight):
+        return nn.functional.linear(x.float(), weight.float(), layer.bias.float())
+
+    weight = layer.weight
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).float(), expected(weight), rtol=2e-2, atol=2e-2)
+        entry = layer._cache[backend]
+        layer(x)
+        assert layer._cache[backend] is entry  # built once, then reused
+        layer.values.mul_(2)
+        torch.testing.assert_close(layer(x).float(), expected(2 * weight), rtol=2e-2, atol=2e-2)
+        assert layer._cache[backend] is not entry
+        layer.values.data.mul_(0.5)  # bypasses the version counter
+        if backend != "mma_sp":  # (mma_sp caches only the mask's layout, and reads values directly)
+            stale = layer(x).float()  # the cached copy still holds the doubled values
+            torch.testing.assert_close(stale, expected(2 * weight), rtol=2e-2, atol=2e-2)
+        layer.invalidate()
+        torch.testing.assert_close(layer(x).float(), expected(weight), rtol=2e-2, atol=2e-2)
+        layer.values.copy_(other.values)
+        layer.meta.copy_(other.meta)  # another mask: the metadata must be rebuilt too
+        torch.testing.assert_close(layer(x).float(), expected(other.weight), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
