@@ -8,7 +8,8 @@ from torch import nn
 
 import pyprune
 from pyprune import engine
-from pyprune.methods.taylor import Taylor, group_scores, keep_heads
+from pyprune.methods.structured import keep_heads
+from pyprune.methods.taylor import Taylor, group_scores
 from pyprune.nn import compact
 from pyprune.patterns import Structured, Unstructured
 from tests.helpers import random_tokens, tiny_llama
@@ -310,7 +311,7 @@ def test_bad_ratio_raises(pattern):
     (Structured(0.2), {"first_layer": 3}, "selects no layers"),
     (Structured(0.2), {"first_layer": 2, "last_layer": 1}, "selects no layers"),
     (Structured(0.2), {"first_layer": "1"}, "first_layer"),
-    (Structured(0.2), {"bogus": 1}, "bad options"),
+    (Structured(0.2), {"bogus": 1}, "has no option bogus; its options: first_layer"),
     (Structured(0.2, uniform=True), {"first_layer": 1}, "every layer"),
 ])
 def test_bad_arguments_raise_before_anything_changes(pattern, options, match):

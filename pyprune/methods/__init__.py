@@ -9,13 +9,11 @@ METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor)}
 
 
 def get(name: str, **options) -> Method:
-    """The method called ``name``, built with its options (e.g. SparseGPT's blocksize)."""
+    """The method called ``name``, built with its declared options (e.g. SparseGPT's blocksize);
+    an unknown or invalid option raises ValueError naming it."""
     if name not in METHODS:
         raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}; got {name!r}")
-    try:
-        return METHODS[name](**options)
-    except TypeError as error:
-        raise ValueError(f"bad options for method {name!r}: {error}") from None
+    return METHODS[name](**options)
 
 
 __all__ = ["METHODS", "Method", "get"]

@@ -1,23 +1,40 @@
-"""What every pruning method shares: its name, the patterns it produces, and how it runs."""
+"""What every pruning method shares: its name, its declared options, the patterns it produces,
+and how it runs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Tuple, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 from torch import Tensor, nn
 
 from .. import engine
 from ..patterns import NM, Pattern, Unstructured
+from .options import Option, resolve
 
 
 class Method(ABC):
-    """A pruning method. ``prune`` changes the model in place and returns report details."""
+    """A pruning method. ``prune`` changes the model in place and returns report details.
+
+    Its options are declared once in ``options``; ``Method(**values)`` converts and checks them
+    (:func:`pyprune.methods.options.resolve`, then :meth:`check_options`) and sets each as an
+    attribute; ``settings`` holds them all for the report.
+    """
 
     name: str = ""
     patterns: Tuple[Type, ...] = ()
     needs_calibration: bool = True
     default_scope = "row"
+    options: Tuple[Option, ...] = ()
+
+    def __init__(self, **values: Any):
+        self.settings: Dict[str, Any] = resolve(self.options, values, self.name)
+        self.check_options(self.settings)
+        for key, value in self.settings.items():
+            setattr(self, key, value)
+
+    def check_options(self, settings: Dict[str, Any]) -> None:
+        """Constraints between options (each option alone is checked by its declaration)."""
 
     def resolve(self, pattern: Pattern) -> Pattern:
         """Unstructured patterns without a scope get this method's default scope."""

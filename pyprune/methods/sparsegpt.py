@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
+from .options import Option, at_least_one, fraction
 
 
 class _Hessian:
@@ -40,13 +41,11 @@ class SparseGPT(LayerwiseMaskMethod):
     name = "sparsegpt"
     default_scope = "tensor"
 
-    def __init__(self, blocksize: int = 128, percdamp: float = 0.01):
-        if not isinstance(blocksize, int) or blocksize < 1:
-            raise ValueError(f"blocksize must be a positive int; got {blocksize!r}")
-        if not 0.0 < percdamp <= 1.0:
-            raise ValueError(f"percdamp must be in (0, 1]; got {percdamp!r}")
-        self.blocksize = blocksize
-        self.percdamp = percdamp
+    options = (
+        Option("blocksize", int, 128, "SparseGPT: columns per lazy-update block", at_least_one),
+        Option("percdamp", float, 0.01, "SparseGPT: Hessian dampening, a fraction of mean(diag H)",
+               fraction),
+    )
 
     def new_stats(self, linear):
         return _Hessian(linear.in_features, linear.weight.device)

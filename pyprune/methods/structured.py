@@ -1,0 +1,300 @@
+"""Structured pruning of LLaMA-family decoder blocks from per-element importance scores.
+
+Every structured method here (Taylor / LLM-Pruner, MoreauPruner, MoreauPruner-GS, SmoothGrad)
+differs only in how it scores each weight element; this module holds what they share:
+
+1. the scores of each pruned linear layer's weights (and biases) are summed over each coupled
+   group of weights (:func:`group_scores`; LLM-Pruner Eq. 4-5 with Agg = sum):
+
+   * an MLP channel: its row of ``gate_proj`` and ``up_proj`` and its column of ``down_proj``;
+   * a query head: its ``head_dim`` rows of ``q_proj`` and columns of ``o_proj``;
+   * a key/value head: its rows of ``k_proj`` and ``v_proj``. With grouped-query attention (GQA) a
+     key/value head is shared by ``groups = heads / kv_heads`` consecutive query heads, so the
+     coupled unit is the *KV group*: the key/value head plus its query heads. Its score is the
+     key/value head's score plus its query heads' scores;
+
+2. in each pruned layer, the lowest-scoring ``ratio`` of the MLP channels is removed (keep
+   ``round((1 - ratio) · channels)``, at least one; ties keep the lower index) and attention heads
+   are removed by the GQA rule below;
+3. the layers are physically compacted (:mod:`pyprune.nn.compact`), so the model is smaller and
+   runs as is.
+
+GQA rule. ``repeat_kv`` needs every kept key/value head to serve the same number of query heads.
+
+* ``Structured(ratio, uniform=True)``: heads go in whole KV groups: every layer keeps the
+  ``round((1 - ratio) · kv_heads)`` (at least one) highest-scoring KV groups with all their query
+  heads, and the same number of MLP channels. All layers end up with the same sizes, which a model
+  config can state: ``model.config`` is updated and the model saved by :func:`pyprune.save` loads
+  with plain ``from_pretrained``. The config class must accept the new sizes: transformers 5's
+  ``LlamaConfig`` requires ``hidden_size`` to be a multiple of ``num_attention_heads``, so when it
+  rejects the target count of KV groups the nearest count it accepts is used (ties: the larger;
+  e.g. 32 heads of LLaMA-7B at ratio 0.2 -> 26 is rejected for hidden 4096 and all 32 stay,
+  while ratio 0.5 -> 16 heads). The report's ``structure`` shows what each layer kept.
+* default (``uniform=False``): finer grained. Each layer keeps ``T = round((1 - ratio) · heads)``
+  query heads (at least one) arranged as ``K`` kept KV groups of ``k`` query heads each
+  (``K ≤ kv_heads``, ``k ≤ groups``). Among the arrangements with ``K·k`` nearest ``T`` (ties: the
+  larger, i.e. prune less), the one retaining the most importance wins: for a given ``(K, k)``
+  each group keeps its ``k`` best query heads and the ``K`` best groups stay. With plain multi-head
+  attention this is simply "remove the lowest-scoring heads". Layers may then differ in sizes;
+  ``pyprune.load`` restores such models exactly, and the report's ``config_compatible`` says
+  whether plain ``from_pretrained`` can too.
+
+Layers. LLM-Pruner and MoreauPruner leave the first few and the last layers dense (e.g. layers
+4..29 of the 32 in LLaMA-7B). Options ``first_layer`` / ``last_layer`` (inclusive; negative counts
+from the end) choose the pruned range; the defaults prune every layer. Leaving layers dense makes
+the sizes non-uniform, so it cannot be combined with ``uniform=True``. ``heads=False`` /
+``channels=False`` leave the attention / the MLP alone.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .. import engine
+from ..nn import compact
+from ..patterns import Structured
+from ..reference import kept_count
+from .base import Method
+from .options import Option
+
+ElementScores = Callable[[nn.Parameter], Optional[Tensor]]
+
+
+def _score(linear: nn.Linear, dim: int, groups: int, element_scores: ElementScores) -> Tensor:
+    """The per-element scores of ``linear`` summed into ``groups`` equal consecutive groups along
+    ``dim`` (0: rows, 1: columns), plus the bias rows when grouping rows. fp32 [groups]; a
+    parameter without scores counts as zero."""
+    score = element_scores(linear.weight)
+    if score is None:
+        score = torch.zeros(linear.weight.shape, dtype=torch.float32, device=linear.weight.device)
+    score = score.float()
+    if dim == 0:
+        total = score.reshape(groups, -1).sum(dim=1)
+        bias = element_scores(linear.bias) if linear.bias is not None else None
+        if bias is not None:
+            total = total + bias.float().reshape(groups, -1).sum(dim=1)
+        return total
+    return score.reshape(score.shape[0], groups, -1).sum(dim=(0, 2))
+
+
+def group_scores(block: nn.Module, element_scores: ElementScores) -> Dict[str, Tensor]:
+    """Importance of the coupled groups of a LLaMA-style block (LLM-Pruner Eq. 4-5 with Agg = sum,
+    MoreauPruner Eq. 4-5): ``element_scores(param)`` gives each weight's (and bias's) fp32
+    per-element importance, or None for zero; all results fp32:
+
+    * ``heads`` [heads]: each query head's q_proj rows + o_proj columns;
+    * ``kv_heads`` [kv_heads]: each key/value head's k_proj + v_proj rows;
+    * ``channels`` [intermediate]: each MLP channel's gate_proj + up_proj rows + down_proj column.
+    """
+    attn, mlp = block.self_attn, block.mlp
+    hd = compact.head_dim(attn)
+    n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+    n_ch = mlp.gate_proj.out_features
+    with torch.no_grad():
+        return {
+            "heads": _score(attn.q_proj, 0, n_q, element_scores) + _score(attn.o_proj, 1, n_q, element_scores),
+            "kv_heads": _score(attn.k_proj, 0, n_kv, element_scores)
+            + _score(attn.v_proj, 0, n_kv, element_scores),
+            "channels": _score(mlp.gate_proj, 0, n_ch, element_scores)
+            + _score(mlp.up_proj, 0, n_ch, element_scores)
+            + _score(mlp.down_proj, 1, n_ch, element_scores),
+        }
+
+
+def _top(scores: Tensor, count: int) -> Tensor:
+    """Indices of the ``count`` highest scores (ties: lower index first), in that ranking order."""
+    return torch.sort(scores.double().cpu(), descending=True, stable=True).indices[:count]
+
+
+def keep_channels(scores: Tensor, ratio: float) -> Tensor:
+    """Kept MLP channels at ``ratio``: the top round((1 - ratio)·n), at least one, ascending."""
+    return _top(scores, max(1, kept_count(scores.numel(), ratio))).sort().values
+
+
+def _arrangement(q_scores: Tensor, kv_scores: Tensor, n_groups: int, per_group: int
+                 ) -> Tuple[float, Tensor, Tensor]:
+    """Best GQA-valid selection keeping ``n_groups`` KV groups of ``per_group`` query heads:
+    (retained importance, kept query heads, kept key/value heads), indices ascending."""
+    n_kv = kv_scores.numel()
+    groups = q_scores.numel() // n_kv
+    q = q_scores.double().cpu().reshape(n_kv, groups)
+    best_in_group = torch.sort(q, dim=1, descending=True, stable=True).indices[:, :per_group]
+    totals = kv_scores.double().cpu() + q.gather(1, best_in_group).sum(dim=1)
+    kv_kept = _top(totals, n_groups).sort().values
+    q_kept = (kv_kept[:, None] * groups + best_in_group[kv_kept].sort(dim=1).values).flatten()
+    return float(totals[kv_kept].sum()), q_kept, kv_kept
+
+
+def uniform_kv_groups(n_kv: int, ratio: float, allowed: Callable[[int], bool] = lambda n: True) -> int:
+    """KV groups every layer keeps under uniform pruning: round((1 - ratio)·kv_heads), at least one,
+    or, when ``allowed`` (the config's validation) rejects that count, the nearest allowed one
+    (ties: the larger); all of them when none is."""
+    target = max(1, kept_count(n_kv, ratio))
+    valid = [n for n in range(n_kv, 0, -1) if allowed(n)]
+    return min(valid, key=lambda n: (abs(n - target), -n)) if valid else n_kv
+
+
+def keep_heads(q_scores: Tensor, kv_scores: Tensor, ratio: float, uniform: bool,
+               n_groups: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Kept (query heads, key/value heads) at ``ratio`` by the module's GQA rule; with ``uniform``,
+    ``n_groups`` (default :func:`uniform_kv_groups`) whole KV groups."""
+    n_q, n_kv = q_scores.numel(), kv_scores.numel()
+    groups = n_q // n_kv
+    if uniform:
+        n_groups = uniform_kv_groups(n_kv, ratio) if n_groups is None else n_groups
+        _, q_kept, kv_kept = _arrangement(q_scores, kv_scores, n_groups, groups)
+        return q_kept, kv_kept
+    target = max(1, kept_count(n_q, ratio))
+    shapes = [(n, k) for n in range(n_kv, 0, -1) for k in range(groups, 0, -1)]
+    distance = min(abs(n * k - target) for n, k in shapes)
+    kept = max(n * k for n, k in shapes if abs(n * k - target) == distance)
+    best = None
+    for n, k in shapes:
+        if n * k != kept:
+            continue
+        candidate = _arrangement(q_scores, kv_scores, n, k)
+        if best is None or candidate[0] > best[0]:
+            best = candidate
+    return best[1], best[2]
+
+
+
+@contextlib.contextmanager
+def gradients_for(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Inside the block only ``params`` require gradients and the model is in eval mode (no
+    dropout); both are restored after, and every ``.grad`` is cleared."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        model.eval()
+        with torch.enable_grad():
+            yield
+    finally:
+        model.train(was_training)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.zero_grad(set_to_none=True)
+
+
+class StructuredMethod(Method):
+    """Structured pruning of heads and MLP channels (see the module docstring). A subclass gives
+    :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters."""
+
+    patterns = (Structured,)
+    options = (
+        Option("first_layer", int, 0, "structured: first pruned decoder layer (negative: from the end)"),
+        Option("last_layer", int, None, "structured: last pruned decoder layer, inclusive (default: the "
+               "last; negative: from the end)", optional=True),
+        Option("heads", bool, True, "structured: prune attention heads"),
+        Option("channels", bool, True, "structured: prune MLP channels"),
+    )
+
+    @abstractmethod
+    def element_scores(self, model: nn.Module, params: List[nn.Parameter], calib: Tensor, *,
+                       batch_size: int, progress: bool) -> Dict[int, Tensor]:
+        """Per-element fp32 importance of each of ``params`` (the pruned layers' weights and
+        biases), keyed by ``id(param)``, computed with the model as it is (restore it after)."""
+
+    def layer_range(self, n_layers: int) -> Tuple[int, int]:
+        """The pruned layers as (first, last), inclusive, after resolving negative indices."""
+        first = self.first_layer + n_layers if self.first_layer < 0 else self.first_layer
+        last = n_layers - 1 if self.last_layer is None else self.last_layer
+        last = last + n_layers if last < 0 else last
+        if not 0 <= first <= last < n_layers:
+            raise ValueError(f"layer range first_layer={self.first_layer}, last_layer={self.last_layer} "
+                             f"selects no layers of a model with {n_layers} decoder blocks")
+        return first, last
+
+    def check(self, model: nn.Module, pattern) -> None:
+        super().check(model, pattern)
+        blocks = engine.decoder_blocks(model)
+        prefix = engine.block_prefix(model)
+        for index, block in enumerate(blocks):
+            compact.check_llama_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+        first, last = self.layer_range(len(blocks))
+        if pattern.uniform and pattern.ratio > 0:
+            if (first, last) != (0, len(blocks) - 1):
+                raise ValueError(f"uniform (config-compatible) pruning must prune every layer; "
+                                 f"first_layer/last_layer select layers {first}..{last} of {len(blocks)}")
+            if not compact.layouts_uniform([compact.block_layout(block) for block in blocks]):
+                raise ValueError("uniform (config-compatible) pruning needs decoder blocks of equal sizes; "
+                                 "this model's blocks already differ")
+
+    def _uniform_kv_groups(self, model: nn.Module, blocks, ratio: float) -> int:
+        """KV groups every layer keeps under uniform pruning, snapped to a count the model's
+        config class accepts (transformers 5's LlamaConfig wants hidden_size % heads == 0)."""
+        layout = compact.block_layout(blocks[0])
+        groups = layout["heads"] // layout["kv_heads"]
+        channels = max(1, kept_count(layout["intermediate"], ratio)) if self.channels \
+            else layout["intermediate"]
+        config = getattr(model, "config", None)
+
+        def allowed(n: int) -> bool:
+            return compact.config_accepts(config, {
+                "num_attention_heads": n * groups, "num_key_value_heads": n,
+                "head_dim": layout["head_dim"], "intermediate_size": channels})
+
+        return uniform_kv_groups(layout["kv_heads"], ratio if self.heads else 0.0, allowed)
+
+    def _select(self, model, blocks, first, last, ratio, uniform, calib, batch_size, progress):
+        """Kept (query heads, KV heads, channels) of each pruned layer, from the element scores."""
+        params = [p for block in blocks[first:last + 1]
+                  for linear in engine.block_linears(block).values() for p in linear.parameters()]
+        scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+        n_groups = self._uniform_kv_groups(model, blocks, ratio) if uniform else None
+        selections = {}
+        for index in range(first, last + 1):
+            grouped = group_scores(blocks[index], lambda p: scores.get(id(p)))
+            n_q, n_kv, n_ch = (grouped[k].numel() for k in ("heads", "kv_heads", "channels"))
+            q_kept, kv_kept = keep_heads(grouped["heads"], grouped["kv_heads"], ratio, uniform, n_groups) \
+                if self.heads else (torch.arange(n_q), torch.arange(n_kv))
+            ch_kept = keep_channels(grouped["channels"], ratio) if self.channels else torch.arange(n_ch)
+            selections[index] = (q_kept, kv_kept, ch_kept, n_q, n_ch)
+        return selections
+
+    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+        self.check(model, pattern)
+        blocks = engine.decoder_blocks(model)
+        first, last = self.layer_range(len(blocks))
+        ratio, uniform = float(pattern.ratio), bool(pattern.uniform)
+        selections = {}
+        if ratio > 0 and (self.heads or self.channels):
+            selections = self._select(model, blocks, first, last, ratio, uniform, calib, batch_size, progress)
+        for index, (q_kept, kv_kept, ch_kept, _, _) in selections.items():
+            compact.keep_attention_heads_(blocks[index], q_kept, kv_kept)
+            compact.keep_mlp_channels_(blocks[index], ch_kept)
+        structure: List[Dict] = []
+        for index, block in enumerate(blocks):
+            layout = compact.block_layout(block)
+            entry = {"layer": index, "pruned": index in selections, "heads": layout["heads"],
+                     "kv_heads": layout["kv_heads"], "channels": layout["intermediate"]}
+            if index in selections:
+                q_kept, kv_kept, ch_kept, n_q, n_ch = selections[index]
+                entry["kept_heads"] = q_kept.tolist()
+                entry["kept_kv_heads"] = kv_kept.tolist()
+                entry["pruned_heads"] = _complement(q_kept, n_q)
+                entry["pruned_channels"] = _complement(ch_kept, n_ch)
+            structure.append(entry)
+        fields = compact.config_fields(blocks)
+        config = getattr(model, "config", None)
+        if not compact.config_accepts(config, fields):
+            fields = None
+        if fields is not None and config is not None:
+            for key, value in fields.items():
+                setattr(config, key, value)
+        return {"uniform": uniform, "first_layer": first, "last_layer": last,
+                "config_compatible": fields is not None, "structure": structure}
+
+
+def _complement(kept: Tensor, total: int) -> List[int]:
+    keep = torch.zeros(total, dtype=torch.bool)
+    keep[kept] = True
+    return torch.nonzero(~keep).flatten().tolist()
