@@ -145,11 +145,13 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
 
 
 def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 4,
-                         progress: bool = True, desc: str = "gradients") -> None:
+                         progress: bool = True, desc: str = "gradients", zero_first: bool = True) -> None:
     """Fill ``.grad`` of every trainable parameter with the gradient of the mean next-token loss
-    over all calibration tokens (summed over batches, weighted by batch size)."""
+    over all calibration tokens (summed over batches, weighted by batch size); with
+    ``zero_first=False`` it is added to the ``.grad`` already there."""
     device = next(model.parameters()).device
-    model.zero_grad(set_to_none=True)
+    if zero_first:
+        model.zero_grad(set_to_none=True)
     total = tokens.shape[0]
     for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
         batch = tokens[start:start + batch_size].to(device)

@@ -1,11 +1,13 @@
 """Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method`."""
 from .base import Method
 from .magnitude import Magnitude
+from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
 from .sparsegpt import SparseGPT
 from .taylor import Taylor
 from .wanda import Wanda
 
-METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor)}
+METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor, MoreauPruner, MoreauPrunerGS,
+                                     SmoothGrad)}
 
 
 def get(name: str, **options) -> Method:
