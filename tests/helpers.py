@@ -21,6 +21,40 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rtol, atol=atol)
 
 
+def linear_error_bound(x, weight, bias=None, dtype=None):
+    """(fp64 reference of x @ weightᵀ + bias, per-element error bound) for a kernel that
+    accumulates in fp32 and rounds to ``dtype`` (x's dtype by default).
+
+    The reference uses the same, already rounded, inputs, so the only errors are the kernel's:
+    rounding to the output dtype (at most twice, for a product rounded before the bias is
+    added: u·(2|y| + |b|)) and the fp32 accumulation of K products, which stays below
+    λ·√K·u₃₂·Σ|xᵢ·wᵢ| with high probability (Higham & Mary's probabilistic bound; λ = 2).
+    """
+    dtype = x.dtype if dtype is None else dtype
+    x64, w64 = x.detach().double().cpu(), weight.detach().double().cpu()
+    b64 = torch.zeros(w64.shape[0], dtype=torch.float64) if bias is None else bias.detach().double().cpu()
+    reference = x64 @ w64.T + b64
+    magnitude = x64.abs() @ w64.abs().T + b64.abs()
+    terms = x64.shape[-1] + (bias is not None)
+    u_out = torch.finfo(dtype).eps / 2
+    u_acc = torch.finfo(torch.float32).eps / 2
+    bound = u_out * (2 * reference.abs() + b64.abs()) + 2 * terms ** 0.5 * u_acc * magnitude
+    return reference, bound
+
+
+def assert_linear_close(actual, x, weight, bias=None):
+    """actual ≈ x @ weightᵀ + bias within :func:`linear_error_bound`, with a readable failure."""
+    reference, bound = linear_error_bound(x, weight, bias, actual.dtype)
+    error = (actual.detach().double().cpu() - reference).abs()
+    bad = error > bound
+    if bool(bad.any()):
+        worst = int((error / bound).argmax())
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
+        raise AssertionError(f"{int(bad.sum())} of {error.numel()} outputs beyond the {actual.dtype} bound "
+                             f"(K={x.shape[-1]}); worst at {at}: got {float(actual[at])}, exact "
+                             f"{float(reference[at]):.6g}, error {float(error[at]):.3g} > bound {float(bound[at]):.3g}")
+
+
 def tied_scores(shape, dtype=torch.float32, seed=0, levels=3):
     """Scores drawn from a few values, so ties are everywhere (and -0.0 sits next to +0.0)."""
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ import torch
 
 from pyprune import ops
 from pyprune import reference as R
-from tests.helpers import DTYPES, KERNEL_DEVICES, assert_close, rand, randn, tied_scores
+from tests.helpers import DTYPES, KERNEL_DEVICES, assert_close, assert_linear_close, rand, randn, tied_scores
 
 pytestmark = pytest.mark.parametrize("device", KERNEL_DEVICES)
 
@@ -133,14 +133,23 @@ def test_compress_decompress(device, dtype, n, m):
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (9, 32)])
 @pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 24), (5, 96, 70), (37, 96, 70)])
 def test_nm_linear(device, dtype, n, m, rows, in_features, out_features):
-    in_features = in_features // m * m
+    _check_nm_linear(device, dtype, n, m, rows, in_features // m * m, out_features)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+def test_nm_linear_4096_wide_gemv(device, dtype, n, m):
+    _check_nm_linear(device, dtype, n, m, 2, 4096, 20)
+
+
+def _check_nm_linear(device, dtype, n, m, rows, in_features, out_features):
     w = randn((out_features, in_features), dtype, seed=14).to(device)
     values, meta = R.nm_compress(w, R.nm_mask(w.float().abs(), n, m), n, m)
     x = randn((rows, in_features), dtype, seed=15).to(device)
     bias = randn((out_features,), dtype, seed=16).to(device)
-    expected = torch.nn.functional.linear(x.float(), R.nm_decompress(values, meta, n, m).float(), bias.float())
-    assert_close(ops.nm_linear(x, values, meta, n, m, bias), expected, dtype)
-    assert_close(ops.nm_linear(x.reshape(1, rows, -1), values, meta, n, m)[0], expected - bias.float(), dtype)
+    dense = R.nm_decompress(values, meta, n, m)
+    assert_linear_close(ops.nm_linear(x, values, meta, n, m, bias), x, dense, bias)
+    assert_linear_close(ops.nm_linear(x.reshape(1, rows, -1), values, meta, n, m)[0], x, dense)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

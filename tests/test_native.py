@@ -5,6 +5,8 @@ import torch
 import pyprune.reference as ref
 from pyprune.backend import native_module
 
+from .helpers import assert_linear_close
+
 C = native_module("cpu")
 
 
@@ -230,30 +232,43 @@ def test_nm_decompress_is_exact(dtype, n, m):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # <= 2: the AVX2 gather path for 1:2, 2:4, 4:8
 def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
-    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for shape in _shapes(m)[:5]:
         w, mask, values, meta = _compressed(shape, dtype, n, m, seed=1)
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(tokens, shape[1], generator=gen).to(dtype)
         bias = torch.randn(shape[0], generator=gen).to(dtype)
-        want = torch.nn.functional.linear(x.float(), (w * mask).float(), bias.float())
         got = C.nm_linear_gemv(x, values, meta, n, m, bias)
         assert got.dtype == dtype and got.shape == (tokens, shape[0])
-        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, shape[1] ** 0.5))
+        assert_linear_close(got, x, w * mask, bias)
 
 
 @pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_half_density_gather_path(dtype, n, m):
     # cols % 16 == 0 and at most 2 tokens: the AVX2 table-and-gather kernel (where the CPU has it)
-    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for shape in [(1, 16), (7, 48), (3, 4096)]:
         w, mask, values, meta = _compressed(shape, dtype, n, m, seed=3)
         for tokens in (1, 2):
             x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(4)).to(dtype)
-            want = torch.nn.functional.linear(x.float(), (w * mask).float())
-            got = C.nm_linear_gemv(x, values, meta, n, m, None)
-            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * shape[1] ** 0.5)
+            assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_nm_linear_gemv_check_catches_one_dropped_weight(dtype, n, m, tokens):
+    # The tolerance is tight enough to matter: a kernel that skips one kept weight per row (the
+    # one of median contribution to the first token) fails the check on 4096-wide rows.
+    w, mask, values, meta = _compressed((64, 4096 - 4096 % m), dtype, n, m, seed=5)
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+    contribution = (x[0].float() * (w * mask).float()).abs().masked_fill(~mask, float("inf"))
+    median_column = contribution.sort(dim=1).indices[:, values.shape[1] // 2]
+    dropped = values.clone()
+    slot = (mask.cumsum(dim=1) - 1).gather(1, median_column[:, None]).squeeze(1)
+    dropped[torch.arange(w.shape[0]), slot] = 0
+    with pytest.raises(AssertionError, match="beyond the"):
+        assert_linear_close(C.nm_linear_gemv(x, dropped, meta, n, m, None), x, w * mask)
 
 
 def test_nm_linear_gemv_bad_arguments():
