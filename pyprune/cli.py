@@ -1,8 +1,10 @@
-"""The ``pyprune`` command line: prune, eval, demo.
+"""The ``pyprune`` command line: prune, eval, robustness, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
     pyprune eval --model pruned/ --data pride_and_prejudice
+    pyprune robustness --model smollm2-135m --method moreau --ratio 0.2 --calib emma \\
+                       --eval pride_and_prejudice --report robust.json
     pyprune demo
 
 Every argument is checked before the model is loaded or anything is written; a bad one prints a
@@ -85,12 +87,54 @@ def _load(args):
     return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
 
 
-def cmd_prune(args) -> int:
-    pattern = _pattern(args)
+def _method_option_values(args) -> dict:
+    """The method options given on the command line (flags from the methods' declarations)."""
+    return {name: getattr(args, f"option_{name}") for name in _declared_options()
+            if getattr(args, f"option_{name}", None) is not None}
+
+
+def _declared_options() -> dict:
+    """Every declared method option by name: (option, {method: default})."""
+    declared = {}
+    for name, cls in sorted(methods.METHODS.items()):
+        for option in cls.options:
+            declared.setdefault(option.name, (option, {}))[1][name] = option.default
+    return declared
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false; got {text!r}")
+
+
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per declared method option (shared names share a flag)."""
+    group = parser.add_argument_group("method options (each applies to the methods named in its help)")
+    for name, (option, defaults) in _declared_options().items():
+        values = set(map(repr, defaults.values()))
+        default = (f"default {next(iter(values))}" if len(values) == 1 else
+                   "defaults " + ", ".join(f"{m} {d!r}" for m, d in defaults.items()))
+        kwargs = {"choices": option.choices} if option.choices else {}
+        group.add_argument(option.flag, dest=f"option_{name}", default=None,
+                           type=_parse_bool if option.type is bool else option.type, metavar=name.upper(),
+                           help=f"{option.help} [{', '.join(defaults)}; {default}]", **kwargs)
+
+
+def _build_method(name: str, args):
     try:
-        runner = methods.get(args.method)
+        return methods.get(name, **_method_option_values(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def cmd_prune(args) -> int:
+    pattern = _pattern(args)
+    runner = _build_method(args.method, args)
+    args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
+    args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
     if not isinstance(pattern, runner.patterns):
         allowed = ", ".join(p.__name__ for p in runner.patterns)
         raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
@@ -114,7 +158,7 @@ def cmd_prune(args) -> int:
         calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples,
                                          seqlen=args.seqlen, seed=args.seed)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
-                           progress=not args.quiet)
+                           progress=not args.quiet, **_method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
                    "seqlen": args.seqlen, "seed": args.seed, "dtype": args.dtype})
@@ -130,6 +174,47 @@ def cmd_prune(args) -> int:
     if args.report:
         _write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
+    return 0
+
+
+def cmd_robustness(args) -> int:
+    """Prune in bf16 and in fp16, compare the pruned groups and perplexities (MoreauPruner Table 1)."""
+    from . import robustness
+    from .patterns import Structured as _Structured
+    runner = _build_method(args.method, args)
+    if not isinstance(runner, methods.StructuredMethod):
+        structured = sorted(n for n, c in methods.METHODS.items() if issubclass(c, methods.StructuredMethod))
+        raise UsageError(f"--method for robustness must be a structured method ({', '.join(structured)}); "
+                         f"got {args.method!r}")
+    try:
+        _Structured(args.ratio, uniform=args.uniform)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
+    args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
+    for flag in ("nsamples", "seqlen", "batch_size", "eval_seqlen"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    for source in (args.calib, args.eval):
+        data.check_source(source)
+    _check_report(args.report)
+
+    from .models import load_model
+    model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
+    calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples, seqlen=args.seqlen,
+                                     seed=args.seed)
+    tokens = data.eval_tokens(tokenizer, args.eval, max_tokens=args.eval_max_tokens)
+    report = robustness.study(model, args.method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
+                              arithmetic=args.arithmetic, uniform=args.uniform, batch_size=args.batch_size,
+                              progress=not args.quiet, **_method_option_values(args))
+    report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
+                   "seed": args.seed, "eval": args.eval, "eval_tokens": tokens.numel() // args.eval_seqlen
+                   * args.eval_seqlen, "eval_seqlen": args.eval_seqlen})
+    print(f"{args.method} at {args.ratio}: perplexity bf16 {report['ppl_bf16']:.3f}, fp16 "
+          f"{report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement {report['agreement']:.4f} "
+          f"({args.arithmetic})")
+    _write_json_atomic(args.report, report)
+    print(f"wrote {args.report}")
     return 0
 
 
@@ -191,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--calib", help="calibration text (every method but magnitude): an embedded "
                        f"corpus ({', '.join(data.EMBEDDED)}), a .txt file, a directory, "
                        "wikitext2/c4/ptb; any of them with :first_half or :second_half")
-    prune.add_argument("--nsamples", type=int, default=64)
-    prune.add_argument("--seqlen", type=int, default=512)
+    prune.add_argument("--nsamples", type=int, default=None,
+                       help="calibration samples (default: the method's; 64, or 10 for the structured "
+                            "gradient methods as in LLM-Pruner/MoreauPruner)")
+    prune.add_argument("--seqlen", type=int, default=None,
+                       help="calibration sample length (default: the method's; 512, or 128)")
     prune.add_argument("--seed", type=int, default=0)
     prune.add_argument("--eval", nargs="*", help="evaluation texts (same forms as --calib)")
     prune.add_argument("--eval-seqlen", type=int, default=512)
@@ -202,7 +290,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                             "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
     prune.add_argument("--report", help="JSON report path")
+    _add_method_options(prune)
     prune.set_defaults(run=cmd_prune)
+
+    robust = sub.add_parser("robustness", help="prune in bf16 and in fp16 and compare (MoreauPruner Table 1)")
+    robust.add_argument("--model", required=True, help="as for prune; loaded in fp32, then cast to each format")
+    robust.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    robust.add_argument("--method", required=True, help="a structured method: moreau, moreau-gs, taylor, smoothgrad")
+    robust.add_argument("--ratio", type=float, required=True, help="structured ratio of heads/channels removed")
+    robust.add_argument("--uniform", action="store_true", help="same sizes in every layer")
+    robust.add_argument("--calib", required=True, help="calibration text (as for prune)")
+    robust.add_argument("--nsamples", type=int, default=None, help="default: the method's (10)")
+    robust.add_argument("--seqlen", type=int, default=None, help="default: the method's (128)")
+    robust.add_argument("--seed", type=int, default=0, help="calibration sampling seed")
+    robust.add_argument("--eval", required=True, help="evaluation text (as for prune)")
+    robust.add_argument("--eval-seqlen", type=int, default=128, help="perplexity windows (paper: 128)")
+    robust.add_argument("--eval-max-tokens", type=int, default=None)
+    robust.add_argument("--arithmetic", choices=["fp32-accumulate", "native"], default="fp32-accumulate",
+                        help="16-bit weights with fp32-accumulated linear layers (default, as tensor cores do), "
+                             "or torch's native 16-bit kernels throughout (slow for fp16 on CPU)")
+    robust.add_argument("--batch-size", type=int, default=8)
+    robust.add_argument("--report", required=True, help="JSON report path (written atomically)")
+    robust.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_method_options(robust)
+    robust.set_defaults(run=cmd_robustness)
 
     evaluate = sub.add_parser("eval", help="perplexity of a model on texts")
     common(evaluate)

@@ -44,6 +44,7 @@ def prune(model: nn.Module, method: str, pattern: Union[str, float, Pattern],
         "parameters_after": parameter_count(model),
         "nm_valid": measured["nm_valid"],
         "layers": measured["layers"],
+        "options": runner.settings,
     }
     report.update(details or {})
     return report

@@ -101,6 +101,40 @@ def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, me
     assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0
 
 
+def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path):
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "moreau-gs", "--ratio", "0.5",
+                     "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--steps", "2",
+                     "--eta", "0.001", "--group", "columns", "--heads", "false", "--report", str(report_path),
+                     "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["options"] == {"first_layer": 0, "last_layer": None, "heads": False, "channels": True,
+                                 "rho": 0.2, "gamma": 0.0002, "steps": 2, "noise_draws": 1, "noise_std": 0.05,
+                                 "noise_seed": 0, "eta": 0.001, "group": "columns"}
+    assert all(e["heads"] == 4 for e in report["structure"])  # heads=false kept every head
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "taylor", "--ratio", "0.2", "--rho", "0.1"], "method 'taylor' has no option rho"),
+    (["--method", "moreau", "--ratio", "0.2", "--gamma", "0.06"], "gamma of method 'moreau' must be < rho"),
+    (["--method", "sparsegpt", "--pattern", "2:4", "--blocksize", "0"], "blocksize of method 'sparsegpt' must be >= 1"),
+])
+def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_method_option_choices_are_checked_by_argparse(tmp_path, capsys):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", "--method", "moreau-gs",
+            "--ratio", "0.2", "--group", "heads"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and "invalid choice: 'heads'" in capsys.readouterr().err
+
+
 def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
     import json
     model_dir, text = tiny_model_dir

@@ -3,6 +3,7 @@ from .base import Method
 from .magnitude import Magnitude
 from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
 from .sparsegpt import SparseGPT
+from .structured import StructuredMethod
 from .taylor import Taylor
 from .wanda import Wanda
 
@@ -18,4 +19,4 @@ def get(name: str, **options) -> Method:
     return METHODS[name](**options)
 
 
-__all__ = ["METHODS", "Method", "get"]
+__all__ = ["METHODS", "Method", "StructuredMethod", "get"]

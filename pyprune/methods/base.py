@@ -26,6 +26,8 @@ class Method(ABC):
     needs_calibration: bool = True
     default_scope = "row"
     options: Tuple[Option, ...] = ()
+    #: default calibration (nsamples, seqlen) of the CLI
+    calibration: Tuple[int, int] = (64, 512)
 
     def __init__(self, **values: Any):
         self.settings: Dict[str, Any] = resolve(self.options, values, self.name)

@@ -132,14 +132,14 @@ def _noise_options(noise_default: float = 0.05) -> tuple:
     return (
         Option("noise_std", float, noise_default, "Moreau/SmoothGrad: noise σ as a fraction of |w| per "
                "element (paper: 0.05)", nonnegative),
-        Option("seed", int, 0, "Moreau/SmoothGrad: seed of the Philox noise", nonnegative),
+        Option("noise_seed", int, 0, "Moreau/SmoothGrad: seed of the Philox noise", nonnegative),
     )
 
 
 def _moreau_options(rho: float, gamma: float) -> tuple:
     return StructuredMethod.options + (
-        Option("rho", float, rho, f"Moreau: envelope parameter ρ (MoreauPruner 0.05, -GS 0.2)", positive),
-        Option("gamma", float, gamma, "Moreau: step size γ < ρ (MoreauPruner 1e-3, -GS 2e-4)", positive),
+        Option("rho", float, rho, "Moreau: envelope parameter ρ", positive),
+        Option("gamma", float, gamma, "Moreau: step size γ (< ρ)", positive),
         Option("steps", int, 10, "Moreau: optimisation length T (paper: 10)", at_least_one),
         Option("noise_draws", int, 1, "Moreau: noise vectors m averaged per step (Algorithm 1's m; the "
                "paper gives no value, default 1)", at_least_one),
@@ -175,7 +175,7 @@ class MoreauPruner(StructuredMethod):
             deltas = moreau_displacements(
                 params, _CalibrationGradient(model, calib, batch_size), rho=self.rho, gamma=self.gamma,
                 steps=self.steps, eta=self.eta, group_dim=_GROUPS[self.group], noise_std=self.noise_std,
-                draws=self.noise_draws, seed=self.seed, progress=progress, desc=self.name)
+                draws=self.noise_draws, seed=self.noise_seed, progress=progress, desc=self.name)
         return {id(p): (d * p.detach().float()).abs_().div_(self.rho) for p, d in zip(params, deltas)}
 
 
@@ -205,5 +205,5 @@ class SmoothGrad(StructuredMethod):
         with gradients_for(model, params):
             scores = smoothed_scores(params, _CalibrationGradient(model, calib, batch_size),
                                      passes=self.passes, noise_std=self.noise_std, average=self.average,
-                                     seed=self.seed, progress=progress, desc=self.name)
+                                     seed=self.noise_seed, progress=progress, desc=self.name)
         return {id(p): s for p, s in zip(params, scores)}

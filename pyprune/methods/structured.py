@@ -189,6 +189,7 @@ class StructuredMethod(Method):
     :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters."""
 
     patterns = (Structured,)
+    calibration = (10, 128)  # LLM-Pruner's and MoreauPruner's batch: 10 samples of 128 tokens
     options = (
         Option("first_layer", int, 0, "structured: first pruned decoder layer (negative: from the end)"),
         Option("last_layer", int, None, "structured: last pruned decoder layer, inclusive (default: the "
