@@ -79,6 +79,8 @@ def tiny_model_dir(tmp_path):
     (["--method", "wanda", "--pattern", "2:4"], "2:4"),
     (["--method", "sparsegpt", "--sparsity", "0.5"], "unstructured 0.5"),
     (["--method", "taylor", "--ratio", "0.25"], "structured 0.25"),
+    (["--method", "moreau-gs", "--ratio", "0.25", "--steps", "2"], "structured 0.25"),
+    (["--method", "smoothgrad", "--ratio", "0.25", "--passes", "2"], "structured 0.25"),
 ])
 def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, method_args, check):
     import json

@@ -176,7 +176,7 @@ def test_moreau_method_selects_by_delta_times_weight():
     from pyprune.methods.structured import gradients_for
     model, calib = _llama(), _calib()
     reference = copy.deepcopy(model)
-    report = pyprune.prune(model, "moreau", Structured(0.25), calib, progress=False, heads=False, seed=5)
+    report = pyprune.prune(model, "moreau", Structured(0.25), calib, progress=False, heads=False, noise_seed=5)
     mlp = reference.model.layers[0].mlp
     params = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     all_params = [p for block in reference.model.layers for lin in engine.block_linears(block).values()
@@ -216,8 +216,8 @@ def test_methods_prune_and_the_result_runs(method, options, dtype):
 def test_moreau_gs_threshold_changes_the_selection():
     """A large η zeroes whole rows of δ (their score 0), so the selection differs from η = 0."""
     calib = _calib()
-    plain = pyprune.prune(_llama(), "moreau-gs", Structured(0.5), calib, progress=False, eta=0.0, seed=1)
-    sparse = pyprune.prune(_llama(), "moreau-gs", Structured(0.5), calib, progress=False, eta=50.0, seed=1)
+    plain = pyprune.prune(_llama(), "moreau-gs", Structured(0.5), calib, progress=False, eta=0.0, noise_seed=1)
+    sparse = pyprune.prune(_llama(), "moreau-gs", Structured(0.5), calib, progress=False, eta=50.0, noise_seed=1)
     assert [e["pruned_channels"] for e in plain["structure"]] != \
         [e["pruned_channels"] for e in sparse["structure"]]
 
