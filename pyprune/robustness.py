@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
 from typing import Dict, Iterator, Set, Tuple
 
 import torch
