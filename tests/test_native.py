@@ -253,6 +253,47 @@ def test_half_density_gather_path(dtype, n, m):
             assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
 
 
+def _cpu_flags():
+    """The CPU feature flags the kernel reports on, from /proc/cpuinfo (independent of it)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    raise AssertionError("/proc/cpuinfo lists no CPU flags")
+
+
+AVX2_GATHER_FLAGS = {"avx2", "fma", "f16c"}
+
+
+def test_cpu_feature_detection_matches_proc_cpuinfo():
+    assert C.cpu_has_avx2_fma_f16c() == (AVX2_GATHER_FLAGS <= _cpu_flags())
+
+
+@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_avx2_gather_kernel_runs_where_the_cpu_has_it(dtype, n, m, tokens):
+    # 1-2 tokens of a half-density pattern with cols % 16 == 0: the AVX2 kernel on a CPU with
+    # AVX2/FMA/F16C (this project's machines have them), the generic one elsewhere.
+    expected = "avx2_gather" if AVX2_GATHER_FLAGS <= _cpu_flags() else "generic"
+    for shape in [(1, 16), (9, 4096)]:
+        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=7)
+        x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
+        bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
+        assert C.nm_linear_gemv_path(x, values, meta, n, m) == expected
+        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
+
+
+@pytest.mark.parametrize("tokens,n,m,cols", [(3, 2, 4, 64), (8, 4, 8, 64), (1, 3, 6, 48), (2, 3, 6, 96),
+                                             (1, 1, 4, 64), (2, 4, 8, 40)])
+def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
+    # 3:6 is half density too, but its groups straddle mask bytes (the gather table needs 4 of 8)
+    w, mask, values, meta = _compressed((5, cols), torch.float32, n, m)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(10))
+    assert C.nm_linear_gemv_path(x, values, meta, n, m) == "generic"
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+
+
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 8])
@@ -279,6 +320,8 @@ def test_nm_linear_gemv_bad_arguments():
         C.nm_linear_gemv(torch.zeros(1, 12), values, meta, 2, 4, None)
     with pytest.raises(RuntimeError, match="meta must be"):
         C.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
+    with pytest.raises(RuntimeError, match="x must have 16 columns"):
+        C.nm_linear_gemv_path(torch.zeros(1, 12), values, meta, 2, 4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,4 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("meta"), py::arg("n"), py::arg("m"), py::arg("bias"),
         "x [tokens <= 8, K] @ (W ⊙ mask)ᵀ + bias straight from the compressed form: only the kept "
         "weights are read and multiplied (fp32 accumulation).");
+  m.def("nm_linear_gemv_path", &pyprune_cpu::nm_linear_gemv_path, py::arg("x"), py::arg("values"),
+        py::arg("meta"), py::arg("n"), py::arg("m"),
+        "Which kernel nm_linear_gemv runs for these arguments: 'avx2_gather' or 'generic'.");
+  m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
+        "Whether this CPU has AVX2, FMA and F16C (what the avx2_gather kernel needs), at run time.");
 }

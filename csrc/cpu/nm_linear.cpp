@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -145,7 +146,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Needs n/m = 1/2 with m <= 8 and cols % 16 == 0; x in fp32.
+// Needs n/m = 1/2 with m dividing 8 and cols % 16 == 0; x in fp32.
 template <typename T>
 __attribute__((target("avx2,fma,f16c")))
 void gemv_half_density_avx2(const float* x, const T* values, const uint8_t* meta, const T* bias, T* y,
@@ -184,7 +185,48 @@ bool has_avx2_fma_f16c() {
 }
 #endif
 
+// Whether a GEMV of these shapes runs gemv_half_density_avx2: one gather per token and vector
+// wins for 1-2 tokens, the expanded buffer of gemv_rows above that.
+bool takes_avx2_gather(int64_t tokens, int64_t rows, int64_t cols, int64_t n, int64_t m,
+                       at::ScalarType dtype) {
+#ifdef PYPRUNE_X86
+  // m must divide 8 (1:2, 2:4, 4:8) so that every mask byte holds exactly 4 kept columns: 3:6
+  // keeps 3 or 5 in some bytes.
+  return tokens <= 2 && 2 * n == m && 8 % m == 0 && cols % 16 == 0 && dtype != at::kDouble &&
+         rows < (int64_t{1} << 31) / 16 && has_avx2_fma_f16c();
+#else
+  return false;
+#endif
+}
+
+void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
+                       const torch::Tensor& meta, int64_t n, int64_t m) {
+  check_compressed("nm_linear_gemv", values, meta, n, m);
+  const int64_t cols = values.size(1) / n * m;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+              "nm_linear_gemv: x must be a 2-D contiguous CPU tensor");
+  TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
+  TORCH_CHECK(x.size(0) <= kMaxTokens, "nm_linear_gemv: x may have at most ", kMaxTokens, " rows");
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
+}
+
 }  // namespace
+
+bool cpu_has_avx2_fma_f16c() {
+#ifdef PYPRUNE_X86
+  return has_avx2_fma_f16c();
+#else
+  return false;
+#endif
+}
+
+std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
+                                const torch::Tensor& meta, int64_t n, int64_t m) {
+  check_gemv_inputs(x, values, meta, n, m);
+  return takes_avx2_gather(x.size(0), values.size(0), values.size(1) / n * m, n, m, x.scalar_type())
+             ? "avx2_gather"
+             : "generic";
+}
 
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
                             int64_t m) {
@@ -203,13 +245,8 @@ torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& me
 torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
                              const torch::Tensor& meta, int64_t n, int64_t m,
                              const c10::optional<torch::Tensor>& bias) {
-  check_compressed("nm_linear_gemv", values, meta, n, m);
+  check_gemv_inputs(x, values, meta, n, m);
   const int64_t rows = values.size(0), cols = values.size(1) / n * m;
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
-              "nm_linear_gemv: x must be a 2-D contiguous CPU tensor");
-  TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
-  TORCH_CHECK(x.size(0) <= kMaxTokens, "nm_linear_gemv: x may have at most ", kMaxTokens, " rows");
-  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == rows &&
@@ -221,9 +258,8 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   const torch::Tensor x_float = x.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
 #ifdef PYPRUNE_X86
-    // One gather per token and vector: it wins for 1-2 tokens, the expanded buffer above that.
-    if (x.size(0) <= 2 && 2 * n == m && m <= 8 && cols % 16 == 0 && x.scalar_type() != at::kDouble &&
-        rows < (int64_t{1} << 31) / 16 && has_avx2_fma_f16c()) {
+    // the choice nm_linear_gemv_path reports
+    if (takes_avx2_gather(x.size(0), rows, cols, n, m, x.scalar_type())) {
       gemv_half_density_avx2<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
                                        meta.data_ptr<uint8_t>(),
                                        has_bias ? bias->data_ptr<scalar_t>() : nullptr,
