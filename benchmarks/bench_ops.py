@@ -49,6 +49,16 @@ def eager_topk_row_mask(scores, sparsity):
     return mask.scatter_(1, torch.topk(scores.float(), keep, dim=1)[1], True)
 
 
+def eager_topk_tensor_mask(scores, sparsity):
+    keep = int((1 - sparsity) * scores.numel() + 0.5)
+    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    return mask.scatter_(0, torch.topk(scores.float().reshape(-1), keep)[1], True).reshape(scores.shape)
+
+
+def eager_wanda_topk_row_mask(w, sqnorm, sparsity):
+    return eager_topk_row_mask(w.float().abs() * sqnorm.sqrt(), sparsity)
+
+
 def eager_group_soft_threshold(x, alpha):
     norm = x.float().norm(dim=1, keepdim=True)
     return (x.float() * (1 - alpha / norm).clamp_min(0)).to(x.dtype)
@@ -90,6 +100,12 @@ def cases(shape, dtype, device, quick):
     out += [
         ("topk_mask row 50%", "torch.topk + scatter_", lambda: ops.topk_mask(scores, 0.5),
          lambda: eager_topk_row_mask(scores, 0.5), scores.numel() * 5),
+        ("topk_mask tensor 50%", "torch.topk + scatter_ (flattened)",
+         lambda: ops.topk_mask(scores, 0.5, "tensor"), lambda: eager_topk_tensor_mask(scores, 0.5),
+         scores.numel() * 5),
+        ("score_topk_mask wanda row 50%", "eager score + torch.topk + scatter_",
+         lambda: ops.score_topk_mask(w, 0.5, "row", sqnorm), lambda: eager_wanda_topk_row_mask(w, sqnorm, 0.5),
+         w.numel() * (el + 1)),
         ("group_soft_threshold rows", "eager norm/clamp/mul",
          lambda: ops.group_soft_threshold(w, 1.0, 0), lambda: eager_group_soft_threshold(w, 1.0),
          w.numel() * el * 3),

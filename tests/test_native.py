@@ -325,6 +325,182 @@ def test_nm_linear_gemv_bad_arguments():
 
 
 # ----------------------------------------------------------------------------------------------
+# Exact top-k masks (radix select), per row and per tensor, against reference.keep_top.
+
+SCOPES = [True, False]  # per_row: one selection per row, or one over the whole tensor
+TOPK_SHAPES = [(1, 1), (9, 1), (1, 7), (5, 37), (3, 4099), (7, 4096), (64, 4096)]
+
+
+def _topk_expected(src, act, keep, per_row, kind):
+    scores = src.float() if kind == 0 else ref.magnitude_score(src) if kind == 1 else ref.wanda_score(src, act)
+    rows = scores.reshape(-1, scores.shape[-1]) if per_row else scores.reshape(1, -1)
+    return ref.keep_top(rows, keep).reshape(scores.shape)
+
+
+def _keeps(count, gen):
+    """Keep counts 0, 1, half, all but one, all, and a random one."""
+    return sorted({0, 1, count - 1, count, count // 2, int(torch.randint(0, count + 1, (1,), generator=gen))})
+
+
+def _check_topk(src, act, keep, per_row, kind):
+    got = C.topk_mask(src, act if kind == 2 else None, keep, per_row, kind)
+    assert got.dtype == torch.bool and got.shape == src.shape
+    want = _topk_expected(src, act, keep, per_row, kind)
+    assert torch.equal(got, want), (src.dtype, tuple(src.shape), keep, per_row, kind)
+    kept = got.sum(dim=1) if per_row else got.sum().reshape(1)
+    assert bool((kept == keep).all())
+
+
+def _ulps(shape, gen):
+    """Scores a few ulps apart around ±1 (and ±0.0): only the low key bits tell them apart, so
+    every radix digit is needed and many keys tie."""
+    one = torch.tensor(1.0).view(torch.int32)
+    bits = one + torch.randint(-3, 4, shape, generator=gen, dtype=torch.int32)
+    x = bits.view(torch.float32) * torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+    return torch.where(torch.rand(shape, generator=gen) < 0.05, -0.0, x)
+
+
+@pytest.mark.parametrize("data", ["randn", "ties", "special", "ulps"])
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_mask_matches_reference(dtype, kind, per_row, data):
+    gen = torch.Generator().manual_seed(10 * kind + per_row)
+    for shape in TOPK_SHAPES:
+        src = _ulps(shape, gen).to(dtype) if data == "ulps" else _data(data, shape, dtype, gen)
+        act = _act(shape[1], "randn" if data == "ulps" else data, gen)
+        for keep in _keeps(shape[1] if per_row else src.numel(), gen):
+            _check_topk(src, act, keep, per_row, kind)
+
+
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+def test_topk_signed_zero_ties_keep_lower_index(per_row):
+    # -0.0 == +0.0: ties, so the lowest (row-major) indices win whatever the signs.
+    x = torch.zeros(6, 40)
+    x[:, 1::2] = -0.0
+    x[2] = torch.where(torch.arange(40) % 3 == 0, -0.0, 0.0)
+    for kind in (0, 1):
+        got = C.topk_mask(x, None, 13 if per_row else 100, per_row, kind)
+        want = torch.zeros(6, 40, dtype=torch.bool)
+        if per_row:
+            want[:, :13] = True
+        else:
+            want.view(-1)[:100] = True
+        assert torch.equal(got, want)
+
+
+def test_topk_infinities():
+    x = torch.tensor([[float("-inf"), 1.0, float("inf"), float("inf"), -0.0, float("-inf"), -3.0, 0.0]])
+    assert C.topk_mask(x, None, 3, True, 0).tolist() == [[False, True, True, True,
+                                                         False, False, False, False]]
+    assert C.topk_mask(x, None, 4, True, 1).tolist() == [[True, False, True, True,
+                                                         False, True, False, False]]
+    # Of the two -inf the lower index stays.
+    assert C.topk_mask(x, None, 7, False, 0).tolist() == [[True, True, True, True,
+                                                          True, False, True, True]]
+    for keep in range(9):
+        for kind, per_row in [(0, True), (1, True), (0, False), (1, False)]:
+            _check_topk(x, None, keep, per_row, kind)
+
+
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+def test_topk_ties_across_blocks_keep_the_first(per_row):
+    # One repeated value across many rows and kernel blocks, cut in the middle: the kept copies
+    # are exactly the first ones in index order.
+    x = torch.ones(300, 1000)
+    x[17, 3] = 2.0
+    x[250, 999] = 0.5
+    keep = 400 if per_row else 123457
+    got = C.topk_mask(x, None, keep, per_row, 0)
+    # The 2.0 lies among the first `keep` elements of its row / of the tensor, the 0.5 does not.
+    want = torch.zeros(300, 1000, dtype=torch.bool)
+    if per_row:
+        want[:, :keep] = True
+    else:
+        want.view(-1)[:keep] = True
+    assert torch.equal(got, want)
+    assert torch.equal(got, _topk_expected(x, None, keep, per_row, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+def test_topk_every_half_bit_pattern(dtype, per_row):
+    # All 65536 encodings but NaN, shuffled: every exponent and sign reaches the radix select.
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    x = x[~torch.isnan(x.float())]
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    x = x[: x.numel() // 384 * 384].reshape(-1, 384).contiguous()
+    act = torch.rand(384, generator=torch.Generator().manual_seed(1)) + 0.5
+    count = 384 if per_row else x.numel()
+    for kind in KINDS:
+        for keep in (1, count // 3, count // 2, count - 5):
+            _check_topk(x, act, keep, per_row, kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+def test_topk_nan_raises(dtype, kind, per_row):
+    act = torch.rand(512) + 0.1
+    for shape, at in [((6, 64), (4, 37)), ((300, 512), (299, 511))]:  # serial and parallel paths
+        x = torch.randn(shape).to(dtype)
+        x[at] = float("nan")
+        count = shape[1] if per_row else x.numel()
+        for keep in (0, count // 2, count):  # raised even when nothing needs selecting
+            with pytest.raises(ValueError, match=NAN_MSG):
+                C.topk_mask(x, act[: shape[1]] if kind == 2 else None, keep, per_row, kind)
+
+
+@pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
+def test_topk_wanda_nan_from_act_sqnorm(per_row):
+    x = torch.randn(2, 8)
+    for col, value in [(3, -1.0), (6, float("nan"))]:  # sqrt(-1) = NaN; NaN
+        act = torch.rand(8)
+        act[col] = value
+        with pytest.raises(ValueError, match=NAN_MSG):
+            C.topk_mask(x, act, 4, per_row, 2)
+    inf_w = x.clone()
+    inf_w[1, 2] = float("inf")
+    zero_act = torch.rand(8)
+    zero_act[2] = 0.0  # inf * 0 = NaN
+    with pytest.raises(ValueError, match=NAN_MSG):
+        C.topk_mask(inf_w, zero_act, 4, per_row, 2)
+
+
+def test_topk_empty_and_bad_arguments():
+    out = C.topk_mask(torch.empty(0, 16), None, 8, True, 1)
+    assert out.shape == (0, 16) and out.dtype == torch.bool
+    x = torch.randn(4, 8)
+    for call, message in [
+        (lambda: C.topk_mask(x, None, 9, True, 0), r"keep must be in \[0, 8\]"),
+        (lambda: C.topk_mask(x, None, 33, False, 0), r"keep must be in \[0, 32\]"),
+        (lambda: C.topk_mask(x, None, -1, True, 0), "keep must be in"),
+        (lambda: C.topk_mask(x.double(), None, 2, True, 0), "dtype must be"),
+        (lambda: C.topk_mask(x[0], None, 2, True, 0), "must be 2-D"),
+        (lambda: C.topk_mask(torch.randn(8, 4).t(), None, 2, True, 0), "contiguous"),
+        (lambda: C.topk_mask(x, None, 2, True, 2), "needs act_sqnorm"),
+        (lambda: C.topk_mask(x, torch.rand(4), 2, True, 2), "act_sqnorm must be 1-D of length 8"),
+        (lambda: C.topk_mask(x, None, 2, True, 3), "score_kind must be 0, 1 or 2"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_topk_storage_offset_views():
+    # Contiguous views that do not start at the beginning of their storage (unaligned data).
+    flat = torch.randn(5 * 4096 + 3, generator=torch.Generator().manual_seed(3))
+    act = torch.rand(4096) * 2.0
+    for offset in (1, 2, 3):
+        for dtype in DTYPES:
+            src = flat.to(dtype)[offset: offset + 5 * 4096].view(5, 4096)
+            assert src.storage_offset() == offset
+            for kind in KINDS:
+                _check_topk(src, act, 2048, True, kind)
+                _check_topk(src, act, 9000, False, kind)
+
+
+# ----------------------------------------------------------------------------------------------
 # pyprune._C_cuda: the same contract on CUDA tensors (only where a GPU and the extension exist).
 
 def _cuda_module():

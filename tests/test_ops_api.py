@@ -99,6 +99,13 @@ def test_cpu_tensors_use_the_native_kernel_when_built():
     assert chosen == ("native" if backend.native_module("cpu") is not None else "ref")
 
 
+def test_cpu_masks_run_the_native_kernels():
+    from pyprune.ops import masks
+    assert backend.native_module("cpu") is not None, "pyprune._C is part of the install"
+    for op, impls in [("nm_mask", masks._NM_IMPLS), ("topk_mask", masks._TOPK_IMPLS)]:
+        assert backend.select(op, impls, torch.device("cpu")) is impls["cpu"], op
+
+
 def test_ops_trace_under_torch_compile():
     w = torch.randn(16, 32)
     sqnorm = torch.rand(32) + 0.1

@@ -58,19 +58,38 @@ def test_compress_round_trip(backend, problem):
         assert torch.equal(again[0], values) and torch.equal(again[1], meta)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@st.composite
+def topk_problems(draw):
+    rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 50))
+    levels = draw(st.integers(1, 4))  # few levels = many ties
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    scores = torch.randint(-levels, levels + 1, (rows, cols), generator=g).float() / 2
+    scores = torch.where(torch.rand(rows, cols, generator=g) < 0.2, scores * -0.0, scores)  # ±0.0
+    act_sqnorm = torch.randint(0, 3, (cols,), generator=g).float().to(DEVICE) if draw(st.booleans()) else None
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    return scores.to(dtype).to(DEVICE), act_sqnorm
+
+
+# On CPU tensors "auto" runs the C++ kernel too (tests/test_ops_api.py checks that it is chosen);
+# "cpu" forces it, so the comparison with the reference cannot silently run the reference.
+TOPK_BACKENDS = BACKENDS + (["cpu"] if DEVICE == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", TOPK_BACKENDS)
 @SETTINGS
-@given(rows=st.integers(1, 4), cols=st.integers(1, 50), sparsity=st.floats(0.0, 0.999),
-       scope=st.sampled_from(["row", "tensor"]), seed=st.integers(0, 2 ** 16))
-def test_topk_mask_counts_are_exact(backend, rows, cols, sparsity, scope, seed):
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 4, (rows, cols), generator=g).float().to(DEVICE)
+@given(problem=topk_problems(), sparsity=st.floats(0.0, 0.999), scope=st.sampled_from(["row", "tensor"]))
+def test_topk_mask_counts_are_exact(backend, problem, sparsity, scope):
+    scores, act_sqnorm = problem
     with _backend(backend):
         mask = ops.topk_mask(scores, sparsity, scope)
+        fused = ops.score_topk_mask(scores, sparsity, scope, act_sqnorm)
+    rows, cols = scores.shape
     count = cols if scope == "row" else rows * cols
-    kept = mask.sum(dim=1) if scope == "row" else mask.sum().reshape(1)
-    assert bool((kept == R.kept_count(count, sparsity)).all())
+    for m in (mask, fused):
+        kept = m.sum(dim=1) if scope == "row" else m.sum().reshape(1)
+        assert bool((kept == R.kept_count(count, sparsity)).all())
     assert torch.equal(mask, R.topk_mask(scores, sparsity, scope))
+    assert torch.equal(fused, R.score_topk_mask(scores, sparsity, scope, act_sqnorm))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,6 +8,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Bool N:M keep mask of a 2-D CPU tensor: in every m consecutive elements of a row keep the "
         "n highest fp32 scores (lower index wins ties). score_kind 0: src are the scores; 1: |src|;"
         " 2: |src| * sqrt(act_sqnorm[col]) (Wanda). Raises ValueError on NaN scores.");
+  m.def("topk_mask", &pyprune_cpu::topk_mask, py::arg("src"), py::arg("act_sqnorm"),
+        py::arg("keep"), py::arg("per_row"), py::arg("score_kind"),
+        "Bool top-k keep mask of a 2-D CPU tensor: keep exactly `keep` highest fp32 scores of "
+        "every row (per_row) or of the whole tensor, lower index first among equal scores, by "
+        "radix select (no sort). score_kind as in nm_mask. Raises ValueError on NaN scores.");
   m.def("openmp_threads", &pyprune_cpu::openmp_threads,
         "Number of OpenMP threads the CPU kernels use (1 when built without OpenMP).");
   m.def("nm_decompress", &pyprune_cpu::nm_decompress, py::arg("values"), py::arg("meta"),

@@ -23,6 +23,7 @@
 // sqrt is computed once per column), so results never depend on the variant chosen.
 
 #include "ops.h"
+#include "scores.h"
 
 #include <torch/extension.h>
 
@@ -39,58 +40,6 @@
 
 namespace pyprune_cpu {
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// Element loads: fp32 / fp16 / bf16 bits -> float, exact and branch-free (vectorisable).
-
-enum class Dt { F32, F16, BF16 };
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-// IEEE binary16 -> binary32, exact for every input (normals, subnormals, ±0, ±inf, NaN payloads).
-// Selections are done with bit masks rather than ?: so the compiler never turns them into
-// branches (it will not if-convert around a floating-point multiply), keeping the loop
-// vectorisable.
-inline float half_to_float(uint16_t h) {
-  const uint32_t mag = static_cast<uint32_t>(h) & 0x7fffu;
-  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
-  // Normal numbers: move exponent+fraction into place and rebias 15 -> 127.
-  uint32_t bits = (mag << 13) + (112u << 23);
-  // Inf/NaN: the exponent must become 255, i.e. rebias once more.
-  bits += (112u << 23) & (0u - static_cast<uint32_t>(mag >= 0x7c00u));
-  // Zero and subnormals: value = fraction * 2^-24, computed exactly in fp32 (no denormals).
-  const uint32_t sub =
-      float_to_bits(static_cast<float>(static_cast<int32_t>(mag)) * 5.9604644775390625e-8f);
-  const uint32_t is_sub = 0u - static_cast<uint32_t>(mag < 0x0400u);
-  bits = (sub & is_sub) | (bits & ~is_sub);
-  return bits_to_float(bits | sign);
-}
-
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
-
-template <Dt D> struct Elem;
-template <> struct Elem<Dt::F32> {
-  using type = float;
-  static inline float load(const float* p, int64_t i) { return p[i]; }
-};
-template <> struct Elem<Dt::F16> {
-  using type = uint16_t;
-  static inline float load(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
-};
-template <> struct Elem<Dt::BF16> {
-  using type = uint16_t;
-  static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Block kernel.
@@ -111,8 +60,6 @@ struct BlockArgs {
 // Returns nonzero when the block contains a NaN score.
 using BlockFn = int (*)(const BlockArgs&);
 
-#define PYPRUNE_ALWAYS_INLINE inline __attribute__((always_inline))
-
 template <Dt D, int KIND>
 PYPRUNE_ALWAYS_INLINE int scores_pass(const BlockArgs& a, float* __restrict buf) {
   using T = typename Elem<D>::type;
@@ -121,9 +68,7 @@ PYPRUNE_ALWAYS_INLINE int scores_pass(const BlockArgs& a, float* __restrict buf)
   const int64_t len = a.len;
   int nan = 0;
   for (int64_t e = 0; e < len; ++e) {
-    float s = Elem<D>::load(x, e);
-    if constexpr (KIND >= 1) s = std::fabs(s);
-    if constexpr (KIND == 2) s = s * cs[e];
+    const float s = score_at<D, KIND>(x, e, cs);
     buf[e] = s;
     nan |= (s != s);
   }
@@ -298,48 +243,17 @@ Isa cached_isa() {
   return isa;
 }
 
-constexpr const char* kNanMessage =
-    "scores contain NaN; pyprune masks need finite or ±inf scores";
-constexpr const char* kNanWandaMessage =
-    "scores contain NaN; pyprune masks need finite or ±inf scores (w/act_sqnorm produce NaN "
-    "scores: NaN in w or act_sqnorm, a negative act_sqnorm, or inf * 0)";
-
 }  // namespace
 
 torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
                       int64_t n, int64_t m, int64_t score_kind) {
-  TORCH_CHECK(src.device().is_cpu(), "nm_mask: src must be a CPU tensor");
-  TORCH_CHECK(src.dim() == 2, "nm_mask: src must be 2-D, got ", src.dim(), "-D");
-  TORCH_CHECK(src.is_contiguous(), "nm_mask: src must be contiguous");
-  const auto st = src.scalar_type();
-  Dt d;
-  if (st == at::kFloat) d = Dt::F32;
-  else if (st == at::kHalf) d = Dt::F16;
-  else if (st == at::kBFloat16) d = Dt::BF16;
-  else TORCH_CHECK(false, "nm_mask: src dtype must be float32, float16 or bfloat16, got ", st);
+  const Dt d = source_dtype(src, "nm_mask");
   TORCH_CHECK(m >= 2 && m <= 32, "nm_mask: m must be in [2, 32], got ", m);
   TORCH_CHECK(n >= 1 && n < m, "nm_mask: n must be in [1, m), got n=", n, ", m=", m);
-  TORCH_CHECK(score_kind >= 0 && score_kind <= 2, "nm_mask: score_kind must be 0, 1 or 2, got ",
-              score_kind);
   const int64_t rows = src.size(0);
   const int64_t cols = src.size(1);
   TORCH_CHECK(cols % m == 0, "nm_mask: cols (", cols, ") must be a multiple of m (", m, ")");
-
-  torch::Tensor scale;  // sqrt(act_sqnorm), fp32 [cols]
-  if (score_kind == 2) {
-    TORCH_CHECK(act_sqnorm.has_value() && act_sqnorm->defined(),
-                "nm_mask: score_kind 2 (Wanda) needs act_sqnorm");
-    const torch::Tensor& a = *act_sqnorm;
-    TORCH_CHECK(a.device().is_cpu(), "nm_mask: act_sqnorm must be a CPU tensor");
-    TORCH_CHECK(a.scalar_type() == at::kFloat, "nm_mask: act_sqnorm must be float32");
-    TORCH_CHECK(a.dim() == 1 && a.size(0) == cols, "nm_mask: act_sqnorm must be 1-D of length ",
-                cols);
-    const torch::Tensor ac = a.contiguous();
-    scale = torch::empty({cols}, ac.options());
-    const float* ap = ac.data_ptr<float>();
-    float* sp = scale.data_ptr<float>();
-    for (int64_t c = 0; c < cols; ++c) sp[c] = std::sqrt(ap[c]);  // IEEE, correctly rounded
-  }
+  const torch::Tensor scale = wanda_column_scale(act_sqnorm, cols, score_kind, "nm_mask");
 
   torch::Tensor out = torch::empty({rows, cols}, src.options().dtype(torch::kBool));
   if (rows == 0 || cols == 0) return out;
@@ -377,7 +291,7 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
     nan_found |= fn(a);
   }
 
-  TORCH_CHECK_VALUE(!nan_found, score_kind == 2 ? kNanWandaMessage : kNanMessage);
+  TORCH_CHECK_VALUE(!nan_found, nan_message(score_kind));
   return out;
 }
 

@@ -14,6 +14,10 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
                       int64_t n, int64_t m, int64_t score_kind);
 int64_t openmp_threads();
 
+// topk_mask.cpp
+torch::Tensor topk_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
+                        int64_t keep, bool per_row, int64_t score_kind);
+
 // nm_linear.cpp
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
                             int64_t m);

@@ -74,7 +74,12 @@ def _reference_topk(src, act_sqnorm, keep, per_row, kind):
     return reference.keep_top(rows, keep).reshape(scores.shape)
 
 
-_TOPK_IMPLS = {"reference": _reference_topk, "triton": _triton_topk}
+def _native_topk(src, act_sqnorm, keep, per_row, kind):
+    rows = src.reshape(-1, src.shape[-1])
+    return native("cpu").topk_mask(rows, act_sqnorm, keep, per_row, kind).reshape(src.shape)
+
+
+_TOPK_IMPLS = {"reference": _reference_topk, "triton": _triton_topk, "cpu": _native_topk}
 
 
 @torch.library.custom_op("pyprune::topk_mask", mutates_args=())
