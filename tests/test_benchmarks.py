@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from pyprune.nn import SparseLinear, dispatch
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_e2e  # noqa: E402
 import bench_ops  # noqa: E402
 import bench_sparse_linear  # noqa: E402
+import crosscheck_wanda  # noqa: E402
 
 
 def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_path, monkeypatch):
@@ -66,3 +68,31 @@ def test_svg_plot_rejects_empty_input():
     from _common import svg_line_plot
     with pytest.raises(ValueError, match="at least one point"):
         svg_line_plot({}, "t", "x", "y")
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("crosscheck_wanda.py: error: ")
+    return err
+
+
+def test_crosscheck_without_a_wanda_checkout_exits_2_at_once(tmp_path, capsys):
+    assert crosscheck_wanda.main([]) == 2
+    assert "--wanda-repo is required" in _one_line_error(capsys)
+    missing = tmp_path / "nowhere"
+    assert crosscheck_wanda.main(["--wanda-repo", str(missing), "--python", sys.executable]) == 2
+    assert f"--wanda-repo {str(missing)!r} is not a directory" in _one_line_error(capsys)
+    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", sys.executable]) == 2
+    assert "is not a checkout of locuslab/wanda (no lib/prune.py, lib/sparsegpt.py" in _one_line_error(capsys)
+
+
+def test_crosscheck_without_a_transformers_4_36_python_exits_2_at_once(tmp_path, capsys):
+    for name in crosscheck_wanda.AUTHORS_FILES:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path)]) == 2
+    assert "--python is required" in _one_line_error(capsys)
+    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", str(tmp_path / "python")]) == 2
+    assert "cannot be run" in _one_line_error(capsys)
+    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", sys.executable]) == 2
+    assert f"has transformers {transformers.__version__}; the authors' code needs 4.36.x" in _one_line_error(capsys)

@@ -1,0 +1,332 @@
+"""pyprune's Wanda and SparseGPT against the authors' code (locuslab/wanda ``lib/``) on SmolLM2-135M.
+
+Both sides prune the same model with the same calibration token ids and are scored on the same
+evaluation windows. The authors' code targets transformers 4.3x, so it runs in a separate
+virtual environment (``--python``, with transformers 4.36.x) through ``_crosscheck_driver.py``,
+which imports their ``lib`` read-only from ``--wanda-repo``; the token ids and the model are
+prepared here with pyprune and handed over with torch.save / save_pretrained. Runs: Wanda 2:4,
+Wanda 50% unstructured (per row), SparseGPT 2:4, and the dense model. Results (perplexities,
+fraction of identical masks, first differing layer) go to results/crosscheck-wanda.{json,md}.
+
+    python benchmarks/crosscheck_wanda.py --wanda-repo /tmp/wanda --python /tmp/venv-wanda/bin/python
+"""
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import torch
+import transformers
+
+import pyprune
+from pyprune import data, ops
+from pyprune.engine import block_linears, block_prefix, decoder_blocks
+from pyprune.eval import perplexity
+from pyprune.methods.wanda import Wanda
+from pyprune.models import _rope_theta, load_model
+from pyprune.patterns import NM, Unstructured
+
+from _common import environment, write_atomic, write_json
+from _crosscheck_driver import AUTHORS_FILES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DRIVER = os.path.join(HERE, "_crosscheck_driver.py")
+MODEL = "smollm2-135m"
+#: The authors' prepare_calibration_input holds 128 calibration rows whatever nsamples is.
+MAX_NSAMPLES = 128
+#: (name, method, pattern) run on both sides.
+RUNS = [("wanda 2:4", "wanda", NM(2, 4)),
+        ("wanda 50% unstructured (per row)", "wanda", Unstructured(0.5, "row")),
+        ("sparsegpt 2:4", "sparsegpt", NM(2, 4))]
+#: Prints the transformers version first, then imports what the authors' lib/ needs besides.
+PYTHON_PROBE = "import transformers; print(transformers.__version__, flush=True); import torch, datasets"
+
+
+class InputError(Exception):
+    """A bad command-line input, reported in one line with exit status 2."""
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--wanda-repo", help="a checkout of locuslab/wanda (holding lib/prune.py)")
+    parser.add_argument("--python", help="python of a virtualenv with torch, transformers 4.36.x and datasets "
+                                         "(their lib/data.py imports it), where the authors' code runs")
+    parser.add_argument("--calib", default="emma", help="calibration text (a pyprune.data source)")
+    parser.add_argument("--eval", default="pride_and_prejudice", help="evaluation text (a pyprune.data source)")
+    parser.add_argument("--nsamples", type=int, default=16)
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--eval-tokens", type=int, default=8192, help="first N tokens of the evaluation text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "crosscheck-wanda.json"))
+    return parser.parse_args(argv)
+
+
+def check_inputs(args):
+    """Everything checkable before any heavy work; raises InputError with a one-line reason."""
+    if not args.wanda_repo:
+        raise InputError("--wanda-repo is required: a checkout of locuslab/wanda")
+    if not os.path.isdir(args.wanda_repo):
+        raise InputError(f"--wanda-repo {args.wanda_repo!r} is not a directory")
+    missing = [f for f in AUTHORS_FILES if not os.path.isfile(os.path.join(args.wanda_repo, f))]
+    if missing:
+        raise InputError(f"--wanda-repo {args.wanda_repo!r} is not a checkout of locuslab/wanda "
+                         f"(no {', '.join(missing)})")
+    if not args.python:
+        raise InputError("--python is required: the python of a virtualenv with transformers 4.36.x")
+    try:
+        probe = subprocess.run([args.python, "-c", PYTHON_PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise InputError(f"--python {args.python!r} cannot be run: {error}") from None
+    version = probe.stdout.strip()
+    reason = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    if not version:
+        raise InputError(f"--python {args.python!r} cannot import transformers: {reason}")
+    if not version.startswith("4.36."):
+        raise InputError(f"--python {args.python!r} has transformers {version}; the authors' code needs 4.36.x")
+    if probe.returncode != 0:
+        raise InputError(f"--python {args.python!r} cannot import torch or datasets (their lib/data.py "
+                         f"imports datasets): {reason}")
+    if not 1 <= args.nsamples <= MAX_NSAMPLES:
+        raise InputError(f"--nsamples must be in 1..{MAX_NSAMPLES} (the authors' code holds "
+                         f"{MAX_NSAMPLES} calibration rows); got {args.nsamples}")
+    for option, source in (("--calib", args.calib), ("--eval", args.eval)):
+        try:
+            data.check_source(source)
+        except (FileNotFoundError, ValueError, TypeError) as error:
+            raise InputError(f"{option}: {error}") from None
+
+
+def named_linears(model):
+    prefix = block_prefix(model)
+    return {f"{prefix}.{index}.{name}": linear
+            for index, block in enumerate(decoder_blocks(model))
+            for name, linear in block_linears(block).items()}
+
+
+def nonzero_masks(model):
+    return {name: linear.weight.detach() != 0 for name, linear in named_linears(model).items()}
+
+
+def save_for_transformers4(model, directory):
+    """save_pretrained plus the top-level rope_theta that transformers 4.x reads (a transformers-5
+    config keeps it under rope_parameters, and 4.x silently falls back to 10000 without it)."""
+    model.save_pretrained(directory, safe_serialization=True)
+    path = os.path.join(directory, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["rope_theta"] = _rope_theta(model.config)
+    write_json(path, config)
+
+
+@contextlib.contextmanager
+def recorded_wanda_norms():
+    """Record, per linear module, the activation norms pyprune's Wanda scores it with."""
+    norms = {}
+    prune_layer = Wanda.prune_layer
+
+    def recording(self, linear, stats, pattern):
+        norms[linear] = stats.clone()
+        prune_layer(self, linear, stats, pattern)
+
+    Wanda.prune_layer = recording
+    try:
+        yield norms
+    finally:
+        Wanda.prune_layer = prune_layer
+
+
+def compare_masks(ours, theirs):
+    """Identical mask entries overall and per layer, and the first layer (in model order) that differs."""
+    if set(ours) != set(theirs):
+        raise RuntimeError(f"the two sides pruned different layers: {sorted(set(ours) ^ set(theirs))[:4]}")
+    identical = total = 0
+    fractions, first = [], None
+    for name, mask in ours.items():
+        same = int((mask == theirs[name]).sum())
+        identical += same
+        total += mask.numel()
+        fractions.append(same / mask.numel())
+        if first is None and same < mask.numel():
+            first = {"layer": name, "differing": mask.numel() - same}
+    return {"identical": identical, "total": total, "fraction": identical / total,
+            "layers": len(ours), "layers_differing": sum(f < 1.0 for f in fractions),
+            "min_layer_fraction": min(fractions), "first_differing": first}
+
+
+def tied_differences(weight, act_sqnorm, ours, theirs, pattern):
+    """Where the masks differ: how many entries have a Wanda score (pyprune's) equal to another
+    score of the group the selection compares them in (their row, or their N:M group), and the
+    largest relative distance from a differing entry to the nearest other score of its group."""
+    scores = ops.wanda_score(weight, act_sqnorm)
+    group = pattern.m if isinstance(pattern, NM) else scores.shape[1]
+    rows, cols = (ours != theirs).nonzero(as_tuple=True)
+    tied, widest = 0, 0.0
+    for row, col in zip(rows.tolist(), cols.tolist()):
+        start = col - col % group
+        score = scores[row, col]
+        others = torch.cat([scores[row, start:col], scores[row, col + 1:start + group]])
+        gap = float((others - score).abs().min()) / max(float(score), torch.finfo(torch.float32).tiny)
+        tied += gap == 0.0
+        widest = max(widest, gap)
+    return {"differing": len(rows), "tied": tied, "largest_relative_gap": widest}
+
+
+def run_authors(args, model, calib, eval_windows, workdir):
+    """The authors' code on the same inputs, in the --python environment; returns its results."""
+    model_dir = os.path.join(workdir, "model")
+    save_for_transformers4(model, model_dir)
+    job, out, log = (os.path.join(workdir, name) for name in ("job.pt", "authors.pt", "authors.log"))
+    torch.save({"wanda_repo": os.path.abspath(args.wanda_repo), "model_dir": model_dir,
+                "rope_theta": _rope_theta(model.config), "calib": calib.clone(),
+                "eval_windows": eval_windows.clone(), "seed": args.seed, "log": log,
+                "runs": [{"name": name, "method": method, "sparsity": pattern.sparsity,
+                          "n": pattern.n if isinstance(pattern, NM) else 0,
+                          "m": pattern.m if isinstance(pattern, NM) else 0}
+                         for name, method, pattern in RUNS]}, job)
+    done = subprocess.run([args.python, DRIVER, job, out])
+    if done.returncode != 0:
+        with open(log, encoding="utf-8") as handle:
+            tail = "".join(handle.readlines()[-20:])
+        raise RuntimeError(f"the authors' code failed (exit status {done.returncode}); its output ended:\n{tail}")
+    return torch.load(out)
+
+
+def git_commit(repo):
+    try:
+        done = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        check_inputs(args)
+    except InputError as error:
+        print(f"crosscheck_wanda.py: error: {error}", file=sys.stderr)
+        return 2
+
+    dense, tokenizer = load_model(MODEL)
+    calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples, seqlen=args.seqlen,
+                                     seed=args.seed)
+    eval_windows = data.windows(data.eval_tokens(tokenizer, args.eval, max_tokens=args.eval_tokens), args.seqlen)
+    if eval_windows.shape[0] == 0:
+        raise ValueError(f"--eval-tokens {args.eval_tokens} is less than one window of --seqlen {args.seqlen}")
+    with tempfile.TemporaryDirectory(prefix="crosscheck-wanda-") as workdir:
+        authors = run_authors(args, dense, calib, eval_windows, workdir)
+
+    eval_stream = eval_windows.reshape(-1)
+    dense_ppl = perplexity(dense, eval_stream, args.seqlen, progress=False)
+    print(f"pyprune dense: perplexity {dense_ppl:.3f}", flush=True)
+    rows = [{"run": "dense", "pyprune": {"perplexity": dense_ppl},
+             "authors": {"perplexity": authors["dense_perplexity"]}}]
+    dense_linears = named_linears(dense)
+    for name, method, pattern in RUNS:
+        model = copy.deepcopy(dense)
+        with recorded_wanda_norms() as norms:
+            report = pyprune.prune(model, method, pattern, calib, progress=False)
+        ppl = perplexity(model, eval_stream, args.seqlen, progress=False)
+        ours, theirs = nonzero_masks(model), authors["runs"][name]["masks"]
+        masks = compare_masks(ours, theirs)
+        first = masks["first_differing"]
+        if first and method == "wanda":
+            layer = first["layer"]
+            norm = norms[named_linears(model)[layer]]
+            first.update(tied_differences(dense_linears[layer].weight.detach(), norm, ours[layer],
+                                          theirs[layer], pattern))
+        rows.append({"run": name, "masks": masks,
+                     "pyprune": {"perplexity": ppl, "time_s": report["time_s"],
+                                 "sparsity": 1.0 - sum(int(m.sum()) for m in ours.values()) / masks["total"]},
+                     "authors": {"perplexity": authors["runs"][name]["perplexity"],
+                                 "time_s": round(authors["runs"][name]["time_s"], 3),
+                                 "sparsity": 1.0 - sum(int(m.sum()) for m in theirs.values()) / masks["total"]}})
+        print(f"pyprune {name}: perplexity {ppl:.3f}, {report['time_s']:.1f} s; masks identical "
+              f"{masks['fraction']:.6f}", flush=True)
+        del model
+    for row in rows:
+        row["relative_difference"] = row["pyprune"]["perplexity"] / row["authors"]["perplexity"] - 1.0
+
+    result = {
+        "command": "python benchmarks/crosscheck_wanda.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "model": f"{MODEL} (pyprune.models.load_model)",
+        "calibration": f"pyprune.data.calibration_samples({args.calib!r}, nsamples={args.nsamples}, "
+                       f"seqlen={args.seqlen}, seed={args.seed})",
+        "evaluation": f"first {eval_stream.numel()} tokens of {args.eval!r} in {args.seqlen}-token windows, "
+                      f"exp(mean next-token NLL)",
+        "authors_code": {"repository": "locuslab/wanda", "commit": git_commit(args.wanda_repo),
+                         "files_sha256": authors["authors_files"], "environment": authors["environment"]},
+        "environment": {**environment(torch.device("cpu")), "transformers": transformers.__version__},
+        "results": rows,
+    }
+    write_json(args.output, result)
+    write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+    return 0
+
+
+def percent_down(fraction):
+    """A fraction as a percentage rounded down to 0.01 (so an imperfect match never shows 100%)."""
+    return "100%" if fraction == 1.0 else f"{math.floor(fraction * 1e4) / 100:.2f}%"
+
+
+def markdown(result):
+    ours, theirs = result["environment"], result["authors_code"]["environment"]
+    commit = result["authors_code"]["commit"] or "unknown commit"
+    lines = [
+        "# Cross-check against locuslab/wanda (`lib/prune.py`, `lib/sparsegpt.py`)", "",
+        f"Written by `{result['command']}` ({ours['timestamp']}).", "",
+        f"The authors' code (locuslab/wanda {commit}) ran unmodified and read-only in its own virtual "
+        f"environment (torch {theirs['torch']}, transformers {theirs['transformers']}, "
+        f"{theirs['attention']} attention) through `benchmarks/_crosscheck_driver.py`, fed the same "
+        f"calibration token ids and model as pyprune (torch {ours['torch']}, transformers "
+        f"{ours['transformers']}); {ours['device']}, {ours['cpu_threads']} threads. Nothing of their code "
+        f"is in this repository.", "",
+        f"- Model: {result['model']}.",
+        f"- Calibration: {result['calibration']}.",
+        f"- Evaluation: {result['evaluation']}.",
+        "- Masks: the nonzero pattern of every pruned linear of the decoder blocks, compared entry by entry "
+        "(percentages rounded down).", "",
+        "| run | pyprune perplexity | authors' code perplexity | pyprune vs authors | masks identical | "
+        "first differing layer |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in result["results"]:
+        masks = row.get("masks")
+        if masks is None:
+            identical, first = "—", "—"
+        else:
+            identical = f"{percent_down(masks['fraction'])} ({masks['identical']:,} of {masks['total']:,})"
+            first = masks["first_differing"]
+            if first is None:
+                first = "none"
+            elif "tied" in first:
+                first = (f"`{first['layer']}`: {first['differing']:,} entries, {first['tied']:,} of them "
+                         f"exactly tied with another score of their group (pyprune's Wanda scores), all "
+                         f"within {first['largest_relative_gap']:.1e} (relative) of one")
+            else:
+                first = f"`{first['layer']}`: {first['differing']:,} entries"
+        lines.append(f"| {row['run']} | {row['pyprune']['perplexity']:.3f} | {row['authors']['perplexity']:.3f} "
+                     f"| {100 * row['relative_difference']:+.2f}% | {identical} | {first} |")
+    lines += ["", "| run | layers with any difference | lowest per-layer agreement | measured sparsity "
+              "(pyprune / authors) | prune time s (pyprune / authors) |", "|---|---:|---:|---:|---:|"]
+    for row in result["results"][1:]:
+        masks, ours_run, theirs_run = row["masks"], row["pyprune"], row["authors"]
+        lines.append(f"| {row['run']} | {masks['layers_differing']} of {masks['layers']} | "
+                     f"{percent_down(masks['min_layer_fraction'])} | {ours_run['sparsity']:.4f} / "
+                     f"{theirs_run['sparsity']:.4f} | {ours_run['time_s']:.1f} / {theirs_run['time_s']:.1f} |")
+    lines += ["", "Ties: among equal scores the authors' unstructured Wanda (ascending stable sort, prune the "
+              "first k) prunes the lower index, pyprune keeps it; their N:M paths use `torch.topk`, whose tie "
+              "order is unspecified. After a first difference, later blocks see slightly different inputs, so "
+              "decisions near the keep boundary drift. SparseGPT updates the kept weights, so its masks drift "
+              "with any rounding difference. Prune times are wall-clock on a shared machine."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
