@@ -2,120 +2,173 @@
 
 Run as a script with TRITON_INTERPRET unset (tests/test_triton_compile.py does): the kernel
 wrappers in pyprune.kernels are called on small CPU tensors with KernelInterface.__getitem__
-patched to record each launch (kernel, arguments, autotune configs) instead of running it; every
-distinct launch is then built with triton.compile for each target. This catches what the CPU
-interpreter cannot: code that does not lower to GPU code for the dtypes and block sizes we use.
-Prints one line per compiled variant and exits non-zero on the first failure.
+patched to record each launch (kernel, arguments, autotune configs) instead of running it. Each
+recorded launch is then specialised exactly as JITFunction.run would specialise it on a GPU
+(Triton's own argument binder: integers divisible by 16 or equal to 1, 16-byte aligned
+pointers, constexprs, options), and every distinct variant is built with triton.compile for each
+target. Every wrapper is called in fp32, fp16 and bf16 on shapes whose sizes are all multiples of
+16, on shapes with none, and on inputs that do not start on a 16-byte boundary; the score kinds,
+N:M patterns (power-of-two m, and 3:6 whose m is padded to a power of two) and optional
+arguments are rotated over that grid so that each meets every dtype and every layout. This
+catches what the CPU interpreter cannot: code that does not lower to GPU code for the launches
+we make.
+Prints one line per failing variant and a summary; exits non-zero if any variant fails.
 """
+import argparse
+import multiprocessing
 import os
 import sys
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
-from triton.runtime.jit import KernelInterface  # noqa: E402
+from triton.runtime.jit import KernelInterface, create_function_from_signature  # noqa: E402
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
-POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.uint64: "u64"}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: How the tensors sit in memory: every size (and rows·cols) a multiple of 16, none of them, and
+#: none of them with the inputs one element past a 16-byte boundary.
+LAYOUTS = ("multiple of 16", "not a multiple of 16", "unaligned")
+#: N:M groups: power-of-two m (unrolled), and 3:6 (m padded to 8 inside the tile)
+NM = ((2, 4), (4, 8), (1, 2), (3, 6))
+#: nm_linear needs a power-of-two m (pyprune.ops routes other m through decompress + F.linear)
+NM_LINEAR = ((2, 4), (4, 8), (1, 2))
+GIVEN, MAGNITUDE, WANDA, TAYLOR = 0, 1, 2, 3
+MASK_KINDS = (GIVEN, MAGNITUDE, WANDA)
 launches = []
+VARIANTS = []
 
 
 def _record(self, grid):
     return lambda *args, **kwargs: launches.append((self, args, kwargs))
 
 
+def unaligned(t):
+    """A copy of ``t`` whose data starts one element past a 16-byte boundary."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _tensor(shape, dtype, layout, rand=torch.randn):
+    t = rand(shape).to(dtype)
+    return unaligned(t) if layout == "unaligned" else t
+
+
+def _rotate(options, d, l, count=1):
+    """``count`` of ``options`` for the d-th dtype and l-th layout, rotated (a Latin square) so
+    that across the DTYPES × LAYOUTS grid every option meets every dtype and every layout."""
+    return [options[(d + l + j * len(options) // count) % len(options)] for j in range(count)]
+
+
 def call_wrappers():
-    """Launch every kernel the way pyprune does. Score, mask and prox kernels differ across dtypes
-    only in their loads, so they are built for bf16; the matmul kernels for every dtype."""
+    """Launch every kernel the way pyprune.ops does: every kernel in every dtype and layout; the
+    score kinds, N:M patterns and optional arguments rotated over that grid."""
     from pyprune import reference
     from pyprune.kernels import linear, masks, nm_format, prox, scores
 
-    w = torch.randn(64, 128).to(torch.bfloat16)
-    act = torch.rand(128)
-    for kind, aux in ((1, None), (2, act), (3, w)):
-        scores.score(w, aux, kind)
-    for kind, aux in ((0, None), (2, act)):
-        masks.nm_mask(w, aux, 2, 4, kind)
-        masks.nm_mask(w, aux, 3, 6, kind)
-        masks.topk_mask(w, aux, 10, True, kind)
-    scores.accumulate_sqnorm_(torch.zeros(128), w)
-    prox.soft_threshold(w, 0.5)
-    prox.group_soft_threshold(w, 0.5, 0)
-    prox.group_soft_threshold(w, 0.5, 1)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        w = torch.randn(64, 128).to(dtype)
-        for n, m in ((2, 4), (4, 8)):
-            mask = reference.nm_mask(w.float().abs(), n, m)
-            values, meta = reference.nm_compress(w, mask, n, m)
-            if dtype == torch.bfloat16:
+    for d, dtype in enumerate(DTYPES):
+        for l, layout in enumerate(LAYOUTS):
+            rows, cols = (64, 96) if layout == "multiple of 16" else (37, 120)
+            w = _tensor((rows, cols), dtype, layout)
+            act = torch.rand(cols) + 0.1
+            for kind, aux in ((MAGNITUDE, None), (WANDA, act), (TAYLOR, _tensor((rows, cols), dtype, layout))):
+                scores.score(w, aux, kind)
+            for j, (n, m) in enumerate(NM):
+                kind = MASK_KINDS[(d + l + j) % len(MASK_KINDS)]
+                masks.nm_mask(w, act if kind == WANDA else None, n, m, kind)
+            [kind] = _rotate(MASK_KINDS, d, l)
+            masks.topk_mask(w, act if kind == WANDA else None, cols // 3, True, kind)
+            masks.topk_mask(w, act if kind == WANDA else None, w.numel() // 2, False, kind)
+            scores.accumulate_sqnorm_(torch.zeros(cols), w)
+            prox.soft_threshold(w, 0.5)
+            prox.group_soft_threshold(w, 0.5, 0)
+            prox.group_soft_threshold(w, 0.5, 1)
+            for n, m in _rotate(NM, d, l, count=2):
+                mask = reference.nm_mask(w.float().abs(), n, m)
+                values, meta = reference.nm_compress(w, mask, n, m)
                 nm_format.nm_compress(w, mask, n, m)
                 nm_format.nm_decompress(values, meta, n, m)
-            for rows in (1, 40):
-                x = torch.randn(rows, 128).to(dtype)
-                linear.nm_linear(x, values, meta, n, m, torch.randn(64).to(dtype), False)
-        index = torch.arange(0, 128, 2)
-        linear.sliced_linear(torch.randn(3, 64).to(dtype), w, None, index, index[:20], False)
+            [(n, m)] = _rotate(NM_LINEAR, d, l)
+            values, meta = reference.nm_compress(w, reference.nm_mask(w.float().abs(), n, m), n, m)
+            bias = torch.randn(rows).to(dtype)
+            for tokens, with_bias in ((1, True), (5, False), (40, l % 2 == 0)):  # GEMV, GEMV, tl.dot
+                linear.nm_linear(_tensor((tokens, cols), dtype, layout), values, meta, n, m,
+                                 bias if with_bias else None, False)
+            [(tokens, in_index, out_index, with_bias)] = _rotate(
+                [(3, torch.arange(0, cols, 3), torch.arange(rows - 1, 0, -2), True),
+                 (40, torch.arange(0, cols, 2), None, False), (40, None, None, True)], d, l)
+            x = _tensor((tokens, cols if in_index is None else in_index.numel()), dtype, layout)
+            linear.sliced_linear(x, w, bias if with_bias else None, in_index, out_index, False)
 
 
-def _arg_type(value):
-    if isinstance(value, torch.Tensor):
-        return "*" + POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"cannot type argument {value!r}")
+def _launch_options(kernel, args, kwargs):
+    """(jit function, [launch kwargs]) of a recorded launch: one per autotune config compiled
+    (the smallest and the largest tiles the pruning leaves)."""
+    if not isinstance(kernel, Autotuner):
+        return kernel, [kwargs]
+    pool = kernel.configs
+    if kernel.early_config_prune:
+        pool = kernel.early_config_prune(kernel.configs, dict(zip(kernel.fn.arg_names, args)), **kwargs)
+    return kernel.fn, [dict(kwargs, **config.all_kwargs()) for config in (pool[0], pool[-1])]
 
 
 def variants():
-    """(jit function, signature, constexprs, options) of every distinct recorded launch."""
-    seen = {}
+    """[(name, target, ASTSource, options)] of every distinct specialised launch and target."""
+    binders, seen = {}, {}
     for kernel, args, kwargs in launches:
-        configs = [None]
-        if isinstance(kernel, Autotuner):
-            nargs = dict(zip(kernel.fn.arg_names, args))
-            pool = kernel.early_config_prune(kernel.configs, nargs, **kwargs) \
-                if kernel.early_config_prune else kernel.configs
-            configs = [pool[0], pool[-1]]  # the smallest and the largest tiles
-            kernel = kernel.fn
-        for config in configs:
-            values = dict(zip(kernel.arg_names, args), **kwargs, **(config.kwargs if config else {}))
-            signature, constexprs = {}, {}
-            for param in kernel.params:
-                value = values[param.name]
-                if param.is_constexpr:
-                    signature[param.name], constexprs[param.name] = "constexpr", value
-                else:
-                    signature[param.name] = _arg_type(value)
-            options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
-            key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
-                   tuple(sorted(options.items())))
-            seen.setdefault(key, (kernel, signature, constexprs, options))
+        fn, all_kwargs = _launch_options(kernel, args, kwargs)
+        for target in TARGETS:
+            backend = make_backend(target)
+            key = (fn, target.arch)
+            if key not in binders:
+                binders[key] = create_function_from_signature(fn.signature, fn.params, backend)
+            for launch_kwargs in all_kwargs:
+                bound, specialization, options = binders[key](*args, **launch_kwargs)
+                options, signature, constexprs, attrs = fn._pack_args(backend, launch_kwargs, bound,
+                                                                      specialization, options)
+                ident = (fn.__name__, target.arch, tuple(signature.items()), tuple(sorted(constexprs.items())),
+                         repr(sorted(attrs.items())), repr(options))
+                seen.setdefault(ident, (fn.__name__, target, ASTSource(fn, signature, constexprs, attrs),
+                                        options.__dict__))
     return list(seen.values())
 
 
+def _compile(index):
+    """Build variant ``index`` of VARIANTS (by index: forked workers inherit the list)."""
+    name, target, source, options = VARIANTS[index]
+    try:
+        triton.compile(source, target=target, options=options)
+    except Exception as exc:  # report the failing variant, keep building the others
+        return f"FAIL {name} sm_{target.arch} {source.constants} {source.attrs}: {exc}"
+    return None
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    jobs = parser.parse_args().jobs
     KernelInterface.__getitem__ = _record
     call_wrappers()
-    built = 0
-    for kernel, signature, constexprs, options in variants():
-        for target in TARGETS:
-            try:
-                triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
-            except Exception as exc:  # report which variant failed, then fail
-                print(f"FAIL {kernel.__name__} sm_{target.arch} {constexprs} {options}: {exc}")
-                return 1
-            built += 1
-    names = sorted({kernel.__name__ for kernel, *_ in variants()})
-    print(f"compiled {built} variants of {len(names)} kernels: {', '.join(names)}")
-    return 0
+    VARIANTS.extend(variants())
+    start = time.perf_counter()
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            failures = [f for f in pool.imap_unordered(_compile, range(len(VARIANTS))) if f]
+    else:
+        failures = [f for f in map(_compile, range(len(VARIANTS))) if f]
+    for failure in failures:
+        print(failure)
+    names = sorted({name for name, *_ in VARIANTS})
+    print(f"compiled {len(VARIANTS) - len(failures)} of {len(VARIANTS)} variants ({len(launches)} launches recorded) "
+          f"of {len(names)} kernels in {time.perf_counter() - start:.0f} s: {', '.join(names)}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
