@@ -30,7 +30,8 @@ def _native_extensions():
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     extensions = [CppExtension(
         "pyprune._C", cpu_sources,
-        extra_compile_args={"cxx": ["-O3"] + openmp},
+        # -fno-math-errno: std::sqrt need not set errno, so loops calling it vectorise
+        extra_compile_args={"cxx": ["-O3", "-fno-math-errno"] + openmp},
         extra_link_args=openmp,
     )]
     force_cuda = os.environ.get("PYPRUNE_BUILD_CUDA", "") == "1"

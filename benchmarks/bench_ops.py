@@ -73,6 +73,19 @@ def eager_compress(w, mask, n, m):
     return w[mask].reshape(w.shape[0], -1), mask
 
 
+def eager_moreau_step(delta, grad, weight, perturbed, decay, step_size, threshold, group_dim,
+                      noise_ratio):
+    """MoreauPruner's step as eager PyTorch: update, group norms and scale, a stored noise tensor."""
+    d = decay * delta - step_size * grad.float()
+    if threshold > 0:
+        norm = d.norm(dim=1 - group_dim, keepdim=True)
+        d = d * (1 - threshold / norm).clamp_min(0)
+    delta.copy_(d)
+    w = weight.float()
+    noise = torch.randn_like(w) * noise_ratio * w.abs()
+    perturbed.copy_(w + delta + noise)
+
+
 # ---- the cases -----------------------------------------------------------------------------
 
 def cases(shape, dtype, device, quick):
@@ -116,10 +129,32 @@ def cases(shape, dtype, device, quick):
         ("nm_linear 2:4 M=16", "dense F.linear", lambda: ops.nm_linear(x[:16], values, meta, 2, 4),
          lambda: F.linear(x[:16], w), values.numel() * el + meta.numel()),
     ]
+    out += moreau_cases(w, g)
     in_index = torch.arange(0, cols, 2, device=device)
     out.append(("sliced_linear half inputs M=16", "index_select + F.linear",
                 lambda: ops.sliced_linear(x[:16, :cols // 2], w, in_index=in_index),
                 lambda: F.linear(x[:16, :cols // 2], w.index_select(1, in_index)), w.numel() * el // 2))
+    return out
+
+
+def moreau_cases(w, g):
+    """moreau_step_ with a perturbed write (γ = 2e-4, ρ = 0.2 as in the paper): plain, and -GS
+    along rows and columns with the threshold at the median group norm of a first step from δ = 0.
+    Bytes: δ read and written (fp32), g and W read, perturbed written, each once."""
+    step_size, decay = 2e-4, 1 - 2e-4 / 0.2
+    delta = torch.zeros(w.shape, device=w.device)
+    grad = torch.randn(w.shape, generator=g).to(w.dtype).to(w.device)
+    perturbed = torch.empty_like(w)
+    out = []
+    for label, group_dim, threshold in (("", 0, 0.0),
+                                        (" GS rows", 0, step_size * w.shape[1] ** 0.5),
+                                        (" GS columns", 1, step_size * w.shape[0] ** 0.5)):
+        kwargs = dict(decay=decay, step_size=step_size, threshold=threshold, group_dim=group_dim,
+                      noise_ratio=0.05)
+        out.append((f"moreau_step_{label}", "eager PyTorch + randn_like",
+                    lambda kwargs=kwargs: ops.moreau_step_(delta, grad, w, perturbed, seed=1, **kwargs),
+                    lambda kwargs=kwargs: eager_moreau_step(delta, grad, w, perturbed, **kwargs),
+                    w.numel() * (8 + 3 * w.element_size())))
     return out
 
 

@@ -31,6 +31,13 @@ def soft_threshold(x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 @triton.jit
+def group_scale(sum_squares, alpha):
+    """max(0, 1 − α/‖x_g‖₂) from each group's sum of squares (the division only where ‖x_g‖₂ > α)."""
+    norm = tl.sqrt_rn(sum_squares)
+    return tl.where(norm > alpha, 1.0 - alpha / tl.where(norm > alpha, norm, 1.0), 0.0)
+
+
+@triton.jit
 def _group_offsets(groups, r, n_groups, inner):
     outer_index = r // inner
     inner_index = r % inner
@@ -49,8 +56,7 @@ def _group_soft_threshold_kernel(x_ptr, out_ptr, alpha, n_groups, group_size, in
         x = tl.load(x_ptr + _group_offsets(groups, r, n_groups, inner), mask=in_bounds, other=0.0)
         x = x.to(tl.float32)
         sq += x * x
-    norm = tl.sqrt_rn(tl.sum(sq, axis=1))
-    scale = tl.where(norm > alpha, 1.0 - alpha / tl.where(norm > alpha, norm, 1.0), 0.0)
+    scale = group_scale(tl.sum(sq, axis=1), alpha)
     for r0 in range(0, group_size, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
         in_bounds = group_ok[:, None] & (r[None, :] < group_size)

@@ -159,3 +159,83 @@ def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
     if in_index is not None:
         w = w.index_select(1, in_index)
     return F.linear(x, w, bias)
+
+
+# ---- MoreauPruner displacement step (Algorithm 1 in displacement form) -------------------------
+#
+# z is Triton's tl.randn(seed, offset) with offset = the flat (row-major) element index:
+# Philox4x32-10 with counter (offset mod 2**32, offset >> 32, 0, 0) and key (seed mod 2**32,
+# seed >> 32); its first two outputs become uniforms (tl.random.uint_to_uniform_float) and the
+# first Box–Muller output is z. The uint32s and uniforms are exact; log, cos (and the Triton/C++
+# versions of them) are within a few fp32 ulps, so z agrees across backends to ~1e-6.
+
+_UINT32 = 0xFFFFFFFF
+_PHILOX_ROUNDS = 10
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+#: tl.random's uint_to_uniform_float scale: (2**31 - 1)·scale < 1 after fp32 rounding.
+_UNIFORM_SCALE = 4.6566127342e-10
+_TWO_PI = 6.283185307179586
+_MIN_UNIFORM = 1.0e-7
+
+
+def _mul_wide(x: Tensor, multiplier: int) -> Tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of x·multiplier for uint32 values held in int64, in 16-bit pieces so
+    no int64 product overflows."""
+    low_part = x * (multiplier & 0xFFFF)
+    middle = x * (multiplier >> 16) + (low_part >> 16)
+    return middle >> 16, ((middle & 0xFFFF) << 16) | (low_part & 0xFFFF)
+
+
+def philox_uint32(seed: int, offsets: Tensor) -> Tuple[Tensor, Tensor]:
+    """The first two uint32 outputs (held in int64) of Philox4x32-10 at each offset: exactly
+    ``tl.randint4x(seed, offsets)[:2]`` for int64 offsets and a seed in [0, 2**63)."""
+    offsets = offsets.to(torch.int64)
+    c0, c1 = offsets & _UINT32, (offsets >> 32) & _UINT32
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _UINT32, (seed >> 32) & _UINT32
+    for _ in range(_PHILOX_ROUNDS):
+        high0, low0 = _mul_wide(c0, _PHILOX_MULTIPLIERS[0])
+        high2, low2 = _mul_wide(c2, _PHILOX_MULTIPLIERS[1])
+        c0, c1, c2, c3 = high2 ^ c1 ^ k0, low2, high0 ^ c3 ^ k1, low0
+        k0 = (k0 + _PHILOX_KEY_STEPS[0]) & _UINT32
+        k1 = (k1 + _PHILOX_KEY_STEPS[1]) & _UINT32
+    return c0, c1
+
+
+def _uniform(bits: Tensor) -> Tensor:
+    """tl.random.uint_to_uniform_float: the word as int32, negatives bit-inverted, times the scale
+    (int -> fp32 rounding, then one fp32 multiply): U[0, 1)."""
+    signed = torch.where(bits > 0x7FFFFFFF, bits - (1 << 32), bits)
+    signed = torch.where(signed < 0, ~signed, signed)
+    return signed.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def standard_normal(seed: int, offsets: Tensor) -> Tensor:
+    """z ~ N(0, 1) at each offset, fp32: ``tl.randn(seed, offsets)`` (Box–Muller, first output)."""
+    c0, c1 = philox_uint32(seed, offsets)
+    u1 = _uniform(c0).clamp_min(_MIN_UNIFORM)
+    theta = _uniform(c1) * torch.tensor(_TWO_PI, dtype=torch.float32)
+    return (-2.0 * u1.log()).sqrt() * theta.cos()
+
+
+def moreau_perturb_(perturbed: Tensor, weight: Tensor, delta: Tensor, noise_ratio: float,
+                    seed: int) -> None:
+    """perturbed ← W + δ + noise_ratio·|W|·z in fp32, written in perturbed's dtype."""
+    w = weight.float()
+    offsets = torch.arange(w.numel(), device=w.device).reshape(w.shape)
+    noise = noise_ratio * w.abs() * standard_normal(seed, offsets)
+    perturbed.copy_(w + delta + noise)
+
+
+def moreau_step_(delta: Tensor, grad: Tensor, weight: Tensor, perturbed: Optional[Tensor],
+                 decay: float, step_size: float, threshold: float, group_dim: int,
+                 noise_ratio: float, seed: int) -> None:
+    """δ ← GST_threshold(decay·δ − step_size·g) along group_dim (no shrinking at threshold 0), then
+    perturbed ← W + δ + noise_ratio·|W|·z when perturbed is given. δ is fp32."""
+    d = decay * delta - step_size * grad.float()
+    if threshold > 0:
+        d = group_soft_threshold(d, threshold, group_dim)
+    delta.copy_(d)
+    if perturbed is not None:
+        moreau_perturb_(perturbed, weight, delta, noise_ratio, seed)

@@ -133,6 +133,17 @@ def _compile_cases(dtype):
     x = randn((2, 3, 24), dtype, seed=5)
     bias = randn((6,), dtype, seed=6)
     in_index, out_index = torch.tensor([3, 0, 17, 8, 23]), torch.tensor([5, 1, 2])
+    delta, perturbed = randn((6, 24), seed=7) * 0.1, torch.zeros(6, 24, dtype=dtype)
+
+    def moreau_steps(d, g, w, p):
+        ops.moreau_step_(d, g, w, p, decay=0.99, step_size=0.1, threshold=0.3, group_dim=1, seed=3)
+        ops.moreau_step_(d, g, w, None, decay=0.99, step_size=0.1, seed=4)
+        return d.clone(), p.clone()  # graph outputs (returning an input would bypass the graph)
+
+    def moreau_perturb(p, w, d):
+        ops.moreau_perturb_(p, w, d, noise_ratio=0.05, seed=5)
+        return p.clone()
+
     return {
         "magnitude_score": (ops.magnitude_score, (w,)),
         "wanda_score": (ops.wanda_score, (w, sqnorm)),
@@ -151,6 +162,8 @@ def _compile_cases(dtype):
         "nm_linear": (lambda x, v, meta, b: ops.nm_linear(x, v, meta, 2, 4, b), (x, values, meta, bias)),
         "sliced_linear": (lambda x, w, b, i, o: ops.sliced_linear(x, w, b, i, o),
                           (x[..., :5].contiguous(), w, bias, in_index, out_index)),
+        "moreau_step_": (moreau_steps, (delta, grad, w, perturbed)),
+        "moreau_perturb_": (moreau_perturb, (perturbed, w, delta)),
     }
 
 

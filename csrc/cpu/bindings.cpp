@@ -27,4 +27,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Which kernel nm_linear_gemv runs for these arguments: 'avx2_gather' or 'generic'.");
   m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
         "Whether this CPU has AVX2, FMA and F16C (what the avx2_gather kernel needs), at run time.");
+  m.def("moreau_step", &pyprune_cpu::moreau_step, py::arg("delta"), py::arg("grad"),
+        py::arg("weight"), py::arg("perturbed"), py::arg("decay"), py::arg("step_size"),
+        py::arg("threshold"), py::arg("group_dim"), py::arg("noise_ratio"), py::arg("seed"),
+        "MoreauPruner step in place: delta = GST_threshold(decay * delta - step_size * grad) per "
+        "row (group_dim 0) or column (1), then perturbed = weight + delta + noise_ratio * |weight| "
+        "* z with z = tl.randn(seed, flat index) (when perturbed is not None).");
+  m.def("moreau_perturb", &pyprune_cpu::moreau_perturb, py::arg("perturbed"), py::arg("weight"),
+        py::arg("delta"), py::arg("noise_ratio"), py::arg("seed"),
+        "perturbed = weight + delta + noise_ratio * |weight| * z in place, z as in moreau_step.");
+  m.def("philox_uint32", &pyprune_cpu::philox_uint32, py::arg("seed"), py::arg("offsets"),
+        "[n, 2] int64: the first two uint32 words of Philox4x32-10 at each offset (the generator "
+        "behind moreau_step's noise; tl.randint4x(seed, offsets)[:2]).");
 }

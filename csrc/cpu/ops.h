@@ -18,6 +18,14 @@ int64_t openmp_threads();
 torch::Tensor topk_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
                         int64_t keep, bool per_row, int64_t score_kind);
 
+// moreau_step.cpp
+void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad, const torch::Tensor& weight,
+                 const c10::optional<torch::Tensor>& perturbed, double decay, double step_size,
+                 double threshold, int64_t group_dim, double noise_ratio, int64_t seed);
+void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
+                    const torch::Tensor& delta, double noise_ratio, int64_t seed);
+torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets);
+
 // nm_linear.cpp
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
                             int64_t m);

@@ -8,6 +8,7 @@ pure-PyTorch reference in :mod:`pyprune.reference`.
 from ..backend import BACKENDS, use_backend
 from .linear import nm_linear, sliced_linear
 from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
+from .moreau import moreau_perturb_, moreau_step_
 from .nm_format import nm_compress, nm_decompress
 from .prox import group_soft_threshold, soft_threshold
 from .scores import accumulate_sqnorm_, magnitude_score, taylor_score, wanda_score
@@ -16,6 +17,6 @@ __all__ = [
     "BACKENDS", "use_backend",
     "magnitude_score", "wanda_score", "taylor_score", "accumulate_sqnorm_",
     "topk_mask", "nm_mask", "score_nm_mask", "score_topk_mask",
-    "soft_threshold", "group_soft_threshold",
+    "soft_threshold", "group_soft_threshold", "moreau_step_", "moreau_perturb_",
     "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",
 ]

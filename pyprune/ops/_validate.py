@@ -2,6 +2,7 @@
 argument, what was given and what is allowed."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -83,6 +84,20 @@ def nonnegative(name: str, value) -> float:
     return float(value)
 
 
+def finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite float; got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float; got {value}")
+    return float(value)
+
+
+def integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    return value
+
+
 def dim_index(name: str, value, ndim: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int; got {type(value).__name__}")
@@ -120,6 +135,29 @@ def index_values(name: str, value: Optional[Tensor], size: int, dim_name: str) -
                          f"values in [{int(value.min())}, {int(value.max())}]")
     if torch.unique(value).numel() != value.numel():
         raise ValueError(f"{name} must not repeat a position")
+
+
+def dtype(name: str, value: Tensor, allowed: torch.dtype) -> None:
+    if value.dtype != allowed:
+        raise TypeError(f"{name} must have dtype {allowed}; got {value.dtype}")
+
+
+def disjoint(written: Sequence[str], **tensors: Optional[Tensor]) -> None:
+    """The tensors named in ``written`` (written in place) share no memory with any other tensor."""
+    if torch.compiler.is_compiling():  # fake tensors have no addresses
+        return
+    spans = {}
+    for name, value in tensors.items():
+        if value is not None:
+            extent = sum((size - 1) * abs(stride) for size, stride in zip(value.shape, value.stride()))
+            spans[name] = (value.data_ptr(), value.data_ptr() + (extent + 1) * value.element_size())
+    for name in written:
+        if name not in spans:
+            continue
+        start, end = spans[name]
+        for other, (other_start, other_end) in spans.items():
+            if other != name and start < other_end and other_start < end:
+                raise ValueError(f"{name} must not share memory with {other} (it is written in place)")
 
 
 def contiguous(name: str, value: Tensor) -> None:
