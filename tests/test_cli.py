@@ -64,17 +64,6 @@ def test_argparse_errors_exit_with_status_2():
     assert "required" in result.stderr
 
 
-@pytest.fixture
-def tiny_model_dir(tmp_path):
-    from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
-    model_dir = tmp_path / "tiny"
-    tiny_llama(hidden=64, heads=4, kv_heads=2).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
-    return model_dir, text
-
-
 @pytest.mark.parametrize("method_args,check", [
     (["--method", "wanda", "--pattern", "2:4"], "2:4"),
     (["--method", "sparsegpt", "--sparsity", "0.5"], "unstructured 0.5"),

@@ -59,17 +59,6 @@ def test_study_on_a_tiny_llama():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not changed
 
 
-@pytest.fixture
-def tiny_model_dir(tmp_path):
-    from tests.helpers import WORDS, tiny_tokenizer
-    model_dir = tmp_path / "tiny"
-    tiny_llama(hidden=64, heads=4, kv_heads=2).save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
-    return model_dir, text
-
-
 def test_robustness_cli_report_keys(tiny_model_dir, tmp_path):
     model_dir, text = tiny_model_dir
     report_path = tmp_path / "robust.json"
