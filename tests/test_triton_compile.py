@@ -11,7 +11,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
 KERNELS = {"_score_kernel", "_sqnorm_partial_kernel", "_nm_mask_kernel", "_count_at_least_kernel",
            "_accept_bit_kernel", "_threshold_mask_kernel", "_soft_threshold_kernel",
            "_group_soft_threshold_kernel", "_pack_mask_kernel", "_compress_kernel", "_decompress_kernel",
-           "_nm_gemv_kernel", "_nm_linear_kernel", "_sliced_linear_kernel"}
+           "_nm_gemv_kernel", "_nm_linear_kernel", "_sliced_linear_kernel", "_moreau_rows_kernel",
+           "_moreau_columns_kernel", "_moreau_perturb_kernel"}
 
 
 @pytest.mark.slow

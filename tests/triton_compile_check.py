@@ -71,7 +71,7 @@ def call_wrappers():
     """Launch every kernel the way pyprune.ops does: every kernel in every dtype and layout; the
     score kinds, N:M patterns and optional arguments rotated over that grid."""
     from pyprune import reference
-    from pyprune.kernels import linear, masks, nm_format, prox, scores
+    from pyprune.kernels import linear, masks, moreau, nm_format, prox, scores
 
     for d, dtype in enumerate(DTYPES):
         for l, layout in enumerate(LAYOUTS):
@@ -90,6 +90,12 @@ def call_wrappers():
             prox.soft_threshold(w, 0.5)
             prox.group_soft_threshold(w, 0.5, 0)
             prox.group_soft_threshold(w, 0.5, 1)
+            delta, grad = _tensor((rows, cols), torch.float32, layout), _tensor((rows, cols), dtype, layout)
+            perturbed, seed = _tensor((rows, cols), dtype, layout), 7 if l % 2 == 0 else 2 ** 40 + 3
+            for threshold, group_dim, with_perturbed in ((0.0, 0, l != 1), (0.1, 0, True), (0.1, 1, l != 2)):
+                moreau.moreau_step_(delta, grad, w, perturbed if with_perturbed else None, 0.99, 0.1,
+                                    threshold, group_dim, 0.05, seed, False)
+            moreau.moreau_perturb_(perturbed, w, delta, 0.05, seed, False)
             for n, m in _rotate(NM, d, l, count=2):
                 mask = reference.nm_mask(w.float().abs(), n, m)
                 values, meta = reference.nm_compress(w, mask, n, m)
