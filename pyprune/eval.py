@@ -1,4 +1,5 @@
-"""Evaluation: perplexity on a token stream and a sparsity report of a model's linear layers."""
+"""Evaluation: perplexity on a token stream, a sparsity report of a model's linear layers, and its
+size and forward cost (parameters, FLOPs per token)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .engine import block_prefix, decoder_blocks
+from .nn import compact
+from .nn.sliced import SlicedLinear
+from .nn.sparse import SparseLinear
 from .patterns import NM
 
 
@@ -67,3 +71,35 @@ def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) ->
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
+
+def model_cost(model: nn.Module, seqlen: int) -> Dict[str, int]:
+    """Parameters and forward FLOPs per token of a LLaMA-style causal LM, e.g. before and after
+    pruning.
+
+    ``flops_per_token = linear_flops + attention_flops``, where
+
+    * ``linear_flops = 2 · Σ weight elements of every nn.Linear`` (lm_head included, also when tied
+      to the embedding): one multiply and one add per weight;
+    * ``attention_flops = Σ_layers 4 · heads · head_dim · seqlen``: a token attending to ``seqlen``
+      keys computes, per query head, ``seqlen`` scores q·k and a sum of ``seqlen`` value vectors,
+      2 · head_dim FLOPs each (the cost of the last token of a ``seqlen`` window; a causal
+      window averages (seqlen + 1) / 2 keys per token).
+
+    Biases, norms, activations, RoPE, softmax and the embedding lookup are not counted.
+    ``parameters`` is :func:`parameter_count` (a tied embedding counts once)."""
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
+        raise TypeError(f"seqlen must be an int (the number of keys a token attends to); got {seqlen!r}")
+    if seqlen < 1:
+        raise ValueError(f"seqlen must be >= 1 (the number of keys a token attends to); got {seqlen}")
+    not_dense = [name for name, m in model.named_modules() if isinstance(m, (SparseLinear, SlicedLinear))]
+    if not_dense:
+        raise ValueError(f"model_cost counts dense nn.Linear layers only; model has SparseLinear/SlicedLinear "
+                         f"layers {not_dense[:3]}")
+    linear_flops = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    attention_flops = 0
+    for index, block in enumerate(decoder_blocks(model)):
+        compact.check_llama_block(block, f"block {index}")
+        layout = compact.block_layout(block)
+        attention_flops += 4 * layout["heads"] * layout["head_dim"] * seqlen
+    return {"parameters": parameter_count(model), "linear_flops_per_token": linear_flops,
+            "attention_flops_per_token": attention_flops, "flops_per_token": linear_flops + attention_flops}
