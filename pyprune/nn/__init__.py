@@ -1,20 +1,21 @@
 """pyprune.nn: turning pruned dense weights into smaller or faster layers.
 
 * :mod:`pyprune.nn.compact` — physically remove attention heads and MLP channels from
-  LLaMA-family decoder blocks (structured pruning's output), and describe/rebuild their sizes.
+  LLaMA-family decoder blocks (structured pruning's output) and hidden channels from a whole
+  model (DReSS), and describe/rebuild their sizes.
 * :mod:`pyprune.nn.sparse` — :class:`SparseLinear`, a drop-in nn.Linear holding an N:M weight in
   the compressed form, and :func:`sparsify_` to swap it into a pruned model.
 * :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only.
 * :mod:`pyprune.nn.dispatch` — the measured table that picks SparseLinear's backend.
 """
 from .compact import (block_layout, check_llama_block, config_accepts, config_fields,
-                      grouped_query_heads, keep_attention_heads_, keep_mlp_channels_,
-                      layouts_uniform, resize_block_)
+                      grouped_query_heads, keep_attention_heads_, keep_hidden_channels_,
+                      keep_mlp_channels_, layouts_uniform, resize_block_)
 from .sliced import SlicedLinear, slice_mlp_channels_, unslice_
 from .sparse import SparseLinear, detect_pattern, sparsify_
 
 __all__ = ["block_layout", "check_llama_block", "config_accepts", "config_fields",
-           "grouped_query_heads", "keep_attention_heads_", "keep_mlp_channels_",
+           "grouped_query_heads", "keep_attention_heads_", "keep_hidden_channels_", "keep_mlp_channels_",
            "layouts_uniform", "resize_block_",
            "SparseLinear", "sparsify_", "detect_pattern",
            "SlicedLinear", "slice_mlp_channels_", "unslice_"]

@@ -1,4 +1,5 @@
-"""Physical compaction of LLaMA-family decoder blocks: remove attention heads and MLP channels.
+"""Physical compaction of LLaMA-family models: remove attention heads and MLP channels from
+decoder blocks, and hidden (residual-stream) channels from a whole causal LM.
 
 A LLaMA-style block (Llama, Mistral, Qwen2, SmolLM, ... in transformers) has
 
@@ -15,6 +16,10 @@ stored consecutively: :func:`keep_attention_heads_` checks that and sets ``num_k
 
 The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kept rows/columns
 (same dtype, device, bias, ``requires_grad`` and train/eval mode); nothing else in the block changes.
+
+:func:`keep_hidden_channels_` (DReSS's slice step) removes the same hidden channels from every
+tensor of the residual stream: the token embedding, every RMSNorm, the inputs of q/k/v/gate/up_proj,
+the outputs of o/down_proj and the input of lm_head. Heads, ``head_dim`` and MLP channels stay.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .sliced import SlicedLinear
 from .sparse import SparseLinear
 
 __all__ = [
@@ -31,12 +37,19 @@ __all__ = [
     "check_llama_block", "head_dim", "block_layout", "layouts_uniform", "config_fields", "config_accepts",
     "grouped_query_heads",
     "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
+    "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS", "keep_hidden_channels_",
 ]
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: The linear layers of a LLaMA-style block, by their name inside the block.
 LINEARS = tuple(f"self_attn.{n}" for n in ATTENTION_LINEARS) + tuple(f"mlp.{n}" for n in MLP_LINEARS)
+#: The RMSNorms of a LLaMA-style block, on the residual stream before attention and before the MLP.
+BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
+#: The linears of a block that read the residual stream (one input column per hidden channel) ...
+HIDDEN_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+#: ... and those that write to it (one output row, and bias entry, per hidden channel).
+HIDDEN_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 
 Indices = Union[Tensor, Sequence[int]]
 
@@ -282,3 +295,146 @@ def config_accepts(config, fields: Optional[Dict[str, int]]) -> bool:
     except Exception:  # the config class rejects these sizes, whatever its error type
         return False
     return True
+
+
+def _hidden_index(keep: Indices, hidden: int) -> Tensor:
+    """``keep`` as a 1-D long tensor of sorted, distinct hidden-channel indices in [0, hidden)."""
+    what = "keep_hidden_channels_ keep"
+    try:
+        index = torch.as_tensor(keep)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{what} must be a 1-D tensor or sequence of int channel indices; "
+                        f"got {type(keep).__name__}") from e
+    if index.numel() == 0:
+        raise ValueError(f"{what}: cannot keep no hidden channel (at least one must stay)")
+    if index.dim() != 1:
+        raise ValueError(f"{what} must be 1-D; got shape {tuple(index.shape)}")
+    if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+        raise TypeError(f"{what} must hold integer channel indices (not a mask); got dtype {index.dtype}")
+    index = _index(index, hidden, what)
+    if not bool((index[1:] > index[:-1]).all()):
+        raise ValueError(f"{what}: indices must be sorted ascending; got {index.tolist()}")
+    return index
+
+
+def _hidden_stream(model: nn.Module) -> Dict:
+    """The modules of ``model`` that carry the hidden dimension (embedding, lm_head, norms, decoder
+    blocks), after checking that each has ``model.config.hidden_size`` channels there and that no
+    other tensor has that size (ValueError otherwise)."""
+    sparse = sorted(name for name, module in model.named_modules()
+                    if isinstance(module, (SparseLinear, SlicedLinear)))
+    if sparse:
+        raise ValueError(f"model holds SparseLinear/SlicedLinear layers {sparse[:3]}, whose "
+                         f"stored weights cannot lose hidden channels; slice the dense model first "
+                         f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
+    base, config = getattr(model, "model", None), getattr(model, "config", None)
+    embed, norm = getattr(base, "embed_tokens", None), getattr(base, "norm", None)
+    layers, lm_head = getattr(base, "layers", None), getattr(model, "lm_head", None)
+    if type(embed) is not nn.Embedding or type(lm_head) is not nn.Linear or norm is None \
+            or not isinstance(layers, nn.ModuleList) or len(layers) == 0 \
+            or not isinstance(getattr(config, "hidden_size", None), int):
+        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM: needs "
+                         f"model.embed_tokens (nn.Embedding), model.layers, model.norm, lm_head (nn.Linear) "
+                         f"and config.hidden_size")
+    norms = {"model.norm": norm}
+    readers, writers = {}, {}
+    for i, block in enumerate(layers):
+        check_llama_block(block, f"model.layers.{i}")
+        norms.update({f"model.layers.{i}.{n}": getattr(block, n, None) for n in BLOCK_NORMS})
+        readers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_READERS})
+        writers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_WRITERS})
+    hidden = config.hidden_size
+    wrong = [f"model.embed_tokens {list(embed.weight.shape)}"] if embed.embedding_dim != hidden else []
+    wrong += [f"lm_head {_shape(lm_head)}"] if lm_head.in_features != hidden else []
+    wrong += [f"{name} {_shape(m)}" for name, m in readers.items() if m.in_features != hidden]
+    wrong += [f"{name} {_shape(m)}" for name, m in writers.items() if m.out_features != hidden]
+    for name, module in norms.items():
+        params = dict(module.named_parameters(recurse=False)) if module is not None else {}
+        if "weight" not in params or set(params) - {"weight", "bias"} \
+                or any(tuple(p.shape) != (hidden,) for p in params.values()):
+            wrong.append(f"{name} (needs a norm with weight [and bias] of shape [{hidden}]; has "
+                         f"{ {k: list(p.shape) for k, p in params.items()} })")
+    if wrong:
+        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM with hidden size "
+                         f"{hidden} (config.hidden_size): {'; '.join(wrong[:4])}")
+    sliced = {id(p) for m in [embed, lm_head, *norms.values(), *readers.values(), *writers.values()]
+              for p in m.parameters(recurse=False)}
+    stray = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
+             if id(t) not in sliced and hidden in t.shape]
+    if stray:
+        raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
+                         f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
+    return {"embed": embed, "lm_head": lm_head, "norms": list(norms.values()), "layers": layers}
+
+
+def _sliced_embedding(old: nn.Embedding, cols: Tensor) -> nn.Embedding:
+    """A new Embedding with ``old``'s columns ``cols`` (same dtype, device, options, requires_grad)."""
+    weight = old.weight.detach().index_select(1, cols.to(old.weight.device))
+    new = nn.Embedding(old.num_embeddings, weight.shape[1], padding_idx=old.padding_idx, max_norm=old.max_norm,
+                       norm_type=old.norm_type, scale_grad_by_freq=old.scale_grad_by_freq, sparse=old.sparse,
+                       device="meta")
+    new.weight = nn.Parameter(weight, requires_grad=old.weight.requires_grad)
+    new.train(old.training)
+    return new
+
+
+@torch.no_grad()
+def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
+    """Keep only hidden (residual-stream) channels ``keep`` of a LLaMA-family causal LM, the same
+    channels in every layer: DReSS's slice step (Eqs. 8-9 of the paper, as physical removal).
+
+    ``keep``: 1-D sorted, distinct indices in [0, config.hidden_size). Sliced: ``embed_tokens``
+    and ``lm_head`` columns (re-tied when the model's were tied), every RMSNorm's weight (and bias),
+    q/k/v/gate/up_proj input columns, o/down_proj output rows and bias entries. Sets
+    ``config.hidden_size`` to ``len(keep)`` and ``config.head_dim`` explicitly to the unchanged head
+    size, so the saved config reloads with plain ``from_pretrained``; heads, MLP channels, RoPE and
+    the norms' eps do not change.
+
+    The norms then average over the kept channels only. Exactly: the result computes what the
+    unsliced model computes after zeroing the removed channels' embedding columns and o/down_proj
+    rows (and biases), and scaling every norm's weight by sqrt(d'/d) and its eps by d'/d.
+
+    Raises ValueError/TypeError, with the model untouched, for a bad ``keep`` (empty, not 1-D,
+    not integer, duplicate, unsorted or out-of-range indices, or a count the config class rejects:
+    transformers' LlamaConfig needs hidden_size divisible by num_attention_heads), a model that is
+    not LLaMA-style, holds SparseLinear/SlicedLinear layers, or whose ``tie_word_embeddings``
+    disagrees with whether lm_head shares the embedding's weight.
+    """
+    stream = _hidden_stream(model)
+    config, embed, lm_head = model.config, stream["embed"], stream["lm_head"]
+    index = _hidden_index(keep, config.hidden_size)
+    tied = lm_head.weight is embed.weight
+    if tied != bool(getattr(config, "tie_word_embeddings", False)):
+        raise ValueError(f"model: config.tie_word_embeddings is {getattr(config, 'tie_word_embeddings', None)} "
+                         f"but lm_head.weight {'is' if tied else 'is not'} embed_tokens.weight; cannot tell "
+                         f"whether the sliced model should tie them")
+    head_dims = {head_dim(block.self_attn) for block in stream["layers"]}
+    if len(head_dims) != 1:
+        raise ValueError(f"model: attention head sizes differ between layers ({sorted(head_dims)})")
+    fields = {"hidden_size": index.numel(), "head_dim": head_dims.pop()}
+    if not config_accepts(config, fields):
+        raise ValueError(f"keep_hidden_channels_ keep: {index.numel()} channels make a hidden_size that "
+                         f"{type(config).__name__} rejects with num_attention_heads="
+                         f"{getattr(config, 'num_attention_heads', None)} (LlamaConfig needs hidden_size "
+                         f"divisible by it); keep a multiple of it")
+
+    base = model.model
+    base.embed_tokens = _sliced_embedding(embed, index)
+    for norm in stream["norms"]:
+        for name, param in list(norm.named_parameters(recurse=False)):
+            setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),
+                                             requires_grad=param.requires_grad))
+    for block in stream["layers"]:
+        for names, side in ((HIDDEN_READERS, "cols"), (HIDDEN_WRITERS, "rows")):
+            for name in names:
+                parent_name, _, child = name.rpartition(".")
+                parent = block.get_submodule(parent_name)
+                setattr(parent, child, _sliced_linear(getattr(parent, child), **{side: index}))
+        for module in (block, block.mlp):
+            if isinstance(getattr(module, "hidden_size", None), int):
+                module.hidden_size = index.numel()
+    model.lm_head = _sliced_linear(lm_head, cols=index)
+    if tied:
+        model.lm_head.weight = base.embed_tokens.weight
+    for key, value in fields.items():
+        setattr(config, key, value)
