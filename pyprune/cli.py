@@ -1,10 +1,12 @@
-"""The ``pyprune`` command line: prune, eval, robustness, demo.
+"""The ``pyprune`` command line: prune, continual, eval, robustness, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
     pyprune eval --model pruned/ --data pride_and_prejudice
     pyprune robustness --model smollm2-135m --method moreau --ratio 0.2 --calib emma \\
                        --eval pride_and_prejudice --report robust.json
+    pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
+                      --datasets austen moby_dick python --report continual.json
     pyprune demo
 
 Every argument is checked before the model is loaded or anything is written; a bad one prints a
@@ -218,6 +220,81 @@ def cmd_robustness(args) -> int:
     return 0
 
 
+def _continual_sources(args):
+    """(calibration source, evaluation source) per dataset: --eval when given, else the second
+    half of each text (the first half calibrates); hub datasets use their own calib/eval splits."""
+    if args.eval is not None and len(args.eval) != len(args.datasets):
+        raise UsageError(f"--eval needs one text per dataset ({len(args.datasets)}); got {len(args.eval)}")
+    pairs = []
+    for index, source in enumerate(args.datasets):
+        if args.eval is not None:
+            pairs.append((source, args.eval[index]))
+        elif source.strip().lower() in data.KNOWN_DATASETS:
+            pairs.append((source, source))
+        elif source.endswith((":first_half", ":second_half")):
+            raise UsageError(f"--datasets {source} names a half already: give --eval texts for it")
+        else:
+            pairs.append((f"{source}:first_half", f"{source}:second_half"))
+    for calib, evaluation in pairs:
+        data.check_source(calib)
+        data.check_source(evaluation)
+    return pairs
+
+
+def cmd_continual(args) -> int:
+    """COPAL's continual setting: prune on datasets one after another, evaluate all after each."""
+    from . import continual
+    pattern = _pattern(args)
+    runner = _build_method(args.method, args)
+    if not isinstance(pattern, runner.patterns) or not runner.needs_calibration:
+        raise UsageError(f"--method {args.method!r} is not a calibrated unstructured/N:M method "
+                         "(continual: copal, wanda, sparsegpt)")
+    if len(set(args.datasets)) != len(args.datasets) or len(args.datasets) < 2:
+        raise UsageError(f"--datasets needs two or more distinct texts; got {args.datasets}")
+    pairs = _continual_sources(args)
+    args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
+    args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
+    for flag in ("nsamples", "seqlen", "batch_size", "eval_seqlen"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    _check_report(args.report)
+    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
+                "init": args.init, "permutations": args.permutations, "datasets": args.datasets,
+                "sources": [list(pair) for pair in pairs], "nsamples": args.nsamples, "seqlen": args.seqlen,
+                "seed": args.seed, "eval_seqlen": args.eval_seqlen, "eval_max_tokens": args.eval_max_tokens,
+                "options": runner.settings}
+    done = {}
+    if os.path.exists(args.report):
+        with open(args.report) as f:
+            previous = json.load(f)
+        if previous.get("settings") != settings:
+            raise UsageError(f"--report {args.report} holds a run with other settings; remove it or choose "
+                             "another path")
+        done = {tuple(run["order"]): run["steps"] for run in previous["matrix"]}
+        print(f"resuming: {len(done)} order(s) already in {args.report}")
+
+    model, tokenizer = _load(args)
+    tasks = [continual.Task(name, data.calibration_samples(tokenizer, calib, nsamples=args.nsamples,
+                                                           seqlen=args.seqlen, seed=args.seed),
+                            data.eval_tokens(tokenizer, evaluation, max_tokens=args.eval_max_tokens))
+             for name, (calib, evaluation) in zip(args.datasets, pairs)]
+
+    def checkpoint(order, steps):
+        done[order] = steps
+        _write_json_atomic(args.report, {"settings": settings, "partial": True,
+                                         "matrix": [{"order": list(o), "steps": s} for o, s in done.items()]})
+
+    report = continual.run(model, args.method, pattern, tasks, init=args.init, permutations=args.permutations,
+                           eval_seqlen=args.eval_seqlen, batch_size=args.batch_size, progress=not args.quiet,
+                           done=done, on_order=checkpoint, method_options=_method_option_values(args))
+    report["settings"] = settings
+    print(f"{args.method} {pattern} ({report['init']}): A-PPL {report['a_ppl']:.3f}, M-PPL {report['m_ppl']:.3f}, "
+          f"A-BWT {report['a_bwt']:.3f}, M-BWT {report['m_bwt']:.3f} over {len(report['matrix'])} order(s)")
+    _write_json_atomic(args.report, report)
+    print(f"wrote {args.report}")
+    return 0
+
+
 def cmd_eval(args) -> int:
     for source in args.data:
         data.check_source(source)
@@ -314,6 +391,34 @@ def build_parser() -> argparse.ArgumentParser:
     robust.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_method_options(robust)
     robust.set_defaults(run=cmd_robustness)
+
+    cont = sub.add_parser("continual", help="continual pruning over a sequence of datasets with backward "
+                          "transfer (COPAL)")
+    common(cont)
+    cont.add_argument("--method", required=True, help="copal, or a baseline: wanda, sparsegpt")
+    cont.add_argument("--sparsity", type=float, help="unstructured sparsity in [0, 1)")
+    cont.add_argument("--scope", choices=["row", "tensor"], default=None,
+                      help="unstructured selection per output row or per layer (default: the method's)")
+    cont.add_argument("--pattern", help="N:M semi-structured pattern, e.g. 2:4 or 4:8")
+    cont.add_argument("--datasets", nargs="+", required=True,
+                      help="the sequence of texts (as --calib of prune); without --eval the first half of each "
+                           "calibrates and the second half evaluates")
+    cont.add_argument("--eval", nargs="+", help="one evaluation text per dataset")
+    cont.add_argument("--eval-seqlen", type=int, default=512)
+    cont.add_argument("--eval-max-tokens", type=int, default=None)
+    cont.add_argument("--nsamples", type=int, default=None, help="calibration samples per dataset "
+                      "(default: the method's; COPAL 16)")
+    cont.add_argument("--seqlen", type=int, default=None, help="calibration sample length (default: the method's)")
+    cont.add_argument("--seed", type=int, default=0, help="calibration sampling seed (the same for every order)")
+    cont.add_argument("--permutations", choices=["given", "all"], default="given",
+                      help="run the given order, or every order of the datasets")
+    cont.add_argument("--init", choices=["global", "sequential"], default="global",
+                      help="baselines: re-prune the dense model on each dataset (global) or prune the "
+                           "already-pruned model (sequential); COPAL keeps its own continual state")
+    cont.add_argument("--report", required=True, help="JSON report (rewritten after every order; an existing "
+                      "report of the same settings is resumed)")
+    _add_method_options(cont)
+    cont.set_defaults(run=cmd_continual, ratio=None, uniform=False)
 
     evaluate = sub.add_parser("eval", help="perplexity of a model on texts")
     common(evaluate)

@@ -8,7 +8,8 @@ block, and the engine recomputes the block's outputs with the pruned weights as 
 inputs. Memory stays at about one block of activations (inputs + outputs) plus the model.
 
 What the seed methods need from it:
-* Wanda / SparseGPT / COPAL: per-linear input (and output) captures -> :meth:`BlockContext.capture`.
+* Wanda / SparseGPT / COPAL: per-linear input and output captures -> :meth:`BlockContext.capture`;
+  COPAL's dense propagation sets :attr:`BlockContext.next_inputs`.
 * SAFE: the dense block's outputs as targets and gradients through one block ->
   :meth:`BlockContext.forward` (with ``grad=True``) before pruning.
 * Taylor / MoreauPruner: full-model gradients -> :func:`accumulate_gradients`.
@@ -97,6 +98,9 @@ class BlockContext:
     block_kwargs: dict
     batch_size: int
     state: dict = field(default_factory=dict)
+    #: the next block's inputs when a method sets them (default: this block's outputs after it
+    #: is processed)
+    next_inputs: Optional[Tensor] = None
 
     def linears(self) -> Dict[str, nn.Linear]:
         return block_linears(self.block)
@@ -139,7 +143,7 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
             process_block(ctx)
-            inputs = ctx.forward().detach()
+            inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
     finally:
         model.train(was_training)
 

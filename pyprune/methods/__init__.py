@@ -1,5 +1,6 @@
 """Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method`."""
 from .base import Method
+from .copal import Copal
 from .magnitude import Magnitude
 from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
 from .sparsegpt import SparseGPT
@@ -8,7 +9,7 @@ from .taylor import Taylor
 from .wanda import Wanda
 
 METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor, MoreauPruner, MoreauPrunerGS,
-                                     SmoothGrad)}
+                                     SmoothGrad, Copal)}
 
 
 def get(name: str, **options) -> Method:

@@ -69,26 +69,36 @@ class LayerwiseMaskMethod(Method):
     patterns = (Unstructured, NM)
 
     @abstractmethod
-    def new_stats(self, linear: nn.Linear):
-        """Per-layer statistics object, updated by ``update`` for every calibration batch."""
+    def new_stats(self, name: str, linear: nn.Linear):
+        """Per-layer statistics object for the linear layer ``name`` (qualified, e.g.
+        'model.layers.3.mlp.up_proj'), updated by ``update`` for every calibration batch."""
 
     @abstractmethod
-    def update(self, stats, x: Tensor) -> None:
-        """Add one batch of the layer's inputs ``x`` to ``stats``."""
+    def update(self, stats, x: Tensor, y: Tensor) -> None:
+        """Add one batch of the layer's inputs ``x`` and outputs ``y`` to ``stats``."""
 
     @abstractmethod
     def prune_layer(self, linear: nn.Linear, stats, pattern: Pattern) -> None:
         """Prune ``linear`` in place from its statistics."""
 
+    def prepare_block(self, ctx: engine.BlockContext) -> None:
+        """Called before a block's inputs are captured (e.g. to restore weights a method keeps)."""
+
+    #: next block's inputs from the block's outputs before pruning ("dense") or after ("pruned")
+    propagate = "pruned"
+
     def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
         pattern = self.resolve(pattern)
 
         def process(ctx: engine.BlockContext) -> None:
+            self.prepare_block(ctx)
             linears = ctx.linears()
-            stats = {name: self.new_stats(linear) for name, linear in linears.items()}
-            ctx.capture(lambda name, linear, x, y: self.update(stats[name], x))
+            stats = {name: self.new_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
+            outputs = ctx.capture(lambda name, linear, x, y: self.update(stats[name], x, y))
             for name, linear in linears.items():
                 self.prune_layer(linear, stats.pop(name), pattern)
+            if self.propagate == "dense":
+                ctx.next_inputs = outputs
 
         engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                              desc=self.name)

@@ -47,10 +47,10 @@ class SparseGPT(LayerwiseMaskMethod):
                fraction),
     )
 
-    def new_stats(self, linear):
+    def new_stats(self, name, linear):
         return _Hessian(linear.in_features, linear.weight.device)
 
-    def update(self, stats, x):
+    def update(self, stats, x, y):
         stats.add(x)
 
     def _inverse_cholesky(self, H: Tensor, W: Tensor) -> Tensor:

@@ -11,10 +11,10 @@ from .base import LayerwiseMaskMethod, apply_mask
 class Wanda(LayerwiseMaskMethod):
     name = "wanda"
 
-    def new_stats(self, linear):
+    def new_stats(self, name, linear):
         return torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
 
-    def update(self, stats, x):
+    def update(self, stats, x, y):
         ops.accumulate_sqnorm_(stats, x)
 
     def prune_layer(self, linear, stats, pattern):

@@ -1,0 +1,213 @@
+"""COPAL (Malla et al., 2024): continual pruning from sensitivities accumulated over datasets.
+
+Per linear layer with dense base weights W [out, in], COPAL keeps an fp32 accumulator G and, for
+every new calibration dataset k (Algorithm 1, in the linear-layer form of Eqs. 10-11),
+
+    DY = X·ΔWᵀ + ΔX·Wᵀ                      (Eqs. 4-6: S_W + S_x, exact for a linear layer)
+    G ← G + 2·|DY|ᵀ|X|                      (Eq. 10, one term per calibration token)
+    W* = |W| ⊙ G                             (Eq. 11)
+    W ← W_dense ⊙ select(W*)                 (Eq. 1; per matrix by default, per row or N:M as options)
+
+The mask is always taken from the dense W, so weights pruned on an earlier dataset can come back
+(no weight stasis, Eq. 2), and no earlier calibration data is needed: G carries it.
+
+The paper does not fix the perturbations ΔW, ΔX (spec §3.3). ``perturbation="proportional"``
+(default) takes ΔW = εW, ΔX = εX, so DY = 2ε(Y − b) from the layer outputs the engine hands over
+(no extra GEMM; ε only scales G and does not change any mask). ``"gaussian"`` draws ΔW once per
+layer (the same for every dataset) with std ε·std(W), and ΔX per token with std ε·std(X).
+
+The continual state (G and the dense weights of every pruned layer, the steps taken, the
+settings and a fingerprint of the model) lives on the method object between ``prune`` calls,
+and in the directory ``state`` when that option is set: it is loaded before the first step
+(refused, before anything changes, when made with other settings or for another model) and
+rewritten atomically after every step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import engine, ops
+from ..patterns import Pattern
+from .base import LayerwiseMaskMethod
+from .options import Option, positive
+
+STATE_FILE = "copal-state.safetensors"
+_FORMAT = 1
+
+
+class _Layer:
+    """One linear layer's calibration pass: its accumulator, dense weights and, for gaussian
+    perturbations, ΔW (fixed per layer) and the generator of the per-token ΔX of this step."""
+
+    def __init__(self, linear: nn.Linear, accumulator: Tensor, dense: Tensor,
+                 delta_w: Optional[Tensor] = None, generator: Optional[torch.Generator] = None):
+        self.linear, self.accumulator, self.dense = linear, accumulator, dense
+        self.delta_w, self.generator = delta_w, generator
+
+
+class Copal(LayerwiseMaskMethod):
+    name = "copal"
+    default_scope = "tensor"
+    calibration = (16, 512)
+
+    options = (
+        Option("state", str, None, "COPAL: directory of the continual state; resumed when it holds one, "
+               "rewritten after every step", optional=True),
+        Option("perturbation", str, "proportional",
+               "COPAL: perturbation model of dY (paper unspecified): proportional (dW=eps*W, dX=eps*X) or "
+               "gaussian", choices=("proportional", "gaussian")),
+        Option("epsilon", float, 0.01, "COPAL: perturbation size eps", positive),
+        Option("perturbation_seed", int, 0, "COPAL: seed of the gaussian perturbations"),
+        Option("propagate", str, "pruned", "COPAL: the next block's calibration inputs come from this block "
+               "pruned or dense", choices=("pruned", "dense")),
+    )
+
+    def __init__(self, **values):
+        super().__init__(**values)
+        self.accumulators: Dict[str, Tensor] = {}
+        self.dense: Dict[str, Tensor] = {}
+        self.steps: list = []
+        self._stored_settings: Optional[dict] = None
+        self._fingerprint: Optional[str] = None
+        self._incomplete = False
+        self._loaded = False
+
+    # -- the continual state -------------------------------------------------------------------
+
+    def _settings_key(self, pattern: Pattern) -> dict:
+        return {key: self.settings[key] for key in ("perturbation", "epsilon", "perturbation_seed", "propagate")
+                } | {"pattern": str(pattern)}
+
+    def check(self, model: nn.Module, pattern: Pattern) -> None:
+        super().check(model, pattern)
+        pattern = self.resolve(pattern)
+        if self._incomplete:
+            raise RuntimeError("COPAL: an earlier step failed midway, so this method object's accumulators are "
+                               "incomplete; start from a new one (and its saved state, if any)")
+        if not self._loaded and self.state is not None:
+            self._load(self.state)
+        expected = self._settings_key(pattern)
+        stored = self._stored_settings
+        if stored is not None:
+            if stored != expected:
+                different = ", ".join(f"{k} {stored.get(k)!r} (now {v!r})" for k, v in expected.items()
+                                      if stored.get(k) != v)
+                raise ValueError(f"COPAL state {self.state or '(in memory)'} was made with other settings: "
+                                 f"{different}")
+            if self._fingerprint != model_fingerprint(model):
+                raise ValueError(f"COPAL state {self.state or '(in memory)'} was made for another model "
+                                 "(its config, dtype or embeddings differ)")
+
+    def _load(self, directory: str) -> None:
+        path = os.path.join(directory, STATE_FILE)
+        self._loaded = True
+        if not os.path.exists(path):
+            return
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            meta = json.loads(f.metadata()["pyprune_copal"])
+            if meta.get("format") != _FORMAT:
+                raise ValueError(f"COPAL state {path} has format {meta.get('format')}; this pyprune reads "
+                                 f"format {_FORMAT}")
+            for key in f.keys():
+                kind, layer = key.split(":", 1)
+                (self.accumulators if kind == "G" else self.dense)[layer] = f.get_tensor(key)
+        self._stored_settings = meta["settings"]
+        self._fingerprint = meta["model"]
+        self.steps = meta["steps"]
+
+    def _save(self, directory: str) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(directory, exist_ok=True)
+        tensors = {f"G:{n}": g.contiguous().cpu() for n, g in self.accumulators.items()}
+        tensors.update({f"W:{n}": w.contiguous().cpu() for n, w in self.dense.items()})
+        meta = {"format": _FORMAT, "settings": self._stored_settings, "model": self._fingerprint,
+                "steps": self.steps}
+        path = os.path.join(directory, STATE_FILE)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp, metadata={"pyprune_copal": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    # -- one dataset -----------------------------------------------------------------------------
+
+    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+        pattern = self.resolve(pattern)
+        digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]
+        if any(step["calib_sha256"] == digest for step in self.steps):
+            raise ValueError("COPAL: these calibration tokens were already accumulated "
+                             f"(step {[s['calib_sha256'] for s in self.steps].index(digest) + 1}); "
+                             "give the next dataset")
+        self._stored_settings = self._settings_key(pattern)
+        self._fingerprint = model_fingerprint(model)
+        self._incomplete = True
+        details = super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        self.steps.append({"calib_sha256": digest, "tokens": int(calib.numel())})
+        self._incomplete = False
+        if self.state is not None:
+            self._save(self.state)
+        return details | {"continual_step": len(self.steps), "state": self.state}
+
+    @torch.no_grad()
+    def prepare_block(self, ctx: engine.BlockContext) -> None:
+        """Calibrate every layer on its dense weights: restore them (or record them on the first step)."""
+        for name, linear in ctx.linears().items():
+            qualified = f"{ctx.name}.{name}"
+            if qualified in self.dense:
+                self.dense[qualified] = self.dense[qualified].to(linear.weight.device)
+                linear.weight.copy_(self.dense[qualified])
+            else:
+                self.dense[qualified] = linear.weight.detach().clone()
+            if qualified in self.accumulators:
+                self.accumulators[qualified] = self.accumulators[qualified].to(linear.weight.device)
+
+    def new_stats(self, name, linear):
+        accumulator = self.accumulators.get(name)
+        if accumulator is None:
+            accumulator = self.accumulators[name] = torch.zeros(
+                linear.weight.shape, dtype=torch.float32, device=linear.weight.device)
+        dense = self.dense[name]
+        if self.perturbation == "proportional":
+            return _Layer(linear, accumulator, dense)
+        seed = self.perturbation_seed * 1_000_003 + zlib.crc32(name.encode())
+        generator = torch.Generator(device=dense.device).manual_seed(seed)
+        delta_w = torch.randn(dense.shape, generator=generator, device=dense.device) * (
+            self.epsilon * dense.float().std())
+        generator.manual_seed(seed + 7919 * (len(self.steps) + 1))
+        return _Layer(linear, accumulator, dense, delta_w, generator)
+
+    def update(self, stats: _Layer, x, y):
+        ops.accumulate_abs_outer_(stats.accumulator, self._output_sensitivity(stats, x, y), x, alpha=2.0)
+
+    def _output_sensitivity(self, layer: _Layer, x: Tensor, y: Tensor) -> Tensor:
+        """DY = X·ΔWᵀ + ΔX·Wᵀ (Eqs. 4-6) for one batch of the layer's inputs and outputs."""
+        if layer.delta_w is None:  # ΔW = εW, ΔX = εX: DY = 2ε·(Y − b)
+            bias = layer.linear.bias
+            return 2 * self.epsilon * (y if bias is None else y - bias)
+        x = x.float()
+        delta_x = torch.randn(x.shape, generator=layer.generator, device=x.device) * (self.epsilon * x.std())
+        return x @ layer.delta_w.T + delta_x @ layer.dense.float().T
+
+    @torch.no_grad()
+    def prune_layer(self, linear, stats: _Layer, pattern):
+        keep = pattern.keep_mask(ops.taylor_score(stats.dense, stats.accumulator))  # |W ⊙ G| = |W|·G (Eq. 11)
+        linear.weight.copy_(stats.dense * keep.to(stats.dense.dtype))
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """What identifies a model for a continual state, pruned or not: its architecture, dtype and
+    input embeddings (never pruned)."""
+    config = getattr(model, "config", None)
+    fields = {key: getattr(config, key, None) for key in (
+        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "vocab_size")}
+    embedding = model.get_input_embeddings().weight.detach()
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + str(embedding.dtype).encode())
+    digest.update(embedding.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]
