@@ -86,6 +86,11 @@ def eager_moreau_step(delta, grad, weight, perturbed, decay, step_size, threshol
     perturbed.copy_(w + delta + noise)
 
 
+def eager_abs_outer(acc, dy, x):
+    """COPAL's G += 2·|DY|ᵀ|X| as eager PyTorch: fp32 copies of |DY| and |X|, then one addmm_."""
+    return acc.addmm_(dy.abs().float().T, x.abs().float(), alpha=2)
+
+
 # ---- the cases -----------------------------------------------------------------------------
 
 def cases(shape, dtype, device, quick):
@@ -134,7 +139,18 @@ def cases(shape, dtype, device, quick):
     out.append(("sliced_linear half inputs M=16", "index_select + F.linear",
                 lambda: ops.sliced_linear(x[:16, :cols // 2], w, in_index=in_index),
                 lambda: F.linear(x[:16, :cols // 2], w.index_select(1, in_index)), w.numel() * el // 2))
+    out.append(abs_outer_case(shape, x, g))
     return out
+
+
+def abs_outer_case(shape, x, g):
+    """COPAL's accumulation G [out, in] += 2·|DY|ᵀ|X| over the tokens of x, DY [tokens, out] in x's
+    dtype. Bytes: DY and X read once, G read and written (a GEMM: 2·tokens·out·in FLOP)."""
+    dy = torch.randn(x.shape[0], shape[0], generator=g).to(x.dtype).to(x.device)
+    acc = torch.zeros(shape, device=x.device)
+    return ("accumulate_abs_outer_", "eager abs().float() + addmm_",
+            lambda: ops.accumulate_abs_outer_(acc, dy, x, alpha=2.0), lambda: eager_abs_outer(acc, dy, x),
+            acc.numel() * 8 + (dy.numel() + x.numel()) * x.element_size())
 
 
 def moreau_cases(w, g):

@@ -51,6 +51,14 @@ def accumulate_sqnorm_(acc: Tensor, x: Tensor) -> Tensor:
     return acc
 
 
+def accumulate_abs_outer_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """acc [M, D] += alpha·|a|ᵀ|b| over the tokens (all leading dims) of a [..., M] and b [..., D],
+    an fp32 matmul of the absolute values (COPAL's G += 2|DY|ᵀ|X|); returns acc."""
+    a_abs = a.reshape(-1, a.shape[-1]).float().abs()
+    b_abs = b.reshape(-1, b.shape[-1]).float().abs()
+    return acc.addmm_(a_abs.T, b_abs, alpha=alpha)
+
+
 def keep_top(scores: Tensor, k: int) -> Tensor:
     """Keep the k highest of each row of a 2-D fp32 tensor; equal scores keep the lower index."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices

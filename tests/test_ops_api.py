@@ -31,6 +31,8 @@ W = torch.randn(4, 8)
     (lambda: ops.taylor_score(W, torch.ones(4, 7)), ValueError, "grad must have the shape of w"),
     (lambda: ops.accumulate_sqnorm_(torch.zeros(8, dtype=torch.float16), W), TypeError, "acc must be a 1-D float32"),
     (lambda: ops.accumulate_sqnorm_(torch.zeros(16)[::2], W), ValueError, "acc must be contiguous"),
+    (lambda: ops.accumulate_abs_outer_(torch.zeros(4, 8), torch.ones(3, 5), W[:3]), ValueError,
+     "a must have acc's 4 rows as its last dim"),
     (lambda: ops.group_soft_threshold(W, 1.0, group_dim=2), ValueError, "group_dim must be in"),
     (lambda: ops.soft_threshold(W, -1.0), ValueError, "alpha must be a float >= 0"),
     (lambda: ops.nm_compress(W, torch.ones(4, 8, dtype=torch.bool), 2, 4), ValueError,
@@ -149,6 +151,8 @@ def _compile_cases(dtype):
         "wanda_score": (ops.wanda_score, (w, sqnorm)),
         "taylor_score": (ops.taylor_score, (w, grad)),
         "accumulate_sqnorm_": (ops.accumulate_sqnorm_, (torch.ones(24), x)),
+        "accumulate_abs_outer_": (lambda acc, dy, x: ops.accumulate_abs_outer_(acc, dy, x, alpha=2.0),
+                                  (torch.ones(6, 24), randn((2, 3, 6), dtype, seed=8), x)),
         "topk_mask": (lambda s: (ops.topk_mask(s, 0.4), ops.topk_mask(s, 0.7, scope="tensor")), (scores,)),
         "nm_mask": (lambda s: (ops.nm_mask(s, 2, 4), ops.nm_mask(s, 5, 8)), (scores,)),
         "score_nm_mask": (lambda w, a: (ops.score_nm_mask(w, 2, 4), ops.score_nm_mask(w, 1, 3, a)), (w, sqnorm)),
@@ -178,7 +182,7 @@ def test_every_public_op_has_a_compile_case():
 @pytest.mark.parametrize("name", PUBLIC_OPS)
 def test_every_public_op_traces_into_one_graph(name, dtype):
     fn, args = _compile_cases(dtype)[name]
-    eager_args = [a.clone() for a in args]  # accumulate_sqnorm_ writes its first argument
+    eager_args = [a.clone() for a in args]  # the accumulate_*_ ops write their first argument
     expected = torch.utils._pytree.tree_leaves(fn(*eager_args))
     traced = []  # the graph's outputs as traced: what the fake implementations said
 

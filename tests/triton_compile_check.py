@@ -9,7 +9,9 @@ pointers, constexprs, options), and every distinct variant is built with triton.
 target. Every wrapper is called in fp32, fp16 and bf16 on shapes whose sizes are all multiples of
 16, on shapes with none, and on inputs that do not start on a 16-byte boundary; the score kinds,
 N:M patterns (power-of-two m, and 3:6 whose m is padded to a power of two) and optional
-arguments are rotated over that grid so that each meets every dtype and every layout. This
+arguments are rotated over that grid so that each meets every dtype and every layout (except COPAL's
+abs-outer GEMM, costly to compile: four launches, its three dtypes and a mixed pair, over the
+three layouts). This
 catches what the CPU interpreter cannot: code that does not lower to GPU code for the launches
 we make.
 Prints one line per failing variant and a summary; exits non-zero if any variant fails.
@@ -112,6 +114,16 @@ def call_wrappers():
                  (40, torch.arange(0, cols, 2), None, False), (40, None, None, True)], d, l)
             x = _tensor((tokens, cols if in_index is None else in_index.numel()), dtype, layout)
             linear.sliced_linear(x, w, bias if with_bias else None, in_index, out_index, False)
+    # COPAL's |a|ᵀ|b| GEMM (each autotune config it keeps is a full compile, so a handful of launches):
+    # one 16-bit dtype fed to tl.dot as it is, fp32, and mixed dtypes (upcast), across the layouts
+    for a_dtype, b_dtype, layout in ((torch.float16, torch.float16, "not a multiple of 16"),
+                                     (torch.bfloat16, torch.bfloat16, "unaligned"),
+                                     (torch.float32, torch.float32, "multiple of 16"),
+                                     (torch.float16, torch.bfloat16, "multiple of 16")):
+        tokens, M, D = (64, 48, 96) if layout == "multiple of 16" else (37, 33, 120)
+        scores.accumulate_abs_outer_(_tensor((M, D), torch.float32, layout),
+                                     _tensor((tokens, M), a_dtype, layout),
+                                     _tensor((tokens, D), b_dtype, layout), 2.0, False)
 
 
 def _launch_options(kernel, args, kwargs):

@@ -39,4 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("philox_uint32", &pyprune_cpu::philox_uint32, py::arg("seed"), py::arg("offsets"),
         "[n, 2] int64: the first two uint32 words of Philox4x32-10 at each offset (the generator "
         "behind moreau_step's noise; tl.randint4x(seed, offsets)[:2]).");
+  m.def("accumulate_abs_outer", &pyprune_cpu::accumulate_abs_outer, py::arg("acc"), py::arg("a"),
+        py::arg("b"), py::arg("alpha"),
+        "acc [M, D] += alpha * |a|^T |b| in place for a [T, M], b [T, D] (COPAL's accumulation): "
+        "tokens streamed in chunks converted to fp32 |.|, one BLAS GEMM per chunk into acc.");
 }

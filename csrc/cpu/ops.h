@@ -37,4 +37,8 @@ std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& val
                                 const torch::Tensor& meta, int64_t n, int64_t m);
 bool cpu_has_avx2_fma_f16c();
 
+// abs_outer.cpp
+void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
+                          double alpha);
+
 }  // namespace pyprune_cpu

@@ -11,11 +11,13 @@ from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
 from .moreau import moreau_perturb_, moreau_step_
 from .nm_format import nm_compress, nm_decompress
 from .prox import group_soft_threshold, soft_threshold
-from .scores import accumulate_sqnorm_, magnitude_score, taylor_score, wanda_score
+from .scores import (accumulate_abs_outer_, accumulate_sqnorm_, magnitude_score, taylor_score,
+                     wanda_score)
 
 __all__ = [
     "BACKENDS", "use_backend",
     "magnitude_score", "wanda_score", "taylor_score", "accumulate_sqnorm_",
+    "accumulate_abs_outer_",
     "topk_mask", "nm_mask", "score_nm_mask", "score_topk_mask",
     "soft_threshold", "group_soft_threshold", "moreau_step_", "moreau_perturb_",
     "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",

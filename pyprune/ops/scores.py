@@ -5,9 +5,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import backend, reference
 from . import _validate as check
-from ._dispatch import kernels, run
+from ._dispatch import kernels, native, run
 
 _TAYLOR, _WANDA, _MAGNITUDE = 3, 2, 1
 
@@ -85,4 +85,49 @@ def accumulate_sqnorm_(acc: Tensor, x: Tensor) -> Tensor:
     check.contiguous("acc", acc)
     check.same_device(acc=acc, x=x)
     _accumulate_sqnorm(acc, x)
+    return acc
+
+
+_ABS_OUTER_IMPLS = {
+    "reference": reference.accumulate_abs_outer_,
+    "triton": lambda acc, a, b, alpha: kernels("scores").accumulate_abs_outer_(
+        acc, a, b, alpha, backend.triton_interpreted()),
+    "cpu": lambda acc, a, b, alpha: native("cpu").accumulate_abs_outer(acc, a, b, alpha),
+}
+
+
+@torch.library.custom_op("pyprune::accumulate_abs_outer_", mutates_args=("acc",))
+def _accumulate_abs_outer(acc: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
+    run("accumulate_abs_outer_", _ABS_OUTER_IMPLS, acc.device, acc,
+        a.reshape(-1, a.shape[-1]).contiguous(), b.reshape(-1, b.shape[-1]).contiguous(), alpha)
+
+
+@_accumulate_abs_outer.register_fake
+def _(acc, a, b, alpha):
+    return None
+
+
+def accumulate_abs_outer_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """acc += alpha·|a|ᵀ|b|, summed over the tokens; returns acc.
+
+    acc is a contiguous fp32 [M, D]; a [..., M] and b [..., D] share their leading (token) dims
+    and may each be fp32/fp16/bf16. COPAL (Malla et al., Eqs. 10–11) accumulates its sensitivity
+    G += 2·|DY|ᵀ|X| this way for a linear layer [M, D], with DY the output sensitivity and X the
+    input, batch after batch. Products and sums are fp32; no |a| or |b| copy is made.
+    """
+    check.tensor("acc", acc, dims=(2,))
+    check.dtype("acc", acc, torch.float32)
+    check.contiguous("acc", acc)
+    for name, x, features, what in (("a", a, acc.shape[0], "rows"), ("b", b, acc.shape[1], "columns")):
+        check.tensor(name, x)
+        if x.dim() == 0 or x.shape[-1] != features:
+            raise ValueError(f"{name} must have acc's {features} {what} as its last dim; got shape "
+                             f"{tuple(x.shape)}")
+    if a.shape[:-1] != b.shape[:-1]:
+        raise ValueError(f"a and b must have the same leading (token) dims; got {tuple(a.shape[:-1])} "
+                         f"and {tuple(b.shape[:-1])}")
+    check.same_device(acc=acc, a=a, b=b)
+    check.disjoint(("acc",), acc=acc, a=a, b=b)
+    alpha = check.finite("alpha", alpha)
+    _accumulate_abs_outer(acc, a, b, alpha)
     return acc
