@@ -1,0 +1,136 @@
+"""COPAL's continual table (Tables 2-3) on SmolLM2-135M: three domains, every order.
+
+For every pattern and method row, :func:`pyprune.continual.run` prunes SmolLM2-135M on the
+datasets one after another (every permutation by default), evaluates perplexity on all three
+after every step, and reports A-/M-PPL and A-/M-BWT. Domains: Austen prose (``austen``, the six
+novels), ``moby_dick`` and ``python`` source, all embedded in pyprune; the first half of each
+calibrates (``--nsamples`` x ``--seqlen`` random windows, the same for every order), the first
+``--eval-tokens`` tokens of its second half evaluate.
+
+Rows: COPAL (continual state), and Wanda / SparseGPT with global initialisation (the paper's
+baselines: re-prune the dense model on each dataset) and with sequential initialisation (prune
+the pruned model: weight stasis). Results go to benchmarks/results/continual-smollm2-135m.{json,md},
+rewritten after every finished order; a rerun resumes.
+
+    python benchmarks/continual_smollm2.py                          # the README table
+    python benchmarks/continual_smollm2.py --patterns 0.5 --rows copal wanda:global --permutations given
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from _common import RESULTS, environment, write_atomic, write_json
+from pyprune import continual, data
+from pyprune.eval import perplexity
+from pyprune.models import load_model
+from pyprune.patterns import parse
+
+ROWS = ("copal", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
+DATASETS = ("austen", "moby_dick", "python")
+
+
+def _load(path):
+    import json
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _fmt(value, digits=3):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result) -> str:
+    s = result["settings"]
+    lines = [
+        "# Continual pruning on SmolLM2-135M (COPAL Tables 2-3)", "",
+        f"Datasets {', '.join(s['datasets'])} in {s['permutations']} order(s); calibration {s['calibration']}; "
+        f"evaluation {s['evaluation']}. BWT = P[after the last dataset][j] − P[right after j][j], over every "
+        "dataset j not last in its order (positive = forgetting); A- = mean over datasets of the per-dataset "
+        "mean, M- = largest single value; PPL of the final models.", "",
+        "Dense: " + ", ".join(f"{k} {v:.3f}" for k, v in result["dense"].items()), "",
+        "| pattern | method | init | A-BWT | M-BWT | A-PPL | M-PPL | " +
+        " | ".join(f"{d} BWT | {d} PPL" for d in s["datasets"]) + " | time (s) |",
+        "|---|---|---|---:|---:|---:|---:|" + "---:|---:|" * len(s["datasets"]) + "---:|"]
+    for row in result["rows"]:
+        if row.get("partial"):
+            continue
+        cells = [f"{_fmt(row['per_dataset'][d]['bwt'])} | {row['per_dataset'][d]['ppl']:.3f}" for d in s["datasets"]]
+        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | {_fmt(row['a_bwt'])} | "
+                     f"{_fmt(row['m_bwt'])} | {row['a_ppl']:.3f} | {row['m_ppl']:.3f} | " + " | ".join(cells)
+                     + f" | {row['time_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS[:4]), choices=ROWS)
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--permutations", choices=["given", "all"], default="all")
+    parser.add_argument("--nsamples", type=int, default=16)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-tokens", type=int, default=8192)
+    parser.add_argument("--eval-seqlen", type=int, default=512)
+    parser.add_argument("--output", default=os.path.join(RESULTS, "continual-smollm2-135m.json"))
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model("smollm2-135m")
+    tasks = [continual.Task(name, data.calibration_samples(tokenizer, f"{name}:first_half", nsamples=args.nsamples,
+                                                           seqlen=args.seqlen, seed=args.seed),
+                            data.eval_tokens(tokenizer, f"{name}:second_half", max_tokens=args.eval_tokens))
+             for name in args.datasets]
+    settings = {"datasets": args.datasets, "permutations": args.permutations,
+                "calibration": f"{args.nsamples} x {args.seqlen} tokens of each first half (seed {args.seed})",
+                "evaluation": f"first {args.eval_tokens} tokens of each second half, {args.eval_seqlen}-token windows"}
+    previous = _load(args.output)
+    keep = previous if previous and previous.get("settings") == settings else None
+    rows = keep["rows"] if keep else []
+    dense = keep["dense"] if keep else {t.name: perplexity(model, t.eval_tokens, args.eval_seqlen, progress=False)
+                                        for t in tasks}
+
+    def save():
+        result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
+                  "rows": rows}
+        write_json(args.output, result)
+        write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+
+    for spec in args.patterns:
+        pattern = parse(float(spec) if ":" not in spec else spec)
+        for row_name in args.rows:
+            method, _, init = row_name.partition(":")
+            init = init or "global"
+            label = {"pattern": str(pattern), "method": method, "init": init if method != "copal" else "continual state"}
+            row = next((r for r in rows if all(r[k] == v for k, v in label.items())), None)
+            if row is not None and not row.get("partial"):
+                continue
+            done = {tuple(r["order"]): r["steps"] for r in (row or {}).get("matrix", [])}
+            if row is None:
+                row = dict(label, partial=True, matrix=[])
+                rows.append(row)
+
+            def checkpoint(order, steps, row=row):
+                row["matrix"].append({"order": list(order), "steps": steps})
+                save()
+
+            start = time.perf_counter()
+            report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
+                                   eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint)
+            report["time_s"] = round(time.perf_counter() - start, 1)
+            row.clear()
+            row.update(label, resumed_orders=len(done), **{k: report[k] for k in (
+                "a_ppl", "m_ppl", "a_bwt", "m_bwt", "per_dataset", "matrix", "time_s")})
+            save()
+            print(f"{pattern} {method} ({label['init']}): A-BWT {_fmt(report['a_bwt'])} M-BWT "
+                  f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} M-PPL {report['m_ppl']:.3f} "
+                  f"({report['time_s']} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
