@@ -22,12 +22,13 @@ import time
 
 import torch
 
-from _common import RESULTS, environment, write_atomic, write_json
+from _common import environment, write_atomic, write_json
 from pyprune import continual, data
 from pyprune.eval import perplexity
 from pyprune.models import load_model
 from pyprune.patterns import parse
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROWS = ("copal", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
 DATASETS = ("austen", "moby_dick", "python")
 
