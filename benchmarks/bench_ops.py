@@ -91,6 +91,19 @@ def eager_abs_outer(acc, dy, x):
     return acc.addmm_(dy.abs().float().T, x.abs().float(), alpha=2)
 
 
+def eager_channel_penalty(grad, weight, channels, dim, lam, norm):
+    """DReSS's penalty step as eager PyTorch: gather the slices in fp32, their norms, the step,
+    and index_add_ it into grad."""
+    slices = weight.index_select(dim, channels).float()
+    if norm == "l1":
+        norms, step = slices.abs().sum(dim=1 - dim), lam * slices.sign()
+    else:
+        norms = slices.norm(dim=1 - dim)
+        step = slices * (lam / norms.clamp_min(1e-30)).unsqueeze(1 - dim)
+    grad.index_add_(dim, channels, step.to(grad.dtype))
+    return norms
+
+
 # ---- the cases -----------------------------------------------------------------------------
 
 def cases(shape, dtype, device, quick):
@@ -140,7 +153,24 @@ def cases(shape, dtype, device, quick):
                 lambda: ops.sliced_linear(x[:16, :cols // 2], w, in_index=in_index),
                 lambda: F.linear(x[:16, :cols // 2], w.index_select(1, in_index)), w.numel() * el // 2))
     out.append(abs_outer_case(shape, x, g))
+    out += channel_penalty_cases(w, g)
     return out
+
+
+def channel_penalty_cases(w, g):
+    """DReSS's penalty (λ = 1e-3) on the last quarter of the hidden dim, the shorter side of a
+    LLaMA weight: input columns of q/k/v/gate/up ([4096, 4096], [11008, 4096]: dim 1), output rows
+    of o/down ([4096, 11008]: dim 0). Bytes: the selected slices of W read and of grad read and
+    written, once each (ℓ2 reads W twice; the second read is not counted)."""
+    dim = 0 if w.shape[0] < w.shape[1] else 1
+    hidden = w.shape[dim]
+    channels = torch.arange(hidden - hidden // 4, hidden, device=w.device)
+    grad = torch.randn(w.shape, generator=g).to(w.dtype).to(w.device)
+    selected = channels.numel() * w.shape[1 - dim]
+    return [(f"channel_penalty_ {norm} dim={dim}", "index_select + norm + index_add_",
+             lambda norm=norm: ops.channel_penalty_(grad, w, channels, dim, 1e-3, norm),
+             lambda norm=norm: eager_channel_penalty(grad, w, channels, dim, 1e-3, norm),
+             selected * 3 * w.element_size()) for norm in ("l2", "l1")]
 
 
 def abs_outer_case(shape, x, g):

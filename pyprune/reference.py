@@ -247,3 +247,27 @@ def moreau_step_(delta: Tensor, grad: Tensor, weight: Tensor, perturbed: Optiona
     delta.copy_(d)
     if perturbed is not None:
         moreau_perturb_(perturbed, weight, delta, noise_ratio, seed)
+
+
+# ---- DReSS channel penalty (spec §1.4, Eqs. 2–4) ------------------------------------------------
+
+def channel_penalty_(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, lam: float,
+                     norm: str = "l2") -> Tensor:
+    """grad[slice c] += lam·∂‖W[slice c]‖/∂W for every c in ``channels``, slice c being index c of
+    ``dim`` (a row for dim 0, a column for dim 1, one element of a 1-D weight); returns the fp32
+    norms ‖W[slice c]‖ in channels order.
+
+    "l2": the gradient is lam·W/‖W‖₂ (none where the norm is 0); "l1": ‖W‖₁ and lam·sign(W).
+    Each updated grad element is computed in fp32 and rounded once to grad's dtype.
+    """
+    slices = weight.index_select(dim, channels).float()
+    others = [d for d in range(weight.dim()) if d != dim]
+    if norm == "l1":
+        norms = slices.abs().sum(dim=others, keepdim=True) if others else slices.abs()
+        step = lam * slices.sign()
+    else:
+        norms = torch.linalg.vector_norm(slices, dim=others, keepdim=True) if others else slices.abs()
+        step = slices * torch.where(norms > 0, lam / norms, torch.zeros_like(norms))
+    updated = grad.index_select(dim, channels).float() + step
+    grad.index_copy_(dim, channels, updated.to(grad.dtype))
+    return norms.reshape(-1)

@@ -34,6 +34,10 @@ W = torch.randn(4, 8)
     (lambda: ops.accumulate_abs_outer_(torch.zeros(4, 8), torch.ones(3, 5), W[:3]), ValueError,
      "a must have acc's 4 rows as its last dim"),
     (lambda: ops.group_soft_threshold(W, 1.0, group_dim=2), ValueError, "group_dim must be in"),
+    (lambda: ops.channel_penalty_(torch.zeros(4, 8), W, torch.tensor([1, 1]), 1, 0.1), ValueError,
+     "channels must not repeat a position"),
+    (lambda: ops.channel_penalty_(torch.zeros(4, 8), W, torch.tensor([1]), 1, 0.1, norm="fro"), ValueError,
+     "norm must be one of 'l2', 'l1'"),
     (lambda: ops.soft_threshold(W, -1.0), ValueError, "alpha must be a float >= 0"),
     (lambda: ops.nm_compress(W, torch.ones(4, 8, dtype=torch.bool), 2, 4), ValueError,
      "mask must keep exactly n=2 of every m=4 elements; row 0, group 0 keeps 4"),
@@ -146,6 +150,13 @@ def _compile_cases(dtype):
         ops.moreau_perturb_(p, w, d, noise_ratio=0.05, seed=5)
         return p.clone()
 
+    def channel_penalties(g, w, g_norm, w_norm):
+        """DReSS: input columns (ℓ2), output rows (ℓ1) and an RMSNorm scale."""
+        norms = (ops.channel_penalty_(g, w, in_index, 1, 0.1),
+                 ops.channel_penalty_(g, w, out_index, 0, 0.2, "l1"),
+                 ops.channel_penalty_(g_norm, w_norm, in_index, 0, 0.3))
+        return (*norms, g.clone(), g_norm.clone())
+
     return {
         "magnitude_score": (ops.magnitude_score, (w,)),
         "wanda_score": (ops.wanda_score, (w, sqnorm)),
@@ -168,6 +179,8 @@ def _compile_cases(dtype):
                           (x[..., :5].contiguous(), w, bias, in_index, out_index)),
         "moreau_step_": (moreau_steps, (delta, grad, w, perturbed)),
         "moreau_perturb_": (moreau_perturb, (perturbed, w, delta)),
+        "channel_penalty_": (channel_penalties,
+                             (grad, w, randn((24,), dtype, seed=9), randn((24,), dtype, seed=10))),
     }
 
 

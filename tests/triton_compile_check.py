@@ -73,7 +73,7 @@ def call_wrappers():
     """Launch every kernel the way pyprune.ops does: every kernel in every dtype and layout; the
     score kinds, N:M patterns and optional arguments rotated over that grid."""
     from pyprune import reference
-    from pyprune.kernels import linear, masks, moreau, nm_format, prox, scores
+    from pyprune.kernels import linear, masks, moreau, nm_format, penalty, prox, scores
 
     for d, dtype in enumerate(DTYPES):
         for l, layout in enumerate(LAYOUTS):
@@ -124,6 +124,17 @@ def call_wrappers():
         scores.accumulate_abs_outer_(_tensor((M, D), torch.float32, layout),
                                      _tensor((tokens, M), a_dtype, layout),
                                      _tensor((tokens, D), b_dtype, layout), 2.0, False)
+    # DReSS's channel penalty (autotuned too): rows and columns, ℓ1 and ℓ2, a range and a spread
+    # selection, grad in the weight's dtype or another, and a 1-D weight (one row)
+    for (rows, cols), dim, l1, w_dtype, g_dtype, layout, spread in (
+            ((37, 120), 0, False, torch.bfloat16, torch.float32, "not a multiple of 16", False),
+            ((37, 120), 1, True, torch.float16, torch.float16, "unaligned", True),
+            ((64, 96), 1, False, torch.float32, torch.bfloat16, "multiple of 16", False),
+            ((1, 100), 1, False, torch.float32, torch.float32, "not a multiple of 16", True)):
+        extent = (rows, cols)[dim]
+        channels = torch.randperm(extent)[:extent // 3] if spread else torch.arange(extent - extent // 4, extent)
+        penalty.channel_penalty_(_tensor((rows, cols), g_dtype, layout), _tensor((rows, cols), w_dtype, layout),
+                                 channels, dim, 0.1, l1, False)
 
 
 def _launch_options(kernel, args, kwargs):

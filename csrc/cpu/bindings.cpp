@@ -27,6 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Which kernel nm_linear_gemv runs for these arguments: 'avx2_gather' or 'generic'.");
   m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
         "Whether this CPU has AVX2, FMA and F16C (what the avx2_gather kernel needs), at run time.");
+  m.def("channel_penalty", &pyprune_cpu::channel_penalty, py::arg("grad"), py::arg("weight"),
+        py::arg("channels"), py::arg("dim"), py::arg("lam"), py::arg("l1"),
+        "DReSS penalty in place: for each channel c (a row for dim 0, a column for dim 1) grad[c] "
+        "+= lam * W[c] / ||W[c]||_2 (none where the norm is 0), or lam * sign(W[c]) when l1; "
+        "returns the fp32 norms (l2, or l1 when l1) in channels order.");
   m.def("moreau_step", &pyprune_cpu::moreau_step, py::arg("delta"), py::arg("grad"),
         py::arg("weight"), py::arg("perturbed"), py::arg("decay"), py::arg("step_size"),
         py::arg("threshold"), py::arg("group_dim"), py::arg("noise_ratio"), py::arg("seed"),

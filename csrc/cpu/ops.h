@@ -26,6 +26,10 @@ void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
                     const torch::Tensor& delta, double noise_ratio, int64_t seed);
 torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets);
 
+// channel_penalty.cpp
+torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& weight,
+                              const torch::Tensor& channels, int64_t dim, double lam, bool l1);
+
 // nm_linear.cpp
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
                             int64_t m);

@@ -10,6 +10,7 @@ from .linear import nm_linear, sliced_linear
 from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
 from .moreau import moreau_perturb_, moreau_step_
 from .nm_format import nm_compress, nm_decompress
+from .penalty import channel_penalty_
 from .prox import group_soft_threshold, soft_threshold
 from .scores import (accumulate_abs_outer_, accumulate_sqnorm_, magnitude_score, taylor_score,
                      wanda_score)
@@ -21,4 +22,5 @@ __all__ = [
     "topk_mask", "nm_mask", "score_nm_mask", "score_topk_mask",
     "soft_threshold", "group_soft_threshold", "moreau_step_", "moreau_perturb_",
     "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",
+    "channel_penalty_",
 ]
