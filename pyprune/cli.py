@@ -1,8 +1,10 @@
-"""The ``pyprune`` command line: prune, continual, eval, robustness, demo.
+"""The ``pyprune`` command line: prune, recover, continual, eval, robustness, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
     pyprune eval --model pruned/ --data pride_and_prejudice
+    pyprune recover --model pruned/ --calib emma --steps 200 --eval pride_and_prejudice \\
+                    --output recovered/ --report recover.json
     pyprune robustness --model smollm2-135m --method moreau --ratio 0.2 --calib emma \\
                        --eval pride_and_prejudice --report robust.json
     pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
@@ -89,6 +91,17 @@ def _load(args):
     return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
 
 
+def _check_config(runner, model: str, pattern) -> None:
+    """The method's checks that need only the model's config (e.g. DReSS's channel rounding)."""
+    from transformers import AutoConfig
+
+    from .models import resolve_model_dir
+    try:
+        runner.check_config(AutoConfig.from_pretrained(resolve_model_dir(model)), pattern)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def _method_option_values(args) -> dict:
     """The method options given on the command line (flags from the methods' declarations)."""
     return {name: getattr(args, f"option_{name}") for name in _declared_options()
@@ -151,6 +164,8 @@ def cmd_prune(args) -> int:
     for flag in ("nsamples", "seqlen", "batch_size"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+
+    _check_config(runner, args.model, pattern)
 
     from . import pruning
     from .io import save
@@ -307,6 +322,47 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_recover(args) -> int:
+    """LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
+    from . import recovery
+    recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
+                            batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
+    for flag in ("nsamples", "eval_seqlen"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.seqlen < 2:
+        raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
+    if args.batch_size > args.nsamples:
+        raise UsageError(f"--batch-size {args.batch_size} is larger than --nsamples {args.nsamples}")
+    for source in [args.calib] + list(args.eval or []):
+        data.check_source(source)
+    _check_output(args.output, "--output")
+    _check_report(args.report)
+
+    from .io import save
+    model, tokenizer = _load(args)
+    calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples, seqlen=args.seqlen,
+                                     seed=args.seed)
+    report = {"model": args.model, "calib": args.calib, "dtype": args.dtype}
+    report["eval_before"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
+                                      args.batch_size, not args.quiet)
+    report["recovery"] = recovery.lora_finetune(
+        model, calib, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
+        target_modules=args.target_modules, seed=args.seed, progress=not args.quiet)
+    done = report["recovery"]
+    if args.steps:
+        print(f"LoRA rank {args.rank} on {done['lora_layers']} layers, {args.steps} steps in {done['time_s']:.1f} s: "
+              f"training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
+    report["eval_after"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
+                                     args.batch_size, not args.quiet)
+    save(model, tokenizer, args.output, report=report)
+    print(f"saved the recovered model to {args.output}")
+    if args.report:
+        _write_json_atomic(args.report, report)
+        print(f"wrote {args.report}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     """Wanda 2:4 on SmolLM2-135M, calibrated on Emma, measured on Pride and Prejudice."""
     from . import pruning
@@ -427,6 +483,38 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=None)
     evaluate.add_argument("--report", help="JSON report path")
     evaluate.set_defaults(run=cmd_eval)
+
+    recover = sub.add_parser("recover", help="LoRA recovery fine-tuning (RFT) of a pruned model, merged "
+                             "back into dense weights")
+    recover.add_argument("--model", required=True, help="a pyprune output directory, a Hugging Face model "
+                         "directory, or the alias smollm2-135m")
+    recover.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    recover.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    recover.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")
+    recover.add_argument("--nsamples", type=int, default=64, help="training samples (default 64)")
+    recover.add_argument("--seqlen", type=int, default=512, help="training sample length (default 512; "
+                         "DReSS: 2048)")
+    recover.add_argument("--seed", type=int, default=0, help="seed of the samples, the adapters' "
+                         "initialisation and the batch order")
+    recover.add_argument("--steps", type=int, required=True, help="optimizer steps (0: no training)")
+    recover.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32, as DReSS)")
+    recover.add_argument("--alpha", type=float, default=10.0, help="LoRA alpha; the scale is alpha/rank "
+                         "(default 10, as DReSS)")
+    recover.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, constant (default 1e-4; "
+                         "DReSS: 2e-5)")
+    recover.add_argument("--batch-size", type=int, default=4, help="training samples per step, also the "
+                         "evaluation batch (default 4; DReSS: 64)")
+    recover.add_argument("--target-modules", nargs="+", default=None, help="linears of the decoder blocks "
+                         "to adapt (default all: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; "
+                         "PEFT's llama default: q_proj v_proj)")
+    recover.add_argument("--eval", nargs="*", help="evaluation texts, measured before and after")
+    recover.add_argument("--eval-seqlen", type=int, default=512)
+    recover.add_argument("--eval-max-tokens", type=int, default=None)
+    recover.add_argument("--output", required=True, help="directory for the recovered model (written "
+                         "atomically)")
+    recover.add_argument("--report", help="JSON report path")
+    recover.add_argument("--quiet", action="store_true", help="no progress bars")
+    recover.set_defaults(run=cmd_recover)
 
     demo = sub.add_parser("demo", help="Wanda 2:4 on SmolLM2-135M with Austen text")
     demo.add_argument("--nsamples", type=int, default=16)

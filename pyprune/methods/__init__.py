@@ -1,6 +1,7 @@
 """Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method`."""
 from .base import Method
 from .copal import Copal
+from .dress import DReSS
 from .magnitude import Magnitude
 from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
 from .sparsegpt import SparseGPT
@@ -9,7 +10,7 @@ from .taylor import Taylor
 from .wanda import Wanda
 
 METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor, MoreauPruner, MoreauPrunerGS,
-                                     SmoothGrad, Copal)}
+                                     SmoothGrad, Copal, DReSS)}
 
 
 def get(name: str, **options) -> Method:

@@ -38,6 +38,9 @@ class Method(ABC):
     def check_options(self, settings: Dict[str, Any]) -> None:
         """Constraints between options (each option alone is checked by its declaration)."""
 
+    def check_config(self, config, pattern: Pattern) -> None:
+        """Reject a pattern the model's config rules out, before its weights are loaded."""
+
     def resolve(self, pattern: Pattern) -> Pattern:
         """Unstructured patterns without a scope get this method's default scope."""
         if isinstance(pattern, Unstructured) and pattern.scope is None:

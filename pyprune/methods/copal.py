@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import engine, ops
+from ..io import model_fingerprint
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod
 from .options import Option, positive
@@ -199,15 +200,3 @@ class Copal(LayerwiseMaskMethod):
         keep = pattern.keep_mask(ops.taylor_score(stats.dense, stats.accumulator))  # |W ⊙ G| = |W|·G (Eq. 11)
         linear.weight.copy_(stats.dense * keep.to(stats.dense.dtype))
 
-
-def model_fingerprint(model: nn.Module) -> str:
-    """What identifies a model for a continual state, pruned or not: its architecture, dtype and
-    input embeddings (never pruned)."""
-    config = getattr(model, "config", None)
-    fields = {key: getattr(config, key, None) for key in (
-        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "vocab_size")}
-    embedding = model.get_input_embeddings().weight.detach()
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + str(embedding.dtype).encode())
-    digest.update(embedding.float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:32]

@@ -1,0 +1,252 @@
+"""DReSS (2025): regularise hidden channels with data, slice them out, optionally recover with LoRA.
+
+The channels P of the hidden (residual-stream) dimension, the same in every layer, are chosen by
+position (the last ⌈p·d⌉ by default, or the first, or spread over five segments; §4.4, Table 3),
+rounded so that the kept width stays a multiple of the head count (and of ``multiple``).
+
+1. Regularise (Algorithm 1, Eqs. 1-4): train the whole model on calibration windows with
+   L = LM loss + λ·Σ‖slice‖ over every slice that reads or writes P: q/k/v/gate/up input columns,
+   o/down output rows, embedding (and an untied LM head's) columns, every RMSNorm entry; ‖·‖ is ℓ2
+   per channel (DReSS-ℓ2, default) or ℓ1 (DReSS-ℓ1, Eq. 5-7 as its subgradient). The penalty's
+   gradient is added to ``.grad`` by :func:`pyprune.ops.channel_penalty_`. The paper leaves the
+   optimiser open: AdamW without weight decay, constant ``lr``; fp32 master weights.
+2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically.
+3. Optional RFT: :func:`pyprune.recovery.lora_finetune` on the held-out quarter of the windows
+   (the paper's 3:1 split), merged back into dense weights.
+
+``steps=0`` slices without regularisation (the paper's "w/o R" ablation).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .. import engine, ops
+from ..eval import model_cost
+from ..io import model_fingerprint
+from ..patterns import Structured
+from .base import Method
+from .options import Option, at_least_one, nonnegative, positive
+
+#: input columns (dim 1) or output rows (dim 0) of each block linear that carry the hidden dim
+_BLOCK_SLICES = {"self_attn.q_proj": 1, "self_attn.k_proj": 1, "self_attn.v_proj": 1, "self_attn.o_proj": 0,
+                 "mlp.gate_proj": 1, "mlp.up_proj": 1, "mlp.down_proj": 0}
+
+
+def _is_hidden_norm(module: nn.Module, hidden: int) -> bool:
+    """A normalisation layer over the hidden dim (not e.g. a per-head q/k norm)."""
+    weight = getattr(module, "weight", None)
+    return "norm" in type(module).__name__.lower() and isinstance(weight, Tensor) and tuple(weight.shape) == (hidden,)
+
+
+class DReSS(Method):
+    name = "dress"
+    patterns = (Structured,)
+    calibration = (32, 128)
+
+    options = (
+        Option("norm", str, "l2", "DReSS: penalty norm per channel slice (l2 = DReSS-l2, l1 = DReSS-l1)",
+               choices=("l2", "l1")),
+        Option("lam", float, 1e-3, "DReSS: penalty weight lambda (paper 1e-3)", nonnegative),
+        Option("steps", int, 60, "DReSS: regularisation steps (0 = slice without regularising); "
+               "MoreauPruner: inner steps T", nonnegative),
+        Option("lr", float, 1e-4, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)",
+               positive),
+        Option("train_batch", int, 4, "DReSS: calibration windows per training step", at_least_one),
+        Option("channels", str, "last", "DReSS: which hidden channels go (paper default: the last)",
+               choices=("last", "first", "spread")),
+        Option("multiple", int, 1, "DReSS: keep a multiple of this many channels (e.g. 8 or 64 for "
+               "tensor cores), besides a multiple of the head count", at_least_one),
+        Option("rescale_norms", bool, False, "DReSS: scale the sliced norms by sqrt(d/d') (not in the paper)"),
+        Option("lora_steps", int, 0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative),
+        Option("lora_rank", int, 32, "DReSS: LoRA rank (paper 32)", at_least_one),
+        Option("lora_alpha", float, 10.0, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
+        Option("lora_lr", float, 1e-4, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive),
+        Option("checkpoint", str, None, "DReSS: directory for regularisation checkpoints; a rerun with the "
+               "same settings resumes from it", optional=True),
+        Option("checkpoint_every", int, 10, "DReSS: steps between checkpoints", at_least_one),
+        Option("train_seed", int, 0, "DReSS: seed of the minibatch order (and of LoRA)"),
+    )
+
+    # -- which channels ------------------------------------------------------------------------
+
+    def pruned_channels(self, config, ratio: float) -> Tensor:
+        """The hidden channels P to remove for ``ratio``: round(ratio·d), then the kept width
+        rounded to the nearest multiple of the head count and of ``multiple``; ValueError when
+        that removes no channel or keeps none."""
+        d = config.hidden_size
+        step = math.lcm(int(config.num_attention_heads), self.multiple)
+        kept = round((d - round(ratio * d)) / step) * step
+        if kept >= d or kept <= 0:
+            raise ValueError(f"ratio {ratio} of hidden size {d} rounds to {'zero' if kept >= d else 'all'} "
+                             f"channels removed once the kept width is a multiple of {step} (the head count "
+                             f"{config.num_attention_heads} and multiple {self.multiple})")
+        count = d - kept
+        if self.channels == "last":
+            return torch.arange(kept, d)
+        if self.channels == "first":
+            return torch.arange(count)
+        segments = torch.arange(d).tensor_split(5)  # Table 3 (3): the last channels of 5 segments
+        shares = [count // 5 + (i < count % 5) for i in range(5)]
+        return torch.cat([seg[len(seg) - share:] for seg, share in zip(segments, shares)])
+
+    def check_config(self, config, pattern) -> None:
+        self.pruned_channels(config, pattern.ratio)
+
+    def check(self, model, pattern):
+        super().check(model, pattern)
+        from ..nn.compact import check_llama_block
+        for index, block in enumerate(engine.decoder_blocks(model)):
+            check_llama_block(block, f"block {index}")
+        self.check_config(model.config, pattern)
+        self._key = {"settings": {k: self.settings[k] for k in (
+            "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
+            "model": model_fingerprint(model)}
+        path = self._checkpoint_path()
+        if path and os.path.exists(path) and torch.load(path, map_location="cpu", weights_only=False,
+                                                        mmap=True)["key"] != self._key:
+            raise ValueError(f"dress checkpoint {path} was made with other settings or another model; "
+                             "remove it or choose another checkpoint directory")
+
+    def _checkpoint_path(self):
+        return os.path.join(self.checkpoint, "dress-regularise.pt") if self.checkpoint else None
+
+    # -- regularise, slice, recover ----------------------------------------------------------------
+
+    def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int]]:
+        """(name, parameter, dim of the hidden channels) of every tensor that reads or writes them
+        (Eqs. 2-4); a tied LM head shares the embedding's tensor and appears once."""
+        slices, seen = [], set()
+
+        def add(name, param, dim):
+            if id(param) not in seen:
+                seen.add(id(param))
+                slices.append((name, param, dim))
+
+        add("embed_tokens", model.get_input_embeddings().weight, 1)
+        for index, block in enumerate(engine.decoder_blocks(model)):
+            for name, dim in _BLOCK_SLICES.items():
+                add(f"layers.{index}.{name}", block.get_submodule(name).weight, dim)
+            for name, module in block.named_modules():
+                if _is_hidden_norm(module, model.config.hidden_size):
+                    add(f"layers.{index}.{name}", module.weight, 0)
+        add("norm", model.model.norm.weight, 0)
+        add("lm_head", model.get_output_embeddings().weight, 1)
+        return slices
+
+    @staticmethod
+    def slice_mass(slices, channels: Tensor) -> Dict[str, float]:
+        """Σ|W| over the P-slices of every penalised tensor (Fig. 5's measure), by tensor name."""
+        with torch.no_grad():
+            return {name: float(p.index_select(dim, channels.to(p.device)).abs().sum()) for name, p, dim in slices}
+
+    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+        channels = self.pruned_channels(model.config, pattern.ratio)
+        keep = torch.tensor(sorted(set(range(model.config.hidden_size)) - set(channels.tolist())))
+        windows = calib
+        recovery = None
+        if self.lora_steps > 0:  # the paper's 3:1 split: X1 regularises, X2 recovers
+            split = max(1, math.ceil(0.75 * calib.shape[0]))
+            if split == calib.shape[0]:
+                raise ValueError(f"dress with lora_steps needs at least 2 calibration windows; got {calib.shape[0]}")
+            windows, recovery = calib[:split], calib[split:]
+        before = model_cost(model, calib.shape[1])
+        slices = self.penalised_slices(model)
+        mass_start = self.slice_mass(slices, channels)
+        log = self._regularise(model, slices, channels, windows, progress) if self.steps > 0 else {}
+        mass_end = self.slice_mass(slices, channels)
+        from ..nn.compact import keep_hidden_channels_
+        d = model.config.hidden_size
+        keep_hidden_channels_(model, keep)
+        if self.rescale_norms:
+            self._rescale_norms(model, math.sqrt(d / keep.numel()))
+        details = {
+            "hidden_size": [d, keep.numel()], "pruned_channels": channels.tolist(),
+            "slice_mass_ratio": sum(mass_end.values()) / sum(mass_start.values()),
+            "slice_mass_ratio_per_tensor": {k: mass_end[k] / mass_start[k] for k in mass_start if mass_start[k]},
+            "regularisation": log, "cost_before": before, "cost_after": model_cost(model, calib.shape[1])}
+        if recovery is not None:
+            from ..recovery import lora_finetune
+            details["lora"] = lora_finetune(model, recovery, steps=self.lora_steps, rank=self.lora_rank,
+                                            alpha=self.lora_alpha, lr=self.lora_lr, seed=self.train_seed,
+                                            progress=progress)
+        return details
+
+    @torch.no_grad()
+    def _rescale_norms(self, model, factor: float) -> None:
+        hidden = model.config.hidden_size
+        for module in model.modules():
+            if _is_hidden_norm(module, hidden):
+                module.weight.mul_(factor)
+
+    def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor, progress: bool) -> Dict:
+        """AdamW on LM loss + λ·penalty over shuffled minibatches of ``windows``, in fp32."""
+        dtype, was_training = next(model.parameters()).dtype, model.training
+        device = next(model.parameters()).device
+        model.float().train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
+        generator = torch.Generator().manual_seed(self.train_seed)
+        order: List[int] = []
+        log = {"loss": [], "penalty": []}
+        start_step = self._resume(model, optimizer, generator, log)
+        for _ in range(start_step):  # replay the minibatch draws of the finished steps
+            order = self._next_batch(order, windows.shape[0], generator)[1]
+        index = channels.to(device)
+        start = time.perf_counter()
+        try:
+            for step in tqdm(range(start_step, self.steps), desc="dress regularise", unit="step",
+                             disable=not progress, initial=start_step, total=self.steps):
+                batch, order = self._next_batch(order, windows.shape[0], generator)
+                tokens = windows[batch].to(device)
+                optimizer.zero_grad(set_to_none=False)
+                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+                loss.backward()
+                penalty = sum(float(ops.channel_penalty_(p.grad, p, index, dim, self.lam, self.norm).sum())
+                              for _, p, dim in slices)
+                optimizer.step()
+                log["loss"].append(round(loss.item(), 5))
+                log["penalty"].append(round(self.lam * penalty, 6))
+                if self.checkpoint and ((step + 1) % self.checkpoint_every == 0 or step + 1 == self.steps):
+                    self._save_checkpoint(model, optimizer, step + 1, log)
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            model.to(dtype).train(was_training)
+        log["time_s"] = round(time.perf_counter() - start, 1)
+        return log
+
+    def _next_batch(self, order: List[int], count: int, generator) -> Tuple[List[int], List[int]]:
+        """The next ``train_batch`` window indices of a shuffled pass (reshuffled when exhausted)."""
+        batch = []
+        while len(batch) < min(self.train_batch, count):
+            if not order:
+                order = torch.randperm(count, generator=generator).tolist()
+            batch.append(order.pop())
+        return batch, order
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, optimizer, step: int, log: Dict) -> None:
+        os.makedirs(self.checkpoint, exist_ok=True)
+        path = self._checkpoint_path()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save({"key": self._key, "step": step, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "log": log}, tmp)
+        os.replace(tmp, path)
+
+    def _resume(self, model, optimizer, generator, log) -> int:
+        """Load the checkpoint of an interrupted run with the same settings (checked by
+        :meth:`check`); the step to go on from."""
+        path = self._checkpoint_path()
+        if path is None or not os.path.exists(path):
+            return 0
+        saved = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        log.update(saved["log"])
+        return saved["step"]

@@ -1,0 +1,136 @@
+"""DReSS on tiny random Llamas: channel choice and rounding, the regularisation shrinking the
+pruned slices (and not without λ), slicing, checkpoint resume, refusals, the CLI."""
+import json
+import math
+
+import pytest
+import torch
+
+import pyprune
+from pyprune.methods.dress import DReSS
+from pyprune.patterns import Structured
+from tests.helpers import random_tokens, tiny_llama
+
+
+def _calib(n=8, seqlen=32):
+    return random_tokens((n, seqlen), seed=1)
+
+
+def _config(hidden=64, heads=4):
+    return tiny_llama(hidden=hidden, heads=heads, kv_heads=2).config
+
+
+@pytest.mark.parametrize("channels,expected", [
+    ("last", list(range(48, 64))),
+    ("first", list(range(16))),
+    ("spread", [9, 10, 11, 12, 23, 24, 25, 36, 37, 38, 49, 50, 51, 61, 62, 63]),  # 5 segments
+])
+def test_pruned_channels(channels, expected):
+    assert DReSS(channels=channels).pruned_channels(_config(), 0.25).tolist() == expected
+
+
+def test_channel_count_rounds_to_the_head_count_and_multiple():
+    assert len(DReSS().pruned_channels(_config(hidden=576, heads=9), 0.25)) == 144  # SmolLM2: 576 -> 432
+    assert len(DReSS(multiple=16).pruned_channels(_config(hidden=576, heads=9), 0.25)) == 144  # lcm 144
+    assert len(DReSS().pruned_channels(_config(hidden=64, heads=4), 0.3)) == 20  # 44.8 kept -> 44
+    for ratio, multiple in ((0.01, 1), (0.25, 64)):
+        with pytest.raises(ValueError, match="rounds to"):
+            DReSS(multiple=multiple).pruned_channels(_config(), ratio)
+
+
+def test_regularisation_shrinks_the_pruned_slices_and_slicing_keeps_the_rest():
+    calib = _calib()
+    reports = {}
+    for lam in (0.0, 0.05):
+        model = tiny_llama(seed=0)
+        reports[lam] = pyprune.prune(model, "dress", Structured(0.25), calib, progress=False,
+                                     steps=30, lam=lam, lr=3e-3)
+        assert model.config.hidden_size == 48
+        assert model.model.embed_tokens.weight.shape == (128, 48)
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=calib[:2]).logits).all()
+    assert reports[0.05]["slice_mass_ratio"] < 0.5 * reports[0.0]["slice_mass_ratio"]
+    assert reports[0.0]["slice_mass_ratio"] > 0.7
+    log = reports[0.05]["regularisation"]
+    assert len(log["loss"]) == 30 and log["penalty"][-1] < 0.7 * log["penalty"][0]
+    assert reports[0.05]["cost_after"]["parameters"] < reports[0.05]["cost_before"]["parameters"]
+
+
+def test_steps_zero_is_plain_slicing():
+    model, reference = tiny_llama(seed=0), tiny_llama(seed=0)
+    report = pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=0)
+    pyprune.nn.keep_hidden_channels_(reference, torch.arange(48))
+    assert report["slice_mass_ratio"] == 1.0 and report["regularisation"] == {}
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_rescale_norms():
+    model, plain = tiny_llama(seed=0), tiny_llama(seed=0)
+    pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=0, rescale_norms=True)
+    pyprune.prune(plain, "dress", Structured(0.25), _calib(), progress=False, steps=0)
+    torch.testing.assert_close(model.model.norm.weight, plain.model.norm.weight * math.sqrt(64 / 48))
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight)
+
+
+def test_an_interrupted_regularisation_resumes_exactly(tmp_path):
+    calib = _calib()
+    options = dict(steps=6, lam=0.05, lr=3e-3, train_batch=3)
+    straight = tiny_llama(seed=0)
+    pyprune.prune(straight, "dress", Structured(0.25), calib, progress=False, **options)
+    first = tiny_llama(seed=0)  # "interrupted" after 3 steps: its checkpoint holds step 3
+    pyprune.prune(first, "dress", Structured(0.25), calib, progress=False, checkpoint=str(tmp_path),
+                  checkpoint_every=3, **dict(options, steps=3))
+    resumed = tiny_llama(seed=0)
+    report = pyprune.prune(resumed, "dress", Structured(0.25), calib, progress=False, checkpoint=str(tmp_path),
+                           checkpoint_every=3, **options)
+    assert len(report["regularisation"]["loss"]) == 6
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
+    calib = _calib()
+    pyprune.prune(tiny_llama(seed=0), "dress", Structured(0.25), calib, progress=False, steps=2,
+                  checkpoint=str(tmp_path), checkpoint_every=1)
+    model = tiny_llama(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for options in ({"lam": 0.5}, {"norm": "l1"}):
+        with pytest.raises(ValueError, match="other settings"):
+            pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=2,
+                          checkpoint=str(tmp_path), **options)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_l1_penalty_also_shrinks():
+    model = tiny_llama(seed=0)
+    report = pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=30, lam=0.002,
+                           lr=3e-3, norm="l1")
+    assert report["slice_mass_ratio"] < 0.6
+
+
+def test_bad_options():
+    for options, message in (({"norm": "l3"}, "norm"), ({"lam": -1.0}, "lam"), ({"steps": -1}, "steps"),
+                             ({"lr": 0.0}, "lr"), ({"channels": "middle"}, "channels")):
+        with pytest.raises(ValueError, match=message):
+            pyprune.methods.get("dress", **options)
+
+
+def test_cli_dress(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from pyprune.cli import main
+    model_dir, text = tiny_model_dir
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    assert main(["prune", "--model", str(model_dir), "--method", "dress", "--ratio", "0.25", "--calib", str(text),
+                 "--nsamples", "4", "--seqlen", "16", "--steps", "2", "--lam", "0.01", "--output", str(out),
+                 "--report", str(report), "--quiet"]) == 0
+    assert json.loads(report.read_text())["hidden_size"] == [64, 48]
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.hidden_size == 48
+    assert reloaded.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+    for ratio, message in (("0", "ratio"), ("1", "ratio"), ("0.01", "rounds to zero")):
+        assert main(["prune", "--model", str(model_dir), "--method", "dress", "--ratio", ratio, "--calib",
+                     str(text), "--output", str(tmp_path / f"bad{ratio}")]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / f"bad{ratio}").exists()
