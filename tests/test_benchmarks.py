@@ -15,6 +15,7 @@ from .helpers import tiny_llama, tiny_tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import bench_dress_speed  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_ops  # noqa: E402
 import bench_sparse_linear  # noqa: E402
@@ -96,3 +97,47 @@ def test_crosscheck_without_a_transformers_4_36_python_exits_2_at_once(tmp_path,
     assert "cannot be run" in _one_line_error(capsys)
     assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", sys.executable]) == 2
     assert f"has transformers {transformers.__version__}; the authors' code needs 4.36.x" in _one_line_error(capsys)
+
+
+def test_dress_speed_benchmark_on_a_local_and_a_random_tiny_model(tmp_path, monkeypatch):
+    from pyprune.eval import model_cost
+    from pyprune.nn import keep_hidden_channels_
+    model_dir = tmp_path / "tiny"
+    tiny_llama(layers=1).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    monkeypatch.setitem(bench_dress_speed.REAL_MODEL, "tiny-llama-shape", ("TinyLlama", 3))
+    assert bench_dress_speed.main(["--device", "cpu", "--models", str(model_dir), "tiny-llama-shape",
+                                   "--layers", "1", "--prefill-tokens", "16", "--prompt-tokens", "4",
+                                   "--new-tokens", "2", "--batch", "2", "--repeat", "2",
+                                   "--output-dir", str(tmp_path), "--name", "dress"]) == 0
+    report = json.loads((tmp_path / "dress.json").read_text())
+    assert report["environment"]["cpu_threads"] >= 1 and len(report["settings"]["load_average_after"]) == 3
+    # both tiny models have tiny_llama's shapes: the costs are those of tiny_llama sliced 64 -> 48
+    reference = tiny_llama(layers=1)
+    dense_cost = model_cost(reference, 16)
+    keep_hidden_channels_(reference, torch.arange(48))
+    sliced_cost = model_cost(reference, 16)
+    loaded, random = report["results"]
+    assert (loaded["weights"], random["weights"]) == ("loaded", "random")
+    for row in (loaded, random):
+        assert row["hidden_size"] == {"dense": 64, "sliced": 48} and row["layers"] == 1
+        assert row["cost"] == {"dense": dense_cost, "sliced": sliced_cost}
+        assert row["parameter_ratio"] == round(dense_cost["parameters"] / sliced_cost["parameters"], 3)
+        assert {label: len(times) for label, times in row["times_s"].items()} == {
+            f"{model}_{part}": 2 for model in ("dense", "sliced") for part in ("prefill", "generate", "prompt")}
+        assert min(row["dense_prefill_ms"], row["sliced_prefill_ms"], row["dense_decode_tok_s"],
+                   row["sliced_decode_tok_s"]) > 0
+        assert row["prefill_speedup"] == round(row["dense_prefill_ms"] / row["sliced_prefill_ms"], 3)
+        assert row["decode_speedup"] == round(row["sliced_decode_tok_s"] / row["dense_decode_tok_s"], 3)
+    assert report["notes"] == [bench_dress_speed.depth_note(random)]
+    assert "depth is reduced to 1 of 3 decoder layers" in report["notes"][0]
+    md = (tmp_path / "dress.md").read_text()
+    assert "| prefill dense ms | prefill sliced ms | prefill ratio |" in md
+    assert f"| tiny-llama-shape (random weights) | 1 | float32 | 64 → 48 | {random['dense_prefill_ms']} |" in md
+    assert report["notes"][0] in md
+
+
+def test_dress_speed_benchmark_rejects_a_non_positive_count(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_dress_speed.main(["--batch", "0"])
+    assert exit_info.value.code == 2 and "--batch: must be a positive integer; got 0" in capsys.readouterr().err
