@@ -7,7 +7,8 @@ novels), ``moby_dick`` and ``python`` source, all embedded in pyprune; the first
 calibrates (``--nsamples`` x ``--seqlen`` random windows, the same for every order), the first
 ``--eval-tokens`` tokens of its second half evaluate.
 
-Rows: COPAL (continual state), and Wanda / SparseGPT with global initialisation (the paper's
+Rows: COPAL (continual state; ``copal/row`` selects per output row instead of the paper's per
+matrix), and Wanda / SparseGPT with global initialisation (the paper's
 baselines: re-prune the dense model on each dataset) and with sequential initialisation (prune
 the pruned model: weight stasis). Results go to benchmarks/results/continual-smollm2-135m.{json,md},
 rewritten after every finished order; a rerun resumes.
@@ -26,10 +27,10 @@ from _common import environment, write_atomic, write_json
 from pyprune import continual, data
 from pyprune.eval import perplexity
 from pyprune.models import load_model
-from pyprune.patterns import parse
+from pyprune.patterns import Unstructured, parse
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ROWS = ("copal", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
+ROWS = ("copal", "copal/row", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
 DATASETS = ("austen", "moby_dick", "python")
 
 
@@ -102,11 +103,13 @@ def main(argv=None):
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
     for spec in args.patterns:
-        pattern = parse(float(spec) if ":" not in spec else spec)
         for row_name in args.rows:
+            row_name, _, scope = row_name.partition("/")
             method, _, init = row_name.partition(":")
             init = init or "global"
-            label = {"pattern": str(pattern), "method": method, "init": init if method != "copal" else "continual state"}
+            pattern = parse(spec) if ":" in spec else Unstructured(float(spec), scope or None)
+            label = {"pattern": str(pattern) + (f" per {scope}" if scope and ":" not in spec else ""),
+                     "method": method, "init": init if method != "copal" else "continual state"}
             row = next((r for r in rows if all(r[k] == v for k, v in label.items())), None)
             if row is not None and not row.get("partial"):
                 continue
