@@ -71,6 +71,7 @@ setup(
         "tqdm",
         "gguf",
         "accelerate",
+        "peft>=0.21",  # LoRA recovery (pyprune.recovery); tested with 0.21.2
     ],
     extras_require={"test": ["pytest>=7", "pytest-benchmark", "hypothesis"]},
     entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
