@@ -102,6 +102,15 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_lora_recovery_runs_on_the_held_out_quarter_and_merges():
+    model = tiny_llama(seed=0)
+    report = pyprune.prune(model, "dress", Structured(0.25), _calib(n=8), progress=False, steps=3, lam=0.05,
+                           lr=3e-3, lora_steps=4, lora_rank=4, lora_lr=1e-2)
+    assert len(report["regularisation"]["loss"]) == 3 and report["lora"]["steps"] == 4
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert model.config.hidden_size == 48
+
+
 def test_l1_penalty_also_shrinks():
     model = tiny_llama(seed=0)
     report = pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=30, lam=0.002,

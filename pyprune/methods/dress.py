@@ -175,6 +175,7 @@ class DReSS(Method):
             from ..recovery import lora_finetune
             details["lora"] = lora_finetune(model, recovery, steps=self.lora_steps, rank=self.lora_rank,
                                             alpha=self.lora_alpha, lr=self.lora_lr, seed=self.train_seed,
+                                            batch_size=min(self.train_batch, recovery.shape[0]),
                                             progress=progress)
         return details
 
