@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from . import engine
+from .training import train
 from .nn import compact
 from .nn.sliced import SlicedLinear
 from .nn.sparse import SparseLinear
@@ -113,41 +113,6 @@ def _check_model(model: nn.Module) -> None:
                          "pyprune.nn.unslice_)")
 
 
-def _minibatches(nsamples: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[Tensor]:
-    """``steps`` index batches: each epoch a fresh permutation, cut into whole batches (the last
-    ``nsamples % batch_size`` samples of an epoch wait for the next one)."""
-    order = torch.empty(0, dtype=torch.long)
-    for _ in range(steps):
-        if order.numel() < batch_size:
-            order = torch.randperm(nsamples, generator=generator)
-        yield order[:batch_size]
-        order = order[batch_size:]
-
-
-def _train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
-           batch_size: int, seed: int, progress: bool) -> List[float]:
-    """``steps`` AdamW steps (constant lr, weight decay 0) of the mean next-token loss on seeded,
-    shuffled minibatches of ``tokens``; returns the loss of every step."""
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    batches = _minibatches(tokens.shape[0], batch_size, steps, torch.Generator().manual_seed(seed))
-    losses = []
-    with tqdm(total=steps, desc="lora", unit="step", disable=not progress) as bar:
-        for step, index in enumerate(batches):
-            batch = tokens[index].to(device=device, dtype=torch.long)
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            losses.append(float(loss.detach()))
-            if not math.isfinite(losses[-1]):
-                raise FloatingPointError(f"LoRA training loss is {losses[-1]} at step {step}; the model is left "
-                                         "unchanged (try a smaller lr)")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            bar.update()
-    return losses
-
-
 def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = 32, alpha: float = 10.0,
                   lr: float = 1e-4, batch_size: int = 4, target_modules: Optional[Sequence[str]] = None,
                   seed: int = 0, progress: bool = True) -> Dict:
@@ -233,8 +198,12 @@ def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *
             params = [p for p in wrapped.parameters() if p.requires_grad]
             wrapped.train()
             with torch.enable_grad():
-                losses = _train(wrapped, params, tokens, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                                progress=progress)
+                try:
+                    losses = train(wrapped, params, tokens, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                                   desc="lora", progress=progress)["loss"]
+                except FloatingPointError as error:
+                    raise FloatingPointError(f"{error}; the adapters are dropped and the model is left "
+                                             "unchanged") from None
             wrapped.merge_and_unload()
             merged = True
         finally:

@@ -19,18 +19,17 @@ rounded so that the kept width stays a multiple of the head count (and of ``mult
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from .. import engine, ops
 from ..eval import model_cost
 from ..io import model_fingerprint
 from ..patterns import Structured
+from ..training import Checkpoint, fp32_master_weights, train
 from .base import Method
 from .options import Option, at_least_one, nonnegative, positive
 
@@ -108,14 +107,8 @@ class DReSS(Method):
         self._key = {"settings": {k: self.settings[k] for k in (
             "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
             "model": model_fingerprint(model)}
-        path = self._checkpoint_path()
-        if path and os.path.exists(path) and torch.load(path, map_location="cpu", weights_only=False,
-                                                        mmap=True)["key"] != self._key:
-            raise ValueError(f"dress checkpoint {path} was made with other settings or another model; "
-                             "remove it or choose another checkpoint directory")
-
-    def _checkpoint_path(self):
-        return os.path.join(self.checkpoint, "dress-regularise.pt") if self.checkpoint else None
+        if self.checkpoint:
+            Checkpoint(self.checkpoint, self.checkpoint_every, self._key, "dress-regularise.pt").check()
 
     # -- regularise, slice, recover ----------------------------------------------------------------
 
@@ -187,67 +180,22 @@ class DReSS(Method):
                 module.weight.mul_(factor)
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor, progress: bool) -> Dict:
-        """AdamW on LM loss + λ·penalty over shuffled minibatches of ``windows``, in fp32."""
-        dtype, was_training = next(model.parameters()).dtype, model.training
-        device = next(model.parameters()).device
-        model.float().train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
-        generator = torch.Generator().manual_seed(self.train_seed)
-        order: List[int] = []
-        log = {"loss": [], "penalty": []}
-        start_step = self._resume(model, optimizer, generator, log)
-        for _ in range(start_step):  # replay the minibatch draws of the finished steps
-            order = self._next_batch(order, windows.shape[0], generator)[1]
-        index = channels.to(device)
+        """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's
+        gradient is added by :func:`pyprune.ops.channel_penalty_` after each backward."""
+        index = channels.to(next(model.parameters()).device)
+
+        def penalty() -> Dict[str, float]:
+            total = sum(float(ops.channel_penalty_(p.grad, p, index, dim, self.lam, self.norm).sum())
+                        for _, p, dim in slices)
+            return {"penalty": round(self.lam * total, 6)}
+
+        checkpoint = None
+        if self.checkpoint:
+            checkpoint = Checkpoint(self.checkpoint, self.checkpoint_every, self._key, "dress-regularise.pt")
         start = time.perf_counter()
-        try:
-            for step in tqdm(range(start_step, self.steps), desc="dress regularise", unit="step",
-                             disable=not progress, initial=start_step, total=self.steps):
-                batch, order = self._next_batch(order, windows.shape[0], generator)
-                tokens = windows[batch].to(device)
-                optimizer.zero_grad(set_to_none=False)
-                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
-                loss.backward()
-                penalty = sum(float(ops.channel_penalty_(p.grad, p, index, dim, self.lam, self.norm).sum())
-                              for _, p, dim in slices)
-                optimizer.step()
-                log["loss"].append(round(loss.item(), 5))
-                log["penalty"].append(round(self.lam * penalty, 6))
-                if self.checkpoint and ((step + 1) % self.checkpoint_every == 0 or step + 1 == self.steps):
-                    self._save_checkpoint(model, optimizer, step + 1, log)
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-            model.to(dtype).train(was_training)
+        with fp32_master_weights(model), torch.enable_grad():
+            log = train(model, list(model.parameters()), windows, steps=self.steps, lr=self.lr,
+                        batch_size=self.train_batch, seed=self.train_seed, after_backward=penalty,
+                        checkpoint=checkpoint, desc="dress regularise", progress=progress)
         log["time_s"] = round(time.perf_counter() - start, 1)
         return log
-
-    def _next_batch(self, order: List[int], count: int, generator) -> Tuple[List[int], List[int]]:
-        """The next ``train_batch`` window indices of a shuffled pass (reshuffled when exhausted)."""
-        batch = []
-        while len(batch) < min(self.train_batch, count):
-            if not order:
-                order = torch.randperm(count, generator=generator).tolist()
-            batch.append(order.pop())
-        return batch, order
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def _save_checkpoint(self, model, optimizer, step: int, log: Dict) -> None:
-        os.makedirs(self.checkpoint, exist_ok=True)
-        path = self._checkpoint_path()
-        tmp = f"{path}.tmp-{os.getpid()}"
-        torch.save({"key": self._key, "step": step, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "log": log}, tmp)
-        os.replace(tmp, path)
-
-    def _resume(self, model, optimizer, generator, log) -> int:
-        """Load the checkpoint of an interrupted run with the same settings (checked by
-        :meth:`check`); the step to go on from."""
-        path = self._checkpoint_path()
-        if path is None or not os.path.exists(path):
-            return 0
-        saved = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        log.update(saved["log"])
-        return saved["step"]

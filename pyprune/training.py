@@ -1,0 +1,114 @@
+"""The one training routine of the methods that train (DReSS's regularisation, LoRA recovery; SAFE's
+block-wise ADMM builds on it): seeded shuffled minibatches, AdamW at a constant rate, a hook
+between backward and the step (e.g. a penalty's gradient), fp32 master weights for a 16-bit
+model, and checkpoints that a rerun resumes from exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+
+def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
+    """Index batches without end: each epoch a fresh permutation cut into whole batches (the
+    last ``nsamples % batch_size`` samples of an epoch wait for the next one)."""
+    order = torch.empty(0, dtype=torch.long)
+    while True:
+        if order.numel() < batch_size:
+            order = torch.randperm(nsamples, generator=generator)
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+@contextlib.contextmanager
+def fp32_master_weights(model: nn.Module):
+    """Train ``model`` in fp32 and in train mode; its dtype and mode come back afterwards."""
+    dtype, was_training = next(model.parameters()).dtype, model.training
+    model.float().train()
+    try:
+        yield model
+    finally:
+        model.to(dtype).train(was_training)
+
+
+@dataclass
+class Checkpoint:
+    """Where and how often :func:`train` saves; ``key`` identifies the run (settings, model), and
+    a checkpoint with another key is refused."""
+
+    directory: str
+    every: int
+    key: dict
+    name: str = "train-checkpoint.pt"
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.name)
+
+    def check(self) -> None:
+        """ValueError when the directory holds a checkpoint of another run."""
+        if os.path.exists(self.path) and torch.load(self.path, map_location="cpu", weights_only=False,
+                                                    mmap=True)["key"] != self.key:
+            raise ValueError(f"checkpoint {self.path} was made with other settings or another model; remove it "
+                             "or choose another checkpoint directory")
+
+    def save(self, model: nn.Module, optimizer, step: int, log: Dict) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        torch.save({"key": self.key, "step": step, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "log": log}, tmp)
+        os.replace(tmp, self.path)
+
+    def load(self, model: nn.Module, optimizer, log: Dict) -> int:
+        """Restore a saved run into ``model``, ``optimizer`` and ``log``; the step to go on from."""
+        if not os.path.exists(self.path):
+            return 0
+        self.check()
+        saved = torch.load(self.path, map_location=next(model.parameters()).device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        log.update(saved["log"])
+        return saved["step"]
+
+
+def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
+          batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
+          checkpoint: Optional[Checkpoint] = None, desc: str = "train", progress: bool = True) -> Dict[str, list]:
+    """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
+    loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
+    runs between backward and the step and returns values to log (e.g. a penalty). Returns the log:
+    ``loss`` per step and each logged value per step. A non-finite loss raises FloatingPointError.
+    With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end, and resumed from."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    batches = minibatches(tokens.shape[0], min(batch_size, tokens.shape[0]), torch.Generator().manual_seed(seed))
+    log: Dict[str, list] = {"loss": []}
+    start = checkpoint.load(model, optimizer, log) if checkpoint is not None else 0
+    for _ in range(start):  # the minibatches the finished steps drew
+        next(batches)
+    with tqdm(total=steps, initial=min(start, steps), desc=desc, unit="step", disable=not progress) as bar:
+        for step in range(start, steps):
+            batch = tokens[next(batches)].to(device=device, dtype=torch.long)
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{desc}: the training loss is {value} at step {step} (try a smaller lr)")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for key, extra in (after_backward() if after_backward is not None else {}).items():
+                log.setdefault(key, []).append(extra)
+            optimizer.step()
+            log["loss"].append(value)
+            if checkpoint is not None and ((step + 1) % checkpoint.every == 0 or step + 1 == steps):
+                checkpoint.save(model, optimizer, step + 1, log)
+            bar.set_postfix(loss=f"{value:.4f}")
+            bar.update()
+    optimizer.zero_grad(set_to_none=True)
+    return log
