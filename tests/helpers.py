@@ -3,6 +3,17 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+#: (backend, device) of every native/Triton op implementation: the C++ kernel, the Triton kernel
+#: in the interpreter (without a GPU) or on CUDA; BACKENDS adds the pure-PyTorch reference.
+NATIVE_BACKENDS = [
+    pytest.param(("cpu", "cpu"), id="cpu"),
+    pytest.param(("triton", "cpu"), id="triton-interpreter",
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
+    pytest.param(("triton", "cuda"), id="triton-cuda",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
+]
+BACKENDS = [pytest.param(("reference", "cpu"), id="reference")] + NATIVE_BACKENDS
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Value tolerances (rtol, atol) for ops whose rounding differs between backends.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}

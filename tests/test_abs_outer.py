@@ -10,16 +10,8 @@ import torch
 
 from pyprune import backend, ops
 from pyprune.ops import scores
-from tests.helpers import DTYPES, HAS_CUDA, randn
+from tests.helpers import BACKENDS, DTYPES, randn
 
-BACKENDS = [
-    pytest.param(("reference", "cpu"), id="reference"),
-    pytest.param(("cpu", "cpu"), id="cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter",
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
-    pytest.param(("triton", "cuda"), id="triton-cuda",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
-]
 #: (tokens T, M, D): single elements, sizes off every tile (Triton 64×64×32 in the interpreter),
 #: more than GROUP_M tile rows (600), and T across the C++ kernel's 512-token chunks (1100).
 SHAPES = [(1, 1, 1), (7, 33, 100), (33, 129, 7), (100, 1, 129), (129, 100, 33), (9, 600, 130),

@@ -12,16 +12,8 @@ import torch
 from pyprune import backend, ops
 from pyprune import reference as R
 from pyprune.ops import penalty
-from tests.helpers import DTYPES, HAS_CUDA, assert_close
+from tests.helpers import BACKENDS, DTYPES, NATIVE_BACKENDS, assert_close
 
-BACKENDS = [
-    pytest.param(("cpu", "cpu"), id="cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter",
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
-    pytest.param(("triton", "cuda"), id="triton-cuda",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
-]
-ALL_BACKENDS = [pytest.param(("reference", "cpu"), id="reference")] + BACKENDS
 NORMS = ("l2", "l1")
 LAM = 0.37
 #: (shape, dim): awkward sizes off every block; a 1-D weight is an RMSNorm scale.
@@ -90,7 +82,7 @@ def _cases():
                 yield pytest.param(shape, dim, dtype, selection, id=name)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
 @pytest.mark.parametrize("shape,dim,dtype,selection", list(_cases()))
 def test_matches_reference(backend_device, shape, dim, dtype, selection):
     weight, grad, channels = _inputs(shape, dim, dtype, dtype, selection, seed=sum(shape))
@@ -112,7 +104,7 @@ def test_matches_reference(backend_device, shape, dim, dtype, selection):
         assert torch.equal(_bits(got.index_select(dim, others)), _bits(grad.index_select(dim, others))), norm
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
 @pytest.mark.parametrize("weight_dtype,grad_dtype", [(torch.bfloat16, torch.float32),
                                                      (torch.float32, torch.float16)])
 def test_weight_and_grad_dtypes_differ(backend_device, weight_dtype, grad_dtype):
@@ -135,7 +127,7 @@ def _penalty64(weight, channels, dim, norm):
     return (torch.linalg.vector_norm(slices, ord=order, dim=others) if others else slices.abs()).sum()
 
 
-@pytest.mark.parametrize("backend_device", ALL_BACKENDS)
+@pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("shape,dim", [((129, 65), 0), ((129, 65), 1), ((100,), 0)])
 @pytest.mark.parametrize("norm", NORMS)
 def test_equals_autograd_of_the_penalty_after_backward(backend_device, shape, dim, norm):
@@ -161,7 +153,7 @@ def test_equals_autograd_of_the_penalty_after_backward(backend_device, shape, di
                                LAM * _penalty64(weight.double(), channels, dim, norm), rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
 def test_strided_weight_and_int32_channels(backend_device):
     """A transposed weight is read as its values (from a contiguous copy); int32 indices are
     the same positions as int64 ones."""
@@ -175,7 +167,7 @@ def test_strided_weight_and_int32_channels(backend_device):
     assert_close(got, expected, torch.float32)
 
 
-@pytest.mark.parametrize("backend_device", ALL_BACKENDS)
+@pytest.mark.parametrize("backend_device", BACKENDS)
 def test_lam_zero_leaves_grad_and_returns_norms(backend_device):
     weight, grad, channels = _inputs((9, 13), 1, torch.float16, torch.float16, "spread")
     got, norms = _run(backend_device, grad.clone(), weight, channels, 1, "l2", lam=0.0)

@@ -14,16 +14,8 @@ import torch
 from pyprune import ops
 from pyprune import reference as R
 from pyprune.backend import native_module
-from tests.helpers import DTYPES, HAS_CUDA
+from tests.helpers import BACKENDS, DTYPES, HAS_CUDA
 
-BACKENDS = [
-    pytest.param(("reference", "cpu"), id="reference"),
-    pytest.param(("cpu", "cpu"), id="cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter",
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
-    pytest.param(("triton", "cuda"), id="triton-cuda",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
-]
 SMALL_SHAPES = [(1, 1), (1, 300), (300, 1), (37, 129), (3, 4096)]
 LARGE_SHAPES = [(576, 1536)]
 DECAY, STEP_SIZE, NOISE_RATIO = 0.999, 0.05, 0.05
