@@ -38,10 +38,11 @@ def markdown(result) -> str:
     lines = ["# DReSS on SmolLM2-135M", "",
              f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
              f"LoRA {s['lora']}. Dense perplexity {result['dense']:.3f}.", "",
-             "| setting | steps | λ | lr | norm | slice mass after/before | ppl sliced | ppl + LoRA | "
-             "regularise (s) | LoRA (s) |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| setting | channels | steps | λ | lr | norm | slice mass after/before | ppl sliced | ppl + LoRA | "
+             "regularise (s) | LoRA (s) |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['label']} | {r['steps']} | {r['lam']:g} | {r['lr']:g} | {r['norm']} | "
+        lam, lr = (f"{r[k]:g}" if r["steps"] and r[k] is not None else "–" for k in ("lam", "lr"))
+        lines.append(f"| {r['label']} | {r.get('channels', 'last')} | {r['steps']} | {lam} | {lr} | {r['norm']} | "
                      f"{r['slice_mass_ratio']:.3f} | {r['ppl_sliced']:.3f} | {r['ppl_lora']:.3f} | "
                      f"{r['regularise_s']:.0f} | {r['lora_s']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -56,6 +57,8 @@ def main(argv=None):
     parser.add_argument("--lam", type=float, default=1e-3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--norm", choices=["l2", "l1"], default="l2")
+    parser.add_argument("--channels", choices=["last", "first", "spread"], default="last",
+                        help="which hidden channels go (paper default: the last)")
     parser.add_argument("--lora-steps", type=int, default=30)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=256)
@@ -79,10 +82,11 @@ def main(argv=None):
     rows = keep["rows"] if keep else []
     dense = keep["dense"] if keep else perplexity(dense_model, tokens, args.eval_seqlen, progress=False)
 
-    for label, options in (("slice only (w/o R)", {"steps": 0, "lam": args.lam, "lr": args.lr, "norm": args.norm}),
-                           (f"DReSS-{args.norm}", {"steps": args.steps, "lam": args.lam, "lr": args.lr,
-                                                   "norm": args.norm})):
-        if any(r["label"] == label and all(r[k] == v for k, v in options.items()) for r in rows):
+    common = {"norm": args.norm, "channels": args.channels}
+    for label, options in (("slice only (w/o R)", {"steps": 0, **common}),
+                           (f"DReSS-{args.norm}", {"steps": args.steps, "lam": args.lam, "lr": args.lr, **common})):
+        if any(r["label"] == label and all(r.get(k, "last" if k == "channels" else None) == v
+                                           for k, v in options.items()) for r in rows):
             continue
         model = copy.deepcopy(dense_model)
         start = time.perf_counter()
@@ -93,7 +97,7 @@ def main(argv=None):
         lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, progress=True)
         lora_s = time.perf_counter() - start
         ppl_lora = perplexity(model, tokens, args.eval_seqlen, progress=False)
-        row = dict(label=label, **options, slice_mass_ratio=report["slice_mass_ratio"], ppl_sliced=ppl_sliced,
+        row = dict(label=label, **{"lam": None, "lr": None}, **options, slice_mass_ratio=report["slice_mass_ratio"], ppl_sliced=ppl_sliced,
                    ppl_lora=ppl_lora, regularise_s=regularise_s, lora_s=lora_s, hidden_size=report["hidden_size"],
                    parameters=[report["parameters_before"], report["parameters_after"]],
                    loss=report["regularisation"].get("loss"), penalty=report["regularisation"].get("penalty"))
