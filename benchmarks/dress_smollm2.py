@@ -97,10 +97,11 @@ def main(argv=None):
         lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, progress=True)
         lora_s = time.perf_counter() - start
         ppl_lora = perplexity(model, tokens, args.eval_seqlen, progress=False)
-        row = dict(label=label, **{"lam": None, "lr": None}, **options, slice_mass_ratio=report["slice_mass_ratio"], ppl_sliced=ppl_sliced,
-                   ppl_lora=ppl_lora, regularise_s=regularise_s, lora_s=lora_s, hidden_size=report["hidden_size"],
-                   parameters=[report["parameters_before"], report["parameters_after"]],
-                   loss=report["regularisation"].get("loss"), penalty=report["regularisation"].get("penalty"))
+        row = {"label": label, "lam": None, "lr": None, **options, "slice_mass_ratio": report["slice_mass_ratio"],
+               "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "regularise_s": regularise_s, "lora_s": lora_s,
+               "hidden_size": report["hidden_size"], "parameters": [report["parameters_before"],
+                                                                    report["parameters_after"]],
+               "loss": report["regularisation"].get("loss"), "penalty": report["regularisation"].get("penalty")}
         rows.append(row)
         print(f"{label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced:.3f}, + LoRA {ppl_lora:.3f}",
               flush=True)
