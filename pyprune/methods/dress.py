@@ -25,23 +25,15 @@ from typing import Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import engine, ops
+from .. import ops
 from ..eval import model_cost
 from ..io import model_fingerprint
+from ..nn.compact import hidden_stream, keep_hidden_channels_
 from ..patterns import Structured
 from ..training import Checkpoint, fp32_master_weights, train
 from .base import Method
 from .options import Option, at_least_one, nonnegative, positive
 
-#: input columns (dim 1) or output rows (dim 0) of each block linear that carry the hidden dim
-_BLOCK_SLICES = {"self_attn.q_proj": 1, "self_attn.k_proj": 1, "self_attn.v_proj": 1, "self_attn.o_proj": 0,
-                 "mlp.gate_proj": 1, "mlp.up_proj": 1, "mlp.down_proj": 0}
-
-
-def _is_hidden_norm(module: nn.Module, hidden: int) -> bool:
-    """A normalisation layer over the hidden dim (not e.g. a per-head q/k norm)."""
-    weight = getattr(module, "weight", None)
-    return "norm" in type(module).__name__.lower() and isinstance(weight, Tensor) and tuple(weight.shape) == (hidden,)
 
 
 class DReSS(Method):
@@ -100,9 +92,7 @@ class DReSS(Method):
 
     def check(self, model, pattern):
         super().check(model, pattern)
-        from ..nn.compact import check_llama_block
-        for index, block in enumerate(engine.decoder_blocks(model)):
-            check_llama_block(block, f"block {index}")
+        hidden_stream(model)  # a LLaMA-style model whose hidden channels can all be sliced
         self.check_config(model.config, pattern)
         self._key = {"settings": {k: self.settings[k] for k in (
             "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
@@ -114,23 +104,16 @@ class DReSS(Method):
 
     def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int]]:
         """(name, parameter, dim of the hidden channels) of every tensor that reads or writes them
-        (Eqs. 2-4); a tied LM head shares the embedding's tensor and appears once."""
-        slices, seen = [], set()
-
-        def add(name, param, dim):
-            if id(param) not in seen:
-                seen.add(id(param))
-                slices.append((name, param, dim))
-
-        add("embed_tokens", model.get_input_embeddings().weight, 1)
-        for index, block in enumerate(engine.decoder_blocks(model)):
-            for name, dim in _BLOCK_SLICES.items():
-                add(f"layers.{index}.{name}", block.get_submodule(name).weight, dim)
-            for name, module in block.named_modules():
-                if _is_hidden_norm(module, model.config.hidden_size):
-                    add(f"layers.{index}.{name}", module.weight, 0)
-        add("norm", model.model.norm.weight, 0)
-        add("lm_head", model.get_output_embeddings().weight, 1)
+        (Eqs. 2-4), as :func:`pyprune.nn.compact.hidden_stream` lists them: embedding and LM-head
+        columns, reader input columns, writer output rows, norm entries; a tied LM head shares the
+        embedding's tensor and appears once."""
+        stream = hidden_stream(model)
+        slices = [("model.embed_tokens", stream["embed"].weight, 1)]
+        slices += [(name, linear.weight, 1) for name, linear in stream["readers"].items()]
+        slices += [(name, linear.weight, 0) for name, linear in stream["writers"].items()]
+        slices += [(name, norm.weight, 0) for name, norm in stream["norms"].items()]
+        if stream["lm_head"].weight is not stream["embed"].weight:
+            slices.append(("lm_head", stream["lm_head"].weight, 1))
         return slices
 
     @staticmethod
@@ -154,7 +137,6 @@ class DReSS(Method):
         mass_start = self.slice_mass(slices, channels)
         log = self._regularise(model, slices, channels, windows, progress) if self.steps > 0 else {}
         mass_end = self.slice_mass(slices, channels)
-        from ..nn.compact import keep_hidden_channels_
         d = model.config.hidden_size
         keep_hidden_channels_(model, keep)
         if self.rescale_norms:
@@ -174,10 +156,8 @@ class DReSS(Method):
 
     @torch.no_grad()
     def _rescale_norms(self, model, factor: float) -> None:
-        hidden = model.config.hidden_size
-        for module in model.modules():
-            if _is_hidden_norm(module, hidden):
-                module.weight.mul_(factor)
+        for norm in hidden_stream(model)["norms"].values():
+            norm.weight.mul_(factor)
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor, progress: bool) -> Dict:
         """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's

@@ -37,7 +37,7 @@ __all__ = [
     "check_llama_block", "head_dim", "block_layout", "layouts_uniform", "config_fields", "config_accepts",
     "grouped_query_heads",
     "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-    "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS", "keep_hidden_channels_",
+    "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS", "hidden_stream", "keep_hidden_channels_",
 ]
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -317,7 +317,7 @@ def _hidden_index(keep: Indices, hidden: int) -> Tensor:
     return index
 
 
-def _hidden_stream(model: nn.Module) -> Dict:
+def hidden_stream(model: nn.Module) -> Dict:
     """The modules of ``model`` that carry the hidden dimension (embedding, lm_head, norms, decoder
     blocks), after checking that each has ``model.config.hidden_size`` channels there and that no
     other tensor has that size (ValueError otherwise)."""
@@ -364,7 +364,8 @@ def _hidden_stream(model: nn.Module) -> Dict:
     if stray:
         raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
                          f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
-    return {"embed": embed, "lm_head": lm_head, "norms": list(norms.values()), "layers": layers}
+    return {"embed": embed, "lm_head": lm_head, "norms": norms, "readers": readers, "writers": writers,
+            "layers": layers}
 
 
 def _sliced_embedding(old: nn.Embedding, cols: Tensor) -> nn.Embedding:
@@ -400,7 +401,7 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     not LLaMA-style, holds SparseLinear/SlicedLinear layers, or whose ``tie_word_embeddings``
     disagrees with whether lm_head shares the embedding's weight.
     """
-    stream = _hidden_stream(model)
+    stream = hidden_stream(model)
     config, embed, lm_head = model.config, stream["embed"], stream["lm_head"]
     index = _hidden_index(keep, config.hidden_size)
     tied = lm_head.weight is embed.weight
@@ -420,7 +421,7 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
 
     base = model.model
     base.embed_tokens = _sliced_embedding(embed, index)
-    for norm in stream["norms"]:
+    for norm in stream["norms"].values():
         for name, param in list(norm.named_parameters(recurse=False)):
             setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),
                                              requires_grad=param.requires_grad))
