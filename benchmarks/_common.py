@@ -97,6 +97,16 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
+def previous_result(path, settings):
+    """The result a resumable benchmark wrote to ``path`` before, when it was run with the same
+    ``settings``; None otherwise (nothing there, or other settings: start afresh)."""
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        result = json.load(handle)
+    return result if result.get("settings") == settings else None
+
+
 def write_json(path, report):
     write_atomic(path, json.dumps(report, indent=2) + "\n")
 

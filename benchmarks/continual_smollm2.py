@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from _common import environment, write_atomic, write_json
+from _common import environment, previous_result, write_atomic, write_json
 from pyprune import continual, data
 from pyprune.eval import perplexity
 from pyprune.models import load_model
@@ -32,14 +32,6 @@ from pyprune.patterns import Unstructured, parse
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROWS = ("copal", "copal/row", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
 DATASETS = ("austen", "moby_dick", "python")
-
-
-def _load(path):
-    import json
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _fmt(value, digits=3):
@@ -90,8 +82,7 @@ def main(argv=None):
     settings = {"datasets": args.datasets, "permutations": args.permutations,
                 "calibration": f"{args.nsamples} x {args.seqlen} tokens of each first half (seed {args.seed})",
                 "evaluation": f"first {args.eval_tokens} tokens of each second half, {args.eval_seqlen}-token windows"}
-    previous = _load(args.output)
-    keep = previous if previous and previous.get("settings") == settings else None
+    keep = previous_result(args.output, settings)
     rows = keep["rows"] if keep else []
     dense = keep["dense"] if keep else {t.name: perplexity(model, t.eval_tokens, args.eval_seqlen, progress=False)
                                         for t in tasks}

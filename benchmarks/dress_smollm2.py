@@ -15,14 +15,13 @@ skips the rows already there.
 """
 import argparse
 import copy
-import json
 import os
 import sys
 import time
 
 import torch
 
-from _common import environment, write_atomic, write_json
+from _common import environment, previous_result, write_atomic, write_json
 import pyprune
 from pyprune import data
 from pyprune.eval import perplexity
@@ -74,11 +73,7 @@ def main(argv=None):
                 "calibration": f"{split} x {args.seqlen} Emma windows regularise, {args.nsamples - split} train LoRA",
                 "evaluation": f"first {args.eval_tokens} tokens of pride_and_prejudice, {args.eval_seqlen}-token windows",
                 "lora": f"{args.lora_steps} steps, rank 32, alpha 10"}
-    previous = None
-    if os.path.exists(args.output):
-        with open(args.output) as f:
-            previous = json.load(f)
-    keep = previous if previous and previous.get("settings") == settings else None
+    keep = previous_result(args.output, settings)
     rows = keep["rows"] if keep else []
     dense = keep["dense"] if keep else perplexity(dense_model, tokens, args.eval_seqlen, progress=False)
 

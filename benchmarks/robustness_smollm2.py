@@ -21,20 +21,12 @@ import time
 
 import torch
 
-from _common import environment, write_atomic, write_json
+from _common import environment, previous_result, write_atomic, write_json
 from pyprune import data, robustness
 from pyprune.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("taylor", "smoothgrad", "moreau", "moreau-gs")
-
-
-def _load(path):
-    import json
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def _summary(values):
@@ -91,8 +83,8 @@ def main(argv=None):
                 "evaluation": f"first {tokens.numel() // args.eval_seqlen * args.eval_seqlen} tokens of "
                               f"pride_and_prejudice, {args.eval_seqlen}-token windows",
                 "arithmetic": args.arithmetic, "smoothgrad_passes": args.smoothgrad_passes}
-    previous = _load(args.output)
-    runs = previous["runs"] if previous and previous.get("settings") == settings else []
+    previous = previous_result(args.output, settings)
+    runs = previous["runs"] if previous else []
     for seed in args.seeds:
         calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
         for method in args.methods:
