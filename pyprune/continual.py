@@ -64,10 +64,10 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
     if init not in INITS:
         raise ValueError(f"init must be one of {', '.join(INITS)}; got {init!r}")
     method_options = dict(method_options or {})
-    stateful = method == "copal"
-    methods.get(method, **method_options)  # options checked before anything runs
-    if method_options.get("state") is not None:
-        raise ValueError("the continual runner keeps COPAL's state in memory, one per order; drop the state option")
+    stateful = methods.get(method, **method_options).keeps_state  # options checked before anything runs
+    if stateful and method_options.get("state") is not None:
+        raise ValueError(f"the continual runner keeps {method}'s state in memory, one per order; drop the "
+                         "state option")
     names = [task.name for task in tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"datasets must have distinct names; got {names}")

@@ -57,6 +57,7 @@ class Copal(LayerwiseMaskMethod):
     name = "copal"
     default_scope = "tensor"
     calibration = (16, 512)
+    keeps_state = True
 
     options = (
         Option("state", str, None, "COPAL: directory of the continual state; resumed when it holds one, "
