@@ -271,3 +271,43 @@ def channel_penalty_(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, l
     updated = grad.index_select(dim, channels).float() + step
     grad.index_copy_(dim, channels, updated.to(grad.dtype))
     return norms.reshape(-1)
+
+
+# ---- SAFE: ADMM dual update and the penalised SAM/Adam step (spec §1.4–1.8, K5–K6) --------------
+
+def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int,
+                      sparsity: float, scope: str) -> Tensor:
+    """SAFE's z- and u-step on the compact state (v, keep), where z = v⊙keep and u = v⊙¬keep:
+    v ← x + u, then keep ← the projection's support of v (N:M when m > 0, else top-k at
+    ``sparsity`` per ``scope``) by |v|, or by |v|·sqrt(act_sqnorm) (SAFE⁺, P = diag(AᵀA)).
+    Returns the squared primal residual ‖x − z‖² (fp32, 0-d) with the new z."""
+    v.mul_(~keep).add_(x.float())
+    keep.copy_(score_nm_mask(v, n, m, act_sqnorm) if m else score_topk_mask(v, sparsity, scope, act_sqnorm))
+    return (x.float() - v * keep).square().sum()
+
+
+def sam_perturb_(params, grads, anchors, rho: float) -> Tensor:
+    """SAM ascent (spec §1.5): anchor ← x, then x ← x + rho·g/‖g‖₂ with the norm over all tensors
+    (fp32, no perturbation where ‖g‖ = 0). Returns ‖g‖₂ (fp32, 0-d)."""
+    norm = torch.stack([g.float().square().sum() for g in grads]).sum().sqrt()
+    scale = rho / norm if float(norm) > 0 else torch.zeros_like(norm)
+    for p, g, anchor in zip(params, grads, anchors):
+        anchor.copy_(p)
+        p.copy_((p.float() + scale * g.float()).to(p.dtype))
+    return norm
+
+
+def sam_adam_step_(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr: float, beta1: float,
+                   beta2: float, eps: float, weight_decay: float, lam: float, step: int) -> None:
+    """Eq. (5) with Adam: x ← anchor (undo the SAM ascent), G = g + lam·(x − z + u) with
+    x − z + u = x + v⊙(1 − 2·keep), then an Adam step on G (the penalty enters the moments) with
+    decoupled weight decay; all in fp32, x rounded once to its dtype."""
+    bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    for p, g, anchor, v, keep, m1, m2 in zip(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs):
+        x = anchor.float()
+        G = g.float() + lam * (x + v * (1.0 - 2.0 * keep.float()))
+        x = x * (1.0 - lr * weight_decay)
+        m1.mul_(beta1).add_(G, alpha=1.0 - beta1)
+        m2.mul_(beta2).addcmul_(G, G, value=1.0 - beta2)
+        x = x - lr * (m1 / bias1) / ((m2 / bias2).sqrt() + eps)
+        p.copy_(x.to(p.dtype))

@@ -6,6 +6,7 @@ backend chosen by :mod:`pyprune.backend`: the csrc extension, a Triton kernel, o
 pure-PyTorch reference in :mod:`pyprune.reference`.
 """
 from ..backend import BACKENDS, use_backend
+from .admm import admm_dual_update_, sam_adam_step_, sam_perturb_
 from .linear import nm_linear, sliced_linear
 from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
 from .moreau import moreau_perturb_, moreau_step_
@@ -23,4 +24,5 @@ __all__ = [
     "soft_threshold", "group_soft_threshold", "moreau_step_", "moreau_perturb_",
     "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",
     "channel_penalty_",
+    "admm_dual_update_", "sam_perturb_", "sam_adam_step_",
 ]

@@ -1,0 +1,155 @@
+"""SAFE's per-step kernels (spec §1.4–1.8, K4–K6): the ADMM dual update on the compact state and the
+SAM ascent and penalised Adam step over all the tensors of a block at once.
+
+The compact state (spec §1.8, derived identities): each constrained tensor keeps an fp32 ``v``
+(= x + u at the last dual update) and a bool ``keep``; then z = v⊙keep, u = v⊙¬keep and
+x − z + u = x + v⊙(1 − 2·keep), so z and u are never stored. Start with v = 0, keep = False.
+"""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from . import _validate as check
+from ._dispatch import run
+
+_SCOPES = ("row", "tensor")
+
+_DUAL_IMPLS = {"reference": reference.admm_dual_update_}
+
+
+@torch.library.custom_op("pyprune::admm_dual_update_", mutates_args=("v", "keep"))
+def _admm_dual_update(v: Tensor, keep: Tensor, x: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int,
+                      sparsity: float, scope: str) -> Tensor:
+    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
+    return run("admm_dual_update_", _DUAL_IMPLS, v.device, v, keep, x.contiguous(), act_sqnorm, n, m,
+               sparsity, scope)
+
+
+@_admm_dual_update.register_fake
+def _(v, keep, x, act_sqnorm, n, m, sparsity, scope):
+    return torch.empty((), dtype=torch.float32, device=v.device)
+
+
+def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[float] = None,
+                      scope: str = "row", n: Optional[int] = None, m: Optional[int] = None,
+                      act_sqnorm: Optional[Tensor] = None) -> Tensor:
+    """SAFE's z-step and u-step (Algorithm 1, lines 4–10) in place on (v, keep).
+
+    With u = v⊙¬keep: v ← x + u; keep ← the support of the projection of v onto the constraint:
+    N:M (``n``, ``m``: the n largest of every m consecutive along the last dim) or top-k
+    (``sparsity`` per ``scope`` "row" or "tensor"), scored by |v| (SAFE, Euclidean projection) or
+    by |v|·sqrt(act_sqnorm) (SAFE⁺, P = diag(AᵀA), §1.6.2: P decides which entries are kept; kept
+    entries keep their values). Ties and counts as :func:`pyprune.ops.score_topk_mask` /
+    :func:`~pyprune.ops.score_nm_mask`. Returns ‖x − z‖² (fp32, 0-d) with the new z = v⊙keep.
+
+    v: fp32 [out, in] contiguous; keep: bool, v's shape, contiguous; x: [out, in] fp32/fp16/bf16;
+    act_sqnorm: fp32 [in] (Σ over tokens of x_j²) or None.
+    """
+    check.tensor("x", x, dims=(2,))
+    check.dtype("v", v, torch.float32)
+    check.same_shape("v", v, x.shape, "x")
+    check.contiguous("v", v)
+    check.dtype("keep", keep, torch.bool)
+    check.same_shape("keep", keep, x.shape, "x")
+    check.contiguous("keep", keep)
+    check.column_vector("act_sqnorm", act_sqnorm, x.shape[1])
+    check.same_device(v=v, keep=keep, x=x, act_sqnorm=act_sqnorm)
+    check.disjoint(("v", "keep"), v=v, keep=keep, x=x, act_sqnorm=act_sqnorm)
+    if (n is None) != (m is None) or (n is None) == (sparsity is None):
+        raise ValueError("give either sparsity (with scope) or both n and m; got "
+                         f"sparsity={sparsity!r}, n={n!r}, m={m!r}")
+    if m is not None:
+        check.nm(n, m, x.shape[1], name="x")
+        return _admm_dual_update(v, keep, x, act_sqnorm, n, m, 0.0, "row")
+    sparsity = check.sparsity(sparsity)
+    check.choice("scope", scope, _SCOPES)
+    return _admm_dual_update(v, keep, x, act_sqnorm, 0, 0, sparsity, scope)
+
+
+_PERTURB_IMPLS = {"reference": reference.sam_perturb_}
+_STEP_IMPLS = {"reference": reference.sam_adam_step_}
+
+
+@torch.library.custom_op("pyprune::sam_perturb_", mutates_args=("params", "anchors"))
+def _sam_perturb(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], rho: float) -> Tensor:
+    return run("sam_perturb_", _PERTURB_IMPLS, params[0].device, params, grads, anchors, rho)
+
+
+@_sam_perturb.register_fake
+def _(params, grads, anchors, rho):
+    return torch.empty((), dtype=torch.float32, device=params[0].device)
+
+
+@torch.library.custom_op("pyprune::sam_adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
+def _sam_adam_step(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], vs: List[Tensor],
+                   keeps: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], lr: float,
+                   beta1: float, beta2: float, eps: float, weight_decay: float, lam: float, step: int) -> None:
+    run("sam_adam_step_", _STEP_IMPLS, params[0].device, params, grads, anchors, vs, keeps, exp_avgs,
+        exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, lam, step)
+
+
+@_sam_adam_step.register_fake
+def _(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, lam, step):
+    return None
+
+
+def _tensor_lists(names, lists, dtypes=None):
+    """Every list as long as the first, each tensor contiguous, of the first list's shapes, on one
+    device; ``dtypes`` fixes a list's dtype (else fp32/fp16/bf16)."""
+    dtypes = dtypes or {}
+    first = lists[0]
+    if not isinstance(first, (list, tuple)) or not first:
+        raise ValueError(f"{names[0]} must be a non-empty list of tensors")
+    for name, values in zip(names, lists):
+        if not isinstance(values, (list, tuple)) or len(values) != len(first):
+            raise ValueError(f"{name} must be a list of {len(first)} tensors, one per {names[0]} entry")
+        for i, (value, reference_tensor) in enumerate(zip(values, first)):
+            where = f"{name}[{i}]"
+            if name in dtypes:
+                check.dtype(where, value, dtypes[name])
+            else:
+                check.tensor(where, value)
+            check.same_shape(where, value, reference_tensor.shape, f"{names[0]}[{i}]")
+            check.contiguous(where, value)
+            check.same_device(**{where: value, f"{names[0]}[0]": first[0]})
+
+
+def sam_perturb_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], rho: float) -> Tensor:
+    """The SAM ascent over all ``params`` at once (spec §1.5, K4): anchor ← x (an exact copy, in x's
+    dtype), then x ← x + rho·g/‖g‖₂ with ‖g‖₂ over every tensor (fp32; no move when it is 0).
+    Returns ‖g‖₂ (fp32, 0-d). ``anchors`` then restore x in :func:`sam_adam_step_`."""
+    _tensor_lists(("params", "grads", "anchors"), (params, grads, anchors))
+    for i, (p, anchor) in enumerate(zip(params, anchors)):
+        check.dtype(f"anchors[{i}]", anchor, p.dtype)
+    rho = check.nonnegative("rho", check.finite("rho", rho))
+    return _sam_perturb(list(params), list(grads), list(anchors), rho)
+
+
+def sam_adam_step_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], vs: List[Tensor],
+                   keeps: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], *, lr: float,
+                   betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, lam: float,
+                   step: int) -> None:
+    """SAFE's x-step (Eq. 5 with Adam, spec K5) for all ``params`` at once: x ← anchor (undo the
+    SAM ascent), G = g_sam + lam·(x − z + u) at the unperturbed x with x − z + u = x + v⊙(1 −
+    2·keep), x ← x·(1 − lr·weight_decay), then Adam on G with bias correction for ``step`` (≥ 1).
+    Moments are fp32; each x is computed in fp32 and rounded once to its dtype."""
+    _tensor_lists(("params", "grads", "anchors", "vs", "keeps", "exp_avgs", "exp_avg_sqs"),
+                  (params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs),
+                  {"vs": torch.float32, "keeps": torch.bool, "exp_avgs": torch.float32,
+                   "exp_avg_sqs": torch.float32})
+    lr = check.nonnegative("lr", check.finite("lr", lr))
+    beta1, beta2 = (check.finite("betas", b) for b in betas)
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {tuple(betas)!r}")
+    eps = check.finite("eps", eps)
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0; got {eps!r}")
+    weight_decay = check.nonnegative("weight_decay", check.finite("weight_decay", weight_decay))
+    lam = check.nonnegative("lam", check.finite("lam", lam))
+    step = check.integer("step", step)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (Adam's bias correction counts from 1); got {step}")
+    _sam_adam_step(list(params), list(grads), list(anchors), list(vs), list(keeps), list(exp_avgs),
+                   list(exp_avg_sqs), lr, beta1, beta2, eps, weight_decay, lam, step)
