@@ -157,6 +157,16 @@ def _compile_cases(dtype):
                  ops.channel_penalty_(g_norm, w_norm, in_index, 0, 0.3))
         return (*norms, g.clone(), g_norm.clone())
 
+    def sam_perturb(x, b, g, gb, anchor, anchor_b):
+        """SAFE's ascent over two tensors (a weight and a bias-like vector)."""
+        norm = ops.sam_perturb_([x, b], [g, gb], [anchor, anchor_b], 0.05)
+        return norm, x.clone(), b.clone(), anchor.clone(), anchor_b.clone()
+
+    def sam_adam_step(x, g, anchor, v, keep, m, s):
+        ops.sam_adam_step_([x], [g], [anchor], [v], [keep], [m], [s], lr=0.01, weight_decay=0.1, lam=0.3,
+                           step=2)
+        return x.clone(), m.clone(), s.clone()
+
     return {
         "magnitude_score": (ops.magnitude_score, (w,)),
         "wanda_score": (ops.wanda_score, (w, sqnorm)),
@@ -181,6 +191,11 @@ def _compile_cases(dtype):
         "moreau_perturb_": (moreau_perturb, (perturbed, w, delta)),
         "channel_penalty_": (channel_penalties,
                              (grad, w, randn((24,), dtype, seed=9), randn((24,), dtype, seed=10))),
+        "sam_perturb_": (sam_perturb, (w, bias, grad, randn((6,), seed=11), torch.zeros_like(w),
+                                       torch.zeros_like(bias))),
+        "sam_adam_step_": (sam_adam_step, (w, grad, (w.float() * 1.01).to(dtype), randn((6, 24), seed=12),
+                                           rand((6, 24), seed=13) < 0.5, randn((6, 24), seed=14),
+                                           rand((6, 24), seed=15))),
     }
 
 

@@ -73,7 +73,7 @@ def call_wrappers():
     """Launch every kernel the way pyprune.ops does: every kernel in every dtype and layout; the
     score kinds, N:M patterns and optional arguments rotated over that grid."""
     from pyprune import reference
-    from pyprune.kernels import linear, masks, moreau, nm_format, penalty, prox, scores
+    from pyprune.kernels import linear, masks, moreau, nm_format, penalty, prox, sam, scores
 
     for d, dtype in enumerate(DTYPES):
         for l, layout in enumerate(LAYOUTS):
@@ -114,6 +114,18 @@ def call_wrappers():
                  (40, torch.arange(0, cols, 2), None, False), (40, None, None, True)], d, l)
             x = _tensor((tokens, cols if in_index is None else in_index.numel()), dtype, layout)
             linear.sliced_linear(x, w, bias if with_bias else None, in_index, out_index, False)
+            # SAFE's multi-tensor x-step: x of this dtype, g of a rotated one (addresses are data, so
+            # the layouts matter only through the tables)
+            shapes = [(rows, cols), (1,), (cols,)]
+            [g_dtype] = _rotate(DTYPES, d, l)
+            xs = [_tensor(s, dtype, layout) for s in shapes]
+            gs = [_tensor(s, g_dtype, layout) for s in shapes]
+            anchors = [_tensor(s, dtype, layout) for s in shapes]
+            moments = [[_tensor(s, torch.float32, layout) for s in shapes] for _ in range(3)]
+            keeps = [_tensor(s, torch.bool, layout, rand=torch.rand) for s in shapes]
+            sam.sam_perturb_(xs, gs, anchors, 0.05, False)
+            sam.sam_adam_step_(xs, gs, anchors, moments[0], keeps, moments[1], moments[2], 0.01, 0.9, 0.95,
+                               1e-8, 0.1, 0.3, 3, False)
     # COPAL's |a|ᵀ|b| GEMM (each autotune config it keeps is a full compile, so a handful of launches):
     # one 16-bit dtype fed to tl.dot as it is, fp32, and mixed dtypes (upcast), across the layouts
     for a_dtype, b_dtype, layout in ((torch.float16, torch.float16, "not a multiple of 16"),

@@ -48,4 +48,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("b"), py::arg("alpha"),
         "acc [M, D] += alpha * |a|^T |b| in place for a [T, M], b [T, D] (COPAL's accumulation): "
         "tokens streamed in chunks converted to fp32 |.|, one BLAS GEMM per chunk into acc.");
+  m.def("sam_perturb", &pyprune_cpu::sam_perturb, py::arg("params"), py::arg("grads"),
+        py::arg("anchors"), py::arg("rho"),
+        "SAM ascent over all the tensors at once: anchors[i] <- params[i] (exact copy), then x += "
+        "rho * g / ||g||_2 (fp32, rounded once; no move when the norm is 0) with the norm over "
+        "every grad; returns the fp32 norm (0-d).");
+  m.def("sam_adam_step", &pyprune_cpu::sam_adam_step, py::arg("params"), py::arg("grads"),
+        py::arg("anchors"), py::arg("vs"), py::arg("keeps"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("lam"), py::arg("step"),
+        "SAFE's penalised Adam step over all the tensors at once: x = anchor, G = g + lam * (x + v "
+        "* (1 - 2 keep)), decoupled weight decay, Adam moments (fp32) with bias correction for "
+        "step; x rounded once to its dtype.");
 }

@@ -16,12 +16,12 @@
 // cos(fl(2π)·u2). Words and uniforms are bit-identical to Triton and the reference; ln and cos are
 // branch-free polynomials here (within 2 ulp), so z agrees with them to about 1e-6.
 //
-// Work comes in spans of at most kSpan elements. A span stages g and W as fp32 in small buffers,
-// so every arithmetic loop is a plain fp32 loop the compiler vectorises. The noise is the costly
-// part (ten Philox rounds per element): on AVX2 machines the words come from an intrinsics kernel
-// (8 counters at a time) and Box–Muller is compiled for AVX2, picked at run time. No loop
-// contracts to FMA (no target enables it), so d is bitwise the reference's and both variants
-// give the same bits.
+// Work comes in spans of at most kSpan elements. A span stages g and W as fp32 in small buffers
+// (staging.h), so every arithmetic loop is a plain fp32 loop the compiler vectorises. The noise is
+// the costly part (ten Philox rounds per element): on AVX2 machines the words come from an
+// intrinsics kernel (8 counters at a time) and Box–Muller is compiled for AVX2, picked at run
+// time. No loop contracts to FMA (no target enables it), so d is bitwise the reference's and both
+// variants give the same bits.
 //   threshold 0   one pass over flat spans.
 //   rows          a task per row: pass 1 adds d² into kSpan lane sums, pass 2 recomputes d
 //                 (the same instructions, so the same bits) from the row, still in cache, scales
@@ -33,6 +33,7 @@
 
 #include "ops.h"
 #include "scores.h"
+#include "staging.h"
 
 #include <torch/extension.h>
 
@@ -227,53 +228,6 @@ PYPRUNE_ALWAYS_INLINE void counters(int64_t first, int64_t n, uint32_t* __restri
     low[i] = static_cast<uint32_t>(index);
     high[i] = static_cast<uint32_t>(index >> 32);
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Staging: elements [start, start + n) of a tensor as fp32, and back (round to nearest even).
-
-template <Dt D>
-PYPRUNE_ALWAYS_INLINE void load_as(const void* base, int64_t start, int64_t n,
-                                   float* __restrict out) {
-  const auto* __restrict p = static_cast<const typename Elem<D>::type*>(base) + start;
-  for (int64_t i = 0; i < n; ++i) out[i] = Elem<D>::load(p, i);
-}
-
-PYPRUNE_ALWAYS_INLINE void load_span(const void* base, Dt dt, int64_t start, int64_t n,
-                                     float* __restrict out) {
-  switch (dt) {
-    case Dt::F32: load_as<Dt::F32>(base, start, n, out); break;
-    case Dt::F16: load_as<Dt::F16>(base, start, n, out); break;
-    default: load_as<Dt::BF16>(base, start, n, out); break;
-  }
-}
-
-#ifdef PYPRUNE_MOREAU_X86
-__attribute__((target("avx2,f16c"))) void store_half_f16c(const float* in, uint16_t* out,
-                                                           int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), half);
-  }
-  for (; i < n; ++i) out[i] = c10::detail::fp16_ieee_from_fp32_value(in[i]);
-}
-#endif
-
-void store_span(void* base, Dt dt, int64_t start, int64_t n, const float* __restrict in) {
-  if (dt == Dt::F32) {
-    std::memcpy(static_cast<float*>(base) + start, in, sizeof(float) * static_cast<size_t>(n));
-    return;
-  }
-  uint16_t* __restrict out = static_cast<uint16_t*>(base) + start;
-  if (dt == Dt::BF16) {
-    for (int64_t i = 0; i < n; ++i) out[i] = c10::detail::round_to_nearest_even(in[i]);
-    return;
-  }
-#ifdef PYPRUNE_MOREAU_X86
-  if (cpu_has_avx2_fma_f16c()) return store_half_f16c(in, out, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) out[i] = c10::detail::fp16_ieee_from_fp32_value(in[i]);
 }
 
 // ---------------------------------------------------------------------------------------------

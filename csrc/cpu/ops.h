@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <vector>
 
 namespace pyprune_cpu {
 
@@ -44,5 +45,18 @@ bool cpu_has_avx2_fma_f16c();
 // abs_outer.cpp
 void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
                           double alpha);
+
+// sam.cpp
+torch::Tensor sam_perturb(const std::vector<torch::Tensor>& params,
+                          const std::vector<torch::Tensor>& grads,
+                          const std::vector<torch::Tensor>& anchors, double rho);
+void sam_adam_step(const std::vector<torch::Tensor>& params,
+                   const std::vector<torch::Tensor>& grads,
+                   const std::vector<torch::Tensor>& anchors,
+                   const std::vector<torch::Tensor>& vs,
+                   const std::vector<torch::Tensor>& keeps,
+                   const std::vector<torch::Tensor>& exp_avgs,
+                   const std::vector<torch::Tensor>& exp_avg_sqs, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, double lam, int64_t step);
 
 }  // namespace pyprune_cpu

@@ -10,9 +10,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import backend, reference
 from . import _validate as check
-from ._dispatch import run
+from ._dispatch import kernels, native, run
 
 _SCOPES = ("row", "tensor")
 
@@ -68,8 +68,18 @@ def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[
     return _admm_dual_update(v, keep, x, act_sqnorm, 0, 0, sparsity, scope)
 
 
-_PERTURB_IMPLS = {"reference": reference.sam_perturb_}
-_STEP_IMPLS = {"reference": reference.sam_adam_step_}
+def _triton_perturb(*args):
+    return kernels("sam").sam_perturb_(*args, backend.triton_interpreted())
+
+
+def _triton_step(*args):
+    kernels("sam").sam_adam_step_(*args, backend.triton_interpreted())
+
+
+_PERTURB_IMPLS = {"reference": reference.sam_perturb_, "triton": _triton_perturb,
+                  "cpu": lambda *args: native("cpu").sam_perturb(*args)}
+_STEP_IMPLS = {"reference": reference.sam_adam_step_, "triton": _triton_step,
+               "cpu": lambda *args: native("cpu").sam_adam_step(*args)}
 
 
 @torch.library.custom_op("pyprune::sam_perturb_", mutates_args=("params", "anchors"))
@@ -119,7 +129,9 @@ def _tensor_lists(names, lists, dtypes=None):
 def sam_perturb_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], rho: float) -> Tensor:
     """The SAM ascent over all ``params`` at once (spec §1.5, K4): anchor ← x (an exact copy, in x's
     dtype), then x ← x + rho·g/‖g‖₂ with ‖g‖₂ over every tensor (fp32; no move when it is 0).
-    Returns ‖g‖₂ (fp32, 0-d). ``anchors`` then restore x in :func:`sam_adam_step_`."""
+    Returns ‖g‖₂ (fp32, 0-d). ``anchors`` then restore x in :func:`sam_adam_step_`.
+    Kernels (this op and the next) cover all the tensors per launch: Triton one launch per kernel and dtype
+    combination over a chunk table (kernels/sam.py), C++ one OpenMP loop over it (csrc/cpu/sam.cpp)."""
     _tensor_lists(("params", "grads", "anchors"), (params, grads, anchors))
     for i, (p, anchor) in enumerate(zip(params, anchors)):
         check.dtype(f"anchors[{i}]", anchor, p.dtype)
