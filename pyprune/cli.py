@@ -109,11 +109,14 @@ def _method_option_values(args) -> dict:
 
 
 def _declared_options() -> dict:
-    """Every declared method option by name: (option, {method: default})."""
+    """Every declared method option by name: (option, {method: default}, [distinct helps])."""
     declared = {}
     for name, cls in sorted(methods.METHODS.items()):
         for option in cls.options:
-            declared.setdefault(option.name, (option, {}))[1][name] = option.default
+            _, defaults, helps = declared.setdefault(option.name, (option, {}, []))
+            defaults[name] = option.default
+            if option.help not in helps:
+                helps.append(option.help)
     return declared
 
 
@@ -128,14 +131,14 @@ def _parse_bool(text: str) -> bool:
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
     """One flag per declared method option (shared names share a flag)."""
     group = parser.add_argument_group("method options (each applies to the methods named in its help)")
-    for name, (option, defaults) in _declared_options().items():
+    for name, (option, defaults, helps) in _declared_options().items():
         values = set(map(repr, defaults.values()))
         default = (f"default {next(iter(values))}" if len(values) == 1 else
                    "defaults " + ", ".join(f"{m} {d!r}" for m, d in defaults.items()))
         kwargs = {"choices": option.choices} if option.choices else {}
         group.add_argument(option.flag, dest=f"option_{name}", default=None,
                            type=_parse_bool if option.type is bool else option.type, metavar=name.upper(),
-                           help=f"{option.help} [{', '.join(defaults)}; {default}]", **kwargs)
+                           help=f"{'; '.join(helps)} [{', '.join(defaults)}; {default}]", **kwargs)
 
 
 def _build_method(name: str, args):

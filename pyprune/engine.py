@@ -53,7 +53,8 @@ def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
     return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
 
 
-def _first_tensor(output):
+def first_tensor(output):
+    """A block's hidden states (blocks return a tuple in some transformers versions)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
@@ -109,7 +110,7 @@ class BlockContext:
         """The block's outputs for ``inputs`` (default: the calibration inputs), batch by batch."""
         inputs = self.inputs if inputs is None else inputs
         with torch.set_grad_enabled(grad):
-            outputs = [_first_tensor(self.block(inputs[s:s + self.batch_size], **self.block_kwargs))
+            outputs = [first_tensor(self.block(inputs[s:s + self.batch_size], **self.block_kwargs))
                        for s in range(0, inputs.shape[0], self.batch_size)]
         return torch.cat(outputs)
 
@@ -118,11 +119,14 @@ class BlockContext:
         """Run the block once over the calibration inputs, calling ``on_batch(name, linear, x, y)``
         with each linear layer's input and output of every batch; returns the block outputs."""
         linears = self.linears()
-        handles = [
-            module.register_forward_hook(
-                lambda mod, args, out, name=name: on_batch(name, mod, args[0].detach(), out.detach()))
-            for name, module in linears.items() if names is None or name in names
-        ]
+
+        def hook(name: str):
+            def observe(module, args, output) -> None:  # returns None: the output stays as it is
+                on_batch(name, module, args[0].detach(), output.detach())
+            return observe
+
+        handles = [module.register_forward_hook(hook(name))
+                   for name, module in linears.items() if names is None or name in names]
         try:
             return self.forward()
         finally:

@@ -1,7 +1,7 @@
-"""The one training routine of the methods that train (DReSS's regularisation, LoRA recovery; SAFE's
-block-wise ADMM builds on it): seeded shuffled minibatches, AdamW at a constant rate, a hook
-between backward and the step (e.g. a penalty's gradient), fp32 master weights for a 16-bit
-model, and checkpoints that a rerun resumes from exactly.
+"""The training routines of the methods that train: :func:`train` for a whole model (DReSS's
+regularisation, LoRA recovery) and :func:`train_block` for one decoder block on its reconstruction
+error (SAFE; any block-wise reconstruction method). Both draw seeded shuffled minibatches; a
+16-bit model trains on fp32 master weights (:func:`fp32_master_weights`) and gets its dtype back.
 """
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from . import engine
 
 
 def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -112,3 +115,57 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
             bar.update()
     optimizer.zero_grad(set_to_none=True)
     return log
+
+
+def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """LR factor of step t: t/warmup up to ``warmup_steps``, then linear decay to 0 at ``total_steps``
+    (SAFE's "linear schedule with warm-up", Table 5)."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return factor
+
+
+def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.optim.Optimizer, *, steps: int,
+                batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True) -> List[float]:
+    """``steps`` optimiser steps on the block's reconstruction error: the mean squared error between
+    the block's outputs for a minibatch of ``ctx.inputs`` and the same rows of ``targets`` (e.g. the
+    dense block's outputs), minibatches drawn by :func:`minibatches` (one graph per minibatch, never
+    one over the calibration set). The minibatches and the block's keyword arguments are cast to the
+    block's dtype (fp32 inside :func:`fp32_master_weights`). ``optimizer.step`` gets a closure (SAM
+    evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step."""
+    dtype = next(ctx.block.parameters()).dtype
+    kwargs = _cast_floating(ctx.block_kwargs, dtype)
+    batches = minibatches(ctx.inputs.shape[0], min(batch_size, ctx.inputs.shape[0]),
+                          torch.Generator().manual_seed(seed))
+    losses = []
+    for _ in tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress):
+        index = next(batches)
+        inputs, wanted = ctx.inputs[index].to(dtype), targets[index].to(dtype)
+
+        def closure() -> Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(engine.first_tensor(ctx.block(inputs, **kwargs)), wanted)
+            loss.backward()
+            return loss
+
+        loss = float(optimizer.step(closure).detach())
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{desc}: the reconstruction loss is {loss} (try a smaller lr)")
+        losses.append(loss)
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating tensor in it (also inside tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value

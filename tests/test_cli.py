@@ -70,6 +70,9 @@ def test_argparse_errors_exit_with_status_2():
     (["--method", "taylor", "--ratio", "0.25"], "structured 0.25"),
     (["--method", "moreau-gs", "--ratio", "0.25", "--steps", "2"], "structured 0.25"),
     (["--method", "smoothgrad", "--ratio", "0.25", "--passes", "2"], "structured 0.25"),
+    (["--method", "safe", "--sparsity", "0.5", "--epochs", "1", "--lr", "1e-3"], "unstructured 0.5"),
+    (["--method", "safe+", "--pattern", "2:4", "--epochs", "1", "--dual-interval", "2", "--rho", "0.01",
+      "--lam", "0.01"], "2:4"),
 ])
 def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, method_args, check):
     import json
@@ -111,6 +114,11 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "taylor", "--ratio", "0.2", "--rho", "0.1"], "method 'taylor' has no option rho"),
     (["--method", "moreau", "--ratio", "0.2", "--gamma", "0.06"], "gamma of method 'moreau' must be < rho"),
     (["--method", "sparsegpt", "--pattern", "2:4", "--blocksize", "0"], "blocksize of method 'sparsegpt' must be >= 1"),
+    (["--method", "safe", "--pattern", "2:4", "--dual-interval", "0"], "dual_interval of method 'safe' must be >= 1"),
+    (["--method", "safe+", "--pattern", "2:4", "--lam", "-1"], "lam of method 'safe+' must be >= 0"),
+    (["--method", "safe", "--pattern", "2:4", "--lr", "0"], "lr of method 'safe' must be > 0"),
+    (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
+    (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports Unstructured, NM patterns"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
     argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]

@@ -4,13 +4,14 @@ from .copal import Copal
 from .dress import DReSS
 from .magnitude import Magnitude
 from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
+from .safe import Safe, SafePlus
 from .sparsegpt import SparseGPT
 from .structured import StructuredMethod
 from .taylor import Taylor
 from .wanda import Wanda
 
 METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor, MoreauPruner, MoreauPrunerGS,
-                                     SmoothGrad, Copal, DReSS)}
+                                     SmoothGrad, Copal, DReSS, Safe, SafePlus)}
 
 
 def get(name: str, **options) -> Method:
