@@ -42,14 +42,15 @@ class Safe(Method):
     weighted_projection = False
 
     options = (
-        Option("epochs", int, 8, "SAFE: passes over the calibration samples per block (paper: 30)", at_least_one),
+        Option("epochs", int, 10, "SAFE: passes over the calibration samples per block (paper: 30)", at_least_one),
         Option("train_batch", int, 2, "SAFE: calibration samples per training step (paper: 8)",
                at_least_one),
-        Option("lr", float, 2e-4, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4)", positive),
+        Option("lr", float, 2e-2, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, "
+               "for LLaMA weights ~8x smaller than SmolLM2's)", positive),
         Option("warmup_epochs", float, 1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative),
         Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
         Option("lam", float, 1e-3, "SAFE: augmented-Lagrangian penalty λ (paper: 1e-3)", nonnegative),
-        Option("dual_interval", int, 4, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
+        Option("dual_interval", int, 16, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
         Option("beta2", float, 0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one),
         Option("final_projection", str, "same",
                "SAFE: metric of the last projection: 'same' as the z-step, or 'euclidean' (|x|, Alg. 1 line 15)",
