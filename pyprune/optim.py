@@ -136,6 +136,28 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    lam=self.lam if group["pattern"] is not None else 0.0, step=self.steps_done)
         return loss
 
+    def state_dict(self) -> Dict:
+        """torch's optimiser state dict with the per-parameter state (v, keep, moments; kept in
+        their own dtypes, which torch's loader would cast to the parameter's), the step count and
+        the diagnostics, so a loaded optimiser resumes exactly (the importance is given again)."""
+        state = super().state_dict()
+        state["safe"] = {"state": state.pop("state"), "steps_done": self.steps_done,
+                         "residuals": list(self.residuals), "grad_norms": list(self.grad_norms)}
+        state["state"] = {}
+        return state
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("safe")
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            if i in extra["state"]:
+                self.state[p] = {key: value.clone().to(p.device) for key, value in extra["state"][i].items()}
+        self.steps_done = extra["steps_done"]
+        self.residuals, self.grad_norms = list(extra["residuals"]), list(extra["grad_norms"])
+
     @torch.no_grad()
     def masks(self, metric: str = "same") -> Dict[Tensor, Tensor]:
         """The keep mask of each constrained weight's projection (Algorithm 1, line 15): scored as

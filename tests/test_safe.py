@@ -102,6 +102,40 @@ def test_safe_optimizer_n_m_and_importance_weighted_projection():
     assert kept[favoured].mean() > 0.75  # P decides which entries survive
 
 
+def test_safe_optimizer_state_dict_resumes_exactly():
+    x, y = _rings(512, seed=0)
+
+    def run(model, optimizer, steps):
+        for step in steps:
+            index = torch.arange(step * 32, step * 32 + 32)
+
+            def closure():
+                loss = F.cross_entropy(model(x[index]), y[index])
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+
+    def build(model):
+        return SafeOptimizer([model[2].weight], NM(2, 4), lr=1e-2, rho=0.01, lam=0.05, dual_interval=3)
+
+    straight = _mlp()
+    optimizer = build(straight)
+    run(straight, optimizer, range(8))
+    resumed = _mlp()
+    first = build(resumed)
+    run(resumed, first, range(4))
+    saved_model, saved_optimizer = copy.deepcopy(resumed.state_dict()), copy.deepcopy(first.state_dict())
+    resumed = _mlp()
+    resumed.load_state_dict(saved_model)
+    second = build(resumed)
+    second.load_state_dict(saved_optimizer)
+    run(resumed, second, range(4, 8))
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        torch.testing.assert_close(a, b)
+    assert second.residuals == optimizer.residuals and second.steps_done == 8
+
+
 def test_dual_update_keeps_the_scaled_dual_on_the_pruned_entries():
     """After a dual update u = (x + u_old)⊙¬keep is zero on the kept support, z + u = x + u_old, and
     the step's penalty target is x + v⊙(1 − 2·keep) (spec §1.8)."""
