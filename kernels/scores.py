@@ -20,6 +20,12 @@ GIVEN, MAGNITUDE, WANDA, TAYLOR = 0, 1, 2, 3
 def load_score(src_ptr, aux_ptr, offsets, cols, in_bounds, SCORE_KIND: tl.constexpr):
     """fp32 score of the elements at flat ``offsets`` (column ``cols``) of a contiguous tensor."""
     x = tl.load(src_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    return score_of(x, aux_ptr, offsets, cols, in_bounds, SCORE_KIND)
+
+
+@triton.jit
+def score_of(x, aux_ptr, offsets, cols, in_bounds, SCORE_KIND: tl.constexpr):
+    """fp32 score of the fp32 values ``x`` held in registers (at flat ``offsets``, column ``cols``)."""
     if SCORE_KIND == 1:
         x = tl.abs(x)
     elif SCORE_KIND == 2:

@@ -1,5 +1,5 @@
 // fp32 scores of fp32/fp16/bf16 elements, shared by the CPU mask kernels (nm_mask.cpp,
-// topk_mask.cpp) so that every kernel computes bitwise the same score as the reference:
+// topk_mask.cpp, admm.cpp) so that every kernel computes bitwise the same score as the reference:
 //   score_kind 0: s = float(src)
 //   score_kind 1: s = |float(src)|
 //   score_kind 2: s = |float(src)| * sqrt(act_sqnorm[col])      (Wanda)
@@ -79,15 +79,17 @@ PYPRUNE_ALWAYS_INLINE float score_at(const typename Elem<D>::type* __restrict x,
   return s;
 }
 
-// The element type of a 2-D contiguous CPU source tensor; raises (naming `op`) otherwise.
-inline Dt source_dtype(const torch::Tensor& src, const char* op) {
-  TORCH_CHECK(src.device().is_cpu(), op, ": src must be a CPU tensor");
-  TORCH_CHECK(src.dim() == 2, op, ": src must be 2-D, got ", src.dim(), "-D");
-  TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous");
+// The element type of a 2-D contiguous CPU source tensor; raises (naming `op` and the argument
+// `name`) otherwise.
+inline Dt source_dtype(const torch::Tensor& src, const char* op, const char* name = "src") {
+  TORCH_CHECK(src.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(src.dim() == 2, op, ": ", name, " must be 2-D, got ", src.dim(), "-D");
+  TORCH_CHECK(src.is_contiguous(), op, ": ", name, " must be contiguous");
   const auto st = src.scalar_type();
   if (st == at::kFloat) return Dt::F32;
   if (st == at::kHalf) return Dt::F16;
-  TORCH_CHECK(st == at::kBFloat16, op, ": src dtype must be float32, float16 or bfloat16, got ", st);
+  TORCH_CHECK(st == at::kBFloat16, op, ": ", name, " dtype must be float32, float16 or bfloat16, got ",
+              st);
   return Dt::BF16;
 }
 

@@ -20,9 +20,12 @@
 //              exactly. Keys are recomputed from the input on each pass rather than stored (no
 //              buffer the size of the tensor). When some keys equal to T must be dropped, a
 //              counting pass gives every block how many of them lie before it.
+// The row selection and the per-tensor select are declared in topk_select.h: admm.cpp runs them
+// on the fp32 v of SAFE's dual update.
 
 #include "ops.h"
 #include "scores.h"
+#include "topk_select.h"
 
 #include <torch/extension.h>
 
@@ -40,34 +43,11 @@
 #endif
 
 namespace pyprune_cpu {
+namespace topk {
 namespace {
 
-// Inputs smaller than this run on one thread (thread start-up would dominate).
-constexpr int64_t kParallelMin = 32768;
-// Elements per block of the per-tensor passes: 16 KB of keys, which stay in L1.
-constexpr int64_t kBlock = 4096;
-// First radix digit: the top 11 key bits.
-constexpr int kTopBits = 11;
-constexpr int kTopShift = 32 - kTopBits;
-constexpr int kTopBins = 1 << kTopBits;
 // `take` meaning "every key equal to T" (no need to count them).
 constexpr int64_t kAllEqual = std::numeric_limits<int64_t>::max();
-
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 // fp32 -> uint32 with a < b (as floats, NaN excluded) iff key(a) < key(b) (as integers):
 // negative floats get all their bits flipped, the others only the sign bit.
@@ -76,10 +56,6 @@ PYPRUNE_ALWAYS_INLINE uint32_t order_key(float s) {
   const uint32_t flip = static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u;
   return u ^ flip;
 }
-
-// Keys of `len` consecutive elements of one row starting at `src`; colscale points at the
-// sqrt(act_sqnorm) of their first column (score_kind 2). Returns nonzero on a NaN score.
-using KeysFn = int (*)(const void* src, const float* colscale, int64_t len, uint32_t* keys);
 
 template <Dt D, int KIND>
 int keys_of(const void* src, const float* colscale, int64_t len, uint32_t* __restrict keys) {
@@ -100,14 +76,6 @@ KeysFn keys_for_kind(int64_t kind) {
     case 0: return &keys_of<D, 0>;
     case 1: return &keys_of<D, 1>;
     default: return &keys_of<D, 2>;
-  }
-}
-
-KeysFn keys_for(Dt d, int64_t kind) {
-  switch (d) {
-    case Dt::F32: return keys_for_kind<Dt::F32>(kind);
-    case Dt::F16: return keys_for_kind<Dt::F16>(kind);
-    default: return keys_for_kind<Dt::BF16>(kind);
   }
 }
 
@@ -176,65 +144,8 @@ Boundary select_in_row(const uint32_t* __restrict keys, int64_t len, int64_t k,
   return {threshold, take == equal ? kAllEqual : take};
 }
 
-int topk_rows(KeysFn keys_fn, const char* src, int64_t esize, const float* colscale,
-              int64_t rows, int64_t cols, int64_t keep, uint8_t* out) {
-  const int threads = rows * cols >= kParallelMin ? max_threads() : 1;
-  const int64_t per_thread = 2 * cols + kTopBins;  // keys, candidates, histogram
-  std::vector<uint32_t> scratch(static_cast<size_t>(threads * per_thread));
-  // About 64K elements per scheduling chunk.
-  const int64_t chunk = std::max<int64_t>(1, 65536 / cols);
-  int nan_found = 0;
-#pragma omp parallel num_threads(threads) reduction(| : nan_found)
-  {
-    uint32_t* keys = scratch.data() + thread_id() * per_thread;
-    uint32_t* candidates = keys + cols;
-    uint32_t* hist = candidates + cols;
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t r = 0; r < rows; ++r) {
-      uint8_t* o = out + r * cols;
-      const int nan = keys_fn(src + r * cols * esize, colscale, cols, keys);
-      nan_found |= nan;
-      // Nothing to select (a row with NaN is not selected either: the call raises).
-      if (nan || keep == 0 || keep == cols) {
-        std::memset(o, keep == cols, static_cast<size_t>(cols));
-        continue;
-      }
-      const Boundary b = select_in_row(keys, cols, keep, hist, candidates);
-      write_mask(keys, cols, b.threshold, b.take_equal, o);
-    }
-  }
-  return nan_found;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Per tensor.
-
-struct Source {
-  KeysFn keys_fn;
-  const char* data;
-  int64_t esize;
-  const float* colscale;  // score_kind 2 only
-  int64_t cols;
-  int64_t numel;
-
-  int64_t blocks() const { return (numel + kBlock - 1) / kBlock; }
-  int64_t block_len(int64_t b) const { return std::min(kBlock, numel - b * kBlock); }
-
-  // Keys of elements [start, start + len) of the flattened tensor. Only the Wanda score
-  // depends on the column, so only then is the range cut at row ends.
-  int keys(int64_t start, int64_t len, uint32_t* out) const {
-    if (!colscale) return keys_fn(data + start * esize, nullptr, len, out);
-    int nan = 0;
-    for (int64_t done = 0; done < len;) {
-      const int64_t e = start + done;
-      const int64_t col = e % cols;
-      const int64_t seg = std::min(len - done, cols - col);
-      nan |= keys_fn(data + e * esize, colscale + col, seg, out + done);
-      done += seg;
-    }
-    return nan;
-  }
-};
 
 // hist[d] = number of keys with (key & prefix_mask) == prefix and digit d, the digit being the
 // `bins` (a power of two) values of the key bits from `shift` up. Returns nonzero on NaN.
@@ -321,6 +232,25 @@ void tensor_write_mask(const Source& src, const Boundary& boundary, uint8_t* out
   }
 }
 
+}  // namespace
+
+KeysFn keys_for(Dt d, int64_t kind) {
+  switch (d) {
+    case Dt::F32: return keys_for_kind<Dt::F32>(kind);
+    case Dt::F16: return keys_for_kind<Dt::F16>(kind);
+    default: return keys_for_kind<Dt::BF16>(kind);
+  }
+}
+
+void select_row(const uint32_t* keys, int64_t len, int64_t keep, uint32_t* scratch, uint8_t* out) {
+  if (keep == 0 || keep == len) {
+    std::memset(out, keep == len, static_cast<size_t>(len));
+    return;
+  }
+  const Boundary b = select_in_row(keys, len, keep, /*hist=*/scratch + len, /*candidates=*/scratch);
+  write_mask(keys, len, b.threshold, b.take_equal, out);
+}
+
 int topk_tensor(const Source& src, int64_t keep, uint8_t* out) {
   int64_t top_hist[kTopBins];
   // The first pass also finds NaN, so it runs even when keep is 0 or everything.
@@ -331,6 +261,31 @@ int topk_tensor(const Source& src, int64_t keep, uint8_t* out) {
   }
   tensor_write_mask(src, select_in_tensor(src, keep, top_hist), out);
   return 0;
+}
+
+}  // namespace topk
+
+namespace {
+
+int topk_rows(topk::KeysFn keys_fn, const char* src, int64_t esize, const float* colscale,
+              int64_t rows, int64_t cols, int64_t keep, uint8_t* out) {
+  const int threads = rows * cols >= topk::kParallelMin ? topk::max_threads() : 1;
+  const int64_t per_thread = cols + topk::row_scratch_size(cols);  // keys, selection scratch
+  std::vector<uint32_t> scratch(static_cast<size_t>(threads * per_thread));
+  // About 64K elements per scheduling chunk.
+  const int64_t chunk = std::max<int64_t>(1, 65536 / cols);
+  int nan_found = 0;
+#pragma omp parallel num_threads(threads) reduction(| : nan_found)
+  {
+    uint32_t* keys = scratch.data() + topk::thread_id() * per_thread;
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t r = 0; r < rows; ++r) {
+      // A row with NaN is selected too (by the NaN's key); the call then raises.
+      nan_found |= keys_fn(src + r * cols * esize, colscale, cols, keys);
+      topk::select_row(keys, cols, keep, keys + cols, out + r * cols);
+    }
+  }
+  return nan_found;
 }
 
 }  // namespace
@@ -350,14 +305,14 @@ torch::Tensor topk_mask(const torch::Tensor& src, const c10::optional<torch::Ten
   torch::Tensor out = torch::empty({rows, cols}, src.options().dtype(torch::kBool));
   if (rows == 0 || cols == 0) return out;
 
-  const KeysFn keys_fn = keys_for(d, score_kind);
+  const topk::KeysFn keys_fn = topk::keys_for(d, score_kind);
   const char* data = static_cast<const char*>(src.data_ptr());
   const float* colscale = scale.defined() ? scale.data_ptr<float>() : nullptr;
   uint8_t* obase = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
   const int nan_found =
       per_row ? topk_rows(keys_fn, data, src.element_size(), colscale, rows, cols, keep, obase)
-              : topk_tensor({keys_fn, data, src.element_size(), colscale, cols, rows * cols},
-                            keep, obase);
+              : topk::topk_tensor({keys_fn, data, src.element_size(), colscale, cols, rows * cols},
+                                  keep, obase);
   TORCH_CHECK_VALUE(!nan_found, nan_message(score_kind));
   return out;
 }
