@@ -14,11 +14,13 @@ import torch
 
 from pyprune import backend, ops
 from pyprune.ops import admm
-from tests.helpers import BACKENDS, DTYPES, NATIVE_BACKENDS, assert_close
+from tests.helpers import BACKENDS, DTYPES, HAS_CUDA, NATIVE_BACKENDS, assert_close
 
 #: One element (1-D, 2-D and 0-d), sizes off every block, and 210,000 elements: several chunks
 #: of the C++ kernel (32,768) and of the Triton kernel (16,384 on a GPU, 65,536 interpreted).
 SHAPES = [(1,), (37, 129), (1, 1), (3, 1000), (), (300, 700)]
+#: Every size a multiple of 16: with 16-byte aligned tensors the Triton launch is ALIGNED.
+ALIGNED_SHAPES = [(64, 48), (16,), (32, 304)]
 RHO = 0.05
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lam=0.3)
 #: (rtol, atol) against the fp64 oracle: a few fp32 roundings, then (16-bit x) one rounding to
@@ -138,11 +140,16 @@ def _dtype_cases():
 
 # ---- sam_perturb_ -------------------------------------------------------------------------------
 
+def _shape_cases():
+    return [pytest.param(SHAPES, id="awkward"), pytest.param(ALIGNED_SHAPES, id="aligned")]
+
+
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
-def test_perturb_matches_oracle(backend_device, x_kind):
+@pytest.mark.parametrize("shapes", _shape_cases())
+def test_perturb_matches_oracle(backend_device, x_kind, shapes):
     """‖g‖₂ over all the tensors, x + rho·g/‖g‖ rounded once, anchors the exact old x."""
-    x, grads, *_ = _state(SHAPES, _dtypes(x_kind, len(SHAPES)), _dtypes("mixed1", len(SHAPES)), seed=1)
+    x, grads, *_ = _state(shapes, _dtypes(x_kind, len(shapes)), _dtypes("mixed1", len(shapes)), seed=1)
     expected_norm, expected_x = _oracle_perturb(x, grads)
     norm, got_x, anchors = _perturb(*backend_device, x, grads)
     assert norm.dtype == torch.float32 and norm.shape == ()
@@ -195,9 +202,10 @@ def test_one_nonzero_gradient_sets_the_norm_for_all(backend_device):
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
-def test_adam_step_matches_oracle(backend_device, x_kind):
-    x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(SHAPES, _dtypes(x_kind, len(SHAPES)),
-                                                        _dtypes("mixed2", len(SHAPES)), seed=5)
+@pytest.mark.parametrize("shapes", _shape_cases())
+def test_adam_step_matches_oracle(backend_device, x_kind, shapes):
+    x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(shapes, _dtypes(x_kind, len(shapes)),
+                                                        _dtypes("mixed2", len(shapes)), seed=5)
     step = 7
     got_x, got_m, got_s = _adam(*backend_device, x, grads, x, vs, keeps, exp_avgs, exp_avg_sqs, step)
     expected = _oracle_adam(x, grads, vs, keeps, exp_avgs, exp_avg_sqs, step, **HYPER)
@@ -275,6 +283,54 @@ def test_penalty_pulls_kept_entries_to_z_and_pruned_ones_to_minus_u(backend_devi
                             [torch.zeros(shape)], 1, lr=0.0, weight_decay=0.0, lam=1.0)
     expected_m = torch.where(keeps[0], 0.75, 1.25) * (1 - HYPER["betas"][0])
     torch.testing.assert_close(got_m[0].cpu(), expected_m, rtol=1e-6, atol=1e-7)
+
+
+def _shifted(t, elements=1):
+    """A copy of ``t`` whose data starts ``elements`` elements past an allocation's start (off
+    16-byte alignment for one element)."""
+    storage = torch.empty(t.numel() + elements, dtype=t.dtype)
+    return storage[elements:].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("backend_device", [p for p in BACKENDS if p.id != "triton-cuda"])
+def test_tensors_off_alignment_and_at_odd_addresses(backend_device):
+    """Tensors one element off 16-byte alignment and an fp32 x at an odd byte address (from a
+    buffer): the Triton kernels group tensors by address residue, so each is reached at its own
+    address. Results against the oracle."""
+    backend_name, device = backend_device
+    shapes = [(5, 16), (33,), (16,)]
+    x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(shapes, [torch.float32, torch.bfloat16, torch.float32],
+                                                        [torch.float32, torch.float16, torch.float32], seed=11)
+    odd = torch.frombuffer(bytearray(4 * 16 + 1), dtype=torch.float32, offset=1, count=16)
+    assert odd.data_ptr() % 4 == 1
+    x = [_shifted(x[0]), _shifted(x[1]), odd.copy_(x[2])]
+    grads = [_shifted(g) for g in grads]
+    anchors = [torch.empty_like(t) for t in x]
+    expected_norm, expected_x = _oracle_perturb(x, grads)
+    moments = _clone(exp_avgs), _clone(exp_avg_sqs)
+    with ops.use_backend(backend_name):
+        norm = ops.sam_perturb_(x, grads, anchors, RHO)
+        assert math.isclose(float(norm), expected_norm, rel_tol=1e-6)
+        for got, expected in zip(x, expected_x):
+            _assert_near(got, expected, got.dtype)
+        ops.sam_adam_step_(x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, step=2, **HYPER)
+    for got, (expected, _, _) in zip(x, _oracle_adam(anchors, grads, vs, keeps, *moments, 2, **HYPER)):
+        _assert_near(got, expected, got.dtype)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
+def test_triton_launch_is_aligned_only_when_every_tensor_is():
+    """The ALIGNED launches (16-byte vector accesses on a GPU) are those whose tensors all start on
+    16 bytes and hold a multiple of 16 elements."""
+    from pyprune.kernels import sam
+
+    def aligned(make, shapes):
+        lists = [[make(torch.zeros(s)) for s in shapes] for _ in range(2)]
+        return [sam._Launch(lists, indices, True).aligned for indices in sam._groups(lists).values()]
+
+    assert aligned(lambda t: t, ALIGNED_SHAPES) == [True]
+    assert aligned(lambda t: t, SHAPES) == [False]
+    assert aligned(_shifted, ALIGNED_SHAPES) == [False]
 
 
 @pytest.mark.parametrize("name", ["perturb", "adam"])

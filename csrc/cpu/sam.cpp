@@ -154,28 +154,33 @@ struct AdamLists {
   List params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs;
 };
 
-void adam_span(const AdamLists& l, int64_t t, int64_t start, int64_t n, const AdamScalars& s) {
-  alignas(64) float anchor_buffer[kSpan], g_buffer[kSpan], x_buffer[kSpan];
-  const float* __restrict anchor =
-      staged_span(l.anchors.data[t], l.anchors.dt[t], start, n, anchor_buffer);
-  const float* __restrict g = staged_span(l.grads.data[t], l.grads.dt[t], start, n, g_buffer);
-  const float* __restrict v = static_cast<const float*>(l.vs.data[t]) + start;
-  const bool* __restrict keep = static_cast<const bool*>(l.keeps.data[t]) + start;
-  float* __restrict m = static_cast<float*>(l.exp_avgs.data[t]) + start;
-  float* __restrict sq = static_cast<float*>(l.exp_avg_sqs.data[t]) + start;
-  const Dt x_dt = l.params.dt[t];
-  float* __restrict x =
-      x_dt == Dt::F32 ? static_cast<float*>(l.params.data[t]) + start : x_buffer;
+// The Adam step on n staged elements (fp32 in, fp32 out; keep is torch.bool's 0/1 byte, read as
+// uint8_t because GCC does not vectorise bool loads).
+void adam_elements(const float* __restrict anchor, const float* __restrict g,
+                   const float* __restrict v, const uint8_t* __restrict keep, float* __restrict m,
+                   float* __restrict sq, float* __restrict x, int64_t n, const AdamScalars c) {
   for (int64_t i = 0; i < n; ++i) {
     const float x0 = anchor[i];
     // x − z + u = x + v·(1 − 2·keep); the factor is ±1, so the product is exact
-    const float G = g[i] + s.lam * (x0 + v[i] * (1.0f - 2.0f * static_cast<float>(keep[i])));
-    const float m_new = m[i] * s.beta1 + s.one_minus_beta1 * G;
-    const float sq_new = sq[i] * s.beta2 + s.one_minus_beta2 * G * G;
+    const float G = g[i] + c.lam * (x0 + v[i] * (1.0f - 2.0f * static_cast<float>(keep[i])));
+    const float m_new = m[i] * c.beta1 + c.one_minus_beta1 * G;
+    const float sq_new = sq[i] * c.beta2 + c.one_minus_beta2 * G * G;
     m[i] = m_new;
     sq[i] = sq_new;
-    x[i] = x0 * s.decay - s.lr * (m_new / s.bias1) / (std::sqrt(sq_new / s.bias2) + s.eps);
+    x[i] = x0 * c.decay - c.lr * (m_new / c.bias1) / (std::sqrt(sq_new / c.bias2) + c.eps);
   }
+}
+
+void adam_span(const AdamLists& l, int64_t t, int64_t start, int64_t n, const AdamScalars& s) {
+  alignas(64) float anchor_buffer[kSpan], g_buffer[kSpan], x_buffer[kSpan];
+  const Dt x_dt = l.params.dt[t];
+  float* x = x_dt == Dt::F32 ? static_cast<float*>(l.params.data[t]) + start : x_buffer;
+  adam_elements(staged_span(l.anchors.data[t], l.anchors.dt[t], start, n, anchor_buffer),
+                staged_span(l.grads.data[t], l.grads.dt[t], start, n, g_buffer),
+                static_cast<const float*>(l.vs.data[t]) + start,
+                static_cast<const uint8_t*>(l.keeps.data[t]) + start,
+                static_cast<float*>(l.exp_avgs.data[t]) + start,
+                static_cast<float*>(l.exp_avg_sqs.data[t]) + start, x, n, s);
   if (x_dt != Dt::F32) store_span(l.params.data[t], x_dt, start, n, x);
 }
 
