@@ -51,6 +51,10 @@ W = torch.randn(4, 8)
     (lambda: ops.sliced_linear(torch.ones(2, 2), W, in_index=torch.tensor([1, 1])), ValueError,
      "in_index must not repeat"),
     (lambda: ops.sliced_linear(torch.ones(2, 8, dtype=torch.float16), W), TypeError, "x and w must have one dtype"),
+    (lambda: ops.admm_dual_update_(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bool), W, n=2), ValueError,
+     "give either sparsity .* or both n and m"),
+    (lambda: ops.admm_dual_update_(torch.zeros(4, 8).half(), torch.zeros(4, 8, dtype=torch.bool), W,
+                                   sparsity=0.5), TypeError, "v must have dtype torch.float32"),
 ])
 def test_bad_arguments_name_the_argument(call, error, message):
     with pytest.raises(error, match=message):
@@ -157,6 +161,14 @@ def _compile_cases(dtype):
                  ops.channel_penalty_(g_norm, w_norm, in_index, 0, 0.3))
         return (*norms, g.clone(), g_norm.clone())
 
+    def dual_updates(v, keep, x, a):
+        """SAFE's dual update: N:M by |v|, an odd N:M by the Wanda score, top-k per row and tensor."""
+        residuals = (ops.admm_dual_update_(v, keep, x, n=2, m=4),
+                     ops.admm_dual_update_(v, keep, x, n=3, m=8, act_sqnorm=a),
+                     ops.admm_dual_update_(v, keep, x, sparsity=0.5, scope="row", act_sqnorm=a),
+                     ops.admm_dual_update_(v, keep, x, sparsity=0.7, scope="tensor"))
+        return (*residuals, v.clone(), keep.clone())
+
     def sam_perturb(x, b, g, gb, anchor, anchor_b):
         """SAFE's ascent over two tensors (a weight and a bias-like vector)."""
         norm = ops.sam_perturb_([x, b], [g, gb], [anchor, anchor_b], 0.05)
@@ -191,6 +203,7 @@ def _compile_cases(dtype):
         "moreau_perturb_": (moreau_perturb, (perturbed, w, delta)),
         "channel_penalty_": (channel_penalties,
                              (grad, w, randn((24,), dtype, seed=9), randn((24,), dtype, seed=10))),
+        "admm_dual_update_": (dual_updates, (randn((6, 24), seed=11), rand((6, 24), seed=12) < 0.5, w, sqnorm)),
         "sam_perturb_": (sam_perturb, (w, bias, grad, randn((6,), seed=11), torch.zeros_like(w),
                                        torch.zeros_like(bias))),
         "sam_adam_step_": (sam_adam_step, (w, grad, (w.float() * 1.01).to(dtype), randn((6, 24), seed=12),

@@ -14,7 +14,7 @@ KERNELS = {"_score_kernel", "_sqnorm_partial_kernel", "_nm_mask_kernel", "_count
            "_nm_gemv_kernel", "_nm_linear_kernel", "_sliced_linear_kernel", "_moreau_rows_kernel",
            "_moreau_columns_kernel", "_moreau_perturb_kernel", "_abs_outer_kernel",
            "_penalty_rows_kernel", "_penalty_columns_kernel", "_sum_squares_kernel", "_perturb_kernel",
-           "_adam_kernel"}
+           "_adam_kernel", "_dual_nm_kernel", "_dual_update_kernel", "_dual_keep_kernel"}
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def call_wrappers():
     """Launch every kernel the way pyprune.ops does: every kernel in every dtype and layout; the
     score kinds, N:M patterns and optional arguments rotated over that grid."""
     from pyprune import reference
-    from pyprune.kernels import linear, masks, moreau, nm_format, penalty, prox, sam, scores
+    from pyprune.kernels import admm, linear, masks, moreau, nm_format, penalty, prox, sam, scores
 
     for d, dtype in enumerate(DTYPES):
         for l, layout in enumerate(LAYOUTS):
@@ -98,6 +98,15 @@ def call_wrappers():
                 moreau.moreau_step_(delta, grad, w, perturbed if with_perturbed else None, 0.99, 0.1,
                                     threshold, group_dim, 0.05, seed, False)
             moreau.moreau_perturb_(perturbed, w, delta, 0.05, seed, False)
+            # SAFE's dual update: x in this dtype and layout, fp32 v, bool keep; two N:M patterns
+            # and a top-k scope, by |v| or by the Wanda score, rotated
+            v = _tensor((rows, cols), torch.float32, layout)
+            keep = _tensor((rows, cols), torch.bool, layout, rand=lambda shape: torch.rand(shape) < 0.5)
+            for j, (n, m) in enumerate(_rotate(NM, d, l, count=2)):
+                admm.dual_update_nm(v, keep, w, act if (d + l + j) % 2 else None, n, m)
+            [per_row] = _rotate((True, False), d, l)
+            admm.dual_update_topk(v, keep, w, act if (d + l) % 3 else None, cols // 2 if per_row else w.numel() // 3,
+                                  per_row)
             for n, m in _rotate(NM, d, l, count=2):
                 mask = reference.nm_mask(w.float().abs(), n, m)
                 values, meta = reference.nm_compress(w, mask, n, m)

@@ -44,6 +44,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("philox_uint32", &pyprune_cpu::philox_uint32, py::arg("seed"), py::arg("offsets"),
         "[n, 2] int64: the first two uint32 words of Philox4x32-10 at each offset (the generator "
         "behind moreau_step's noise; tl.randint4x(seed, offsets)[:2]).");
+  m.def("admm_dual_update_nm", &pyprune_cpu::admm_dual_update_nm, py::arg("v"), py::arg("keep"),
+        py::arg("x"), py::arg("act_sqnorm"), py::arg("n"), py::arg("m"),
+        "SAFE's dual update in place, one pass: v = x + v * ~keep (fp32), keep = the n highest of "
+        "every m consecutive scores |v| (or |v| * sqrt(act_sqnorm[col])) of a row, lower index "
+        "first among ties; returns ||x - v * keep||^2 as a 0-d float32 tensor. Raises ValueError "
+        "on NaN scores.");
+  m.def("admm_dual_update_topk", &pyprune_cpu::admm_dual_update_topk, py::arg("v"),
+        py::arg("keep"), py::arg("x"), py::arg("act_sqnorm"), py::arg("keep_count"),
+        py::arg("per_row"),
+        "SAFE's dual update in place: v = x + v * ~keep, keep = the keep_count highest scores of "
+        "every row (per_row) or of the tensor, scores and ties as admm_dual_update_nm; returns "
+        "||x - v * keep||^2 as a 0-d float32 tensor.");
   m.def("accumulate_abs_outer", &pyprune_cpu::accumulate_abs_outer, py::arg("acc"), py::arg("a"),
         py::arg("b"), py::arg("alpha"),
         "acc [M, D] += alpha * |a|^T |b| in place for a [T, M], b [T, D] (COPAL's accumulation): "

@@ -42,6 +42,16 @@ std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& val
                                 const torch::Tensor& meta, int64_t n, int64_t m);
 bool cpu_has_avx2_fma_f16c();
 
+// admm.cpp
+torch::Tensor admm_dual_update_nm(const torch::Tensor& v, const torch::Tensor& keep,
+                                  const torch::Tensor& x,
+                                  const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
+                                  int64_t m);
+torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor& keep,
+                                    const torch::Tensor& x,
+                                    const c10::optional<torch::Tensor>& act_sqnorm,
+                                    int64_t keep_count, bool per_row);
+
 // abs_outer.cpp
 void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
                           double alpha);

@@ -12,11 +12,35 @@ from torch import Tensor
 
 from .. import backend, reference
 from . import _validate as check
-from ._dispatch import kernels, native, run
+from ._dispatch import kernels, native, raise_on_nan_flag, run
 
 _SCOPES = ("row", "tensor")
+_NAN_SUBJECT = "scores of v = x + u (and act_sqnorm)"
 
-_DUAL_IMPLS = {"reference": reference.admm_dual_update_}
+
+def _kept_count(v: Tensor, sparsity: float, scope: str) -> int:
+    return reference.kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
+
+
+def _triton_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
+    admm = kernels("admm")
+    if m:
+        residual, nan_flag = admm.dual_update_nm(v, keep, x, act_sqnorm, n, m)
+    else:
+        residual, nan_flag = admm.dual_update_topk(v, keep, x, act_sqnorm, _kept_count(v, sparsity, scope),
+                                                   scope == "row")
+    raise_on_nan_flag(nan_flag, _NAN_SUBJECT)
+    return residual
+
+
+def _native_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
+    if m:
+        return native("cpu").admm_dual_update_nm(v, keep, x, act_sqnorm, n, m)
+    return native("cpu").admm_dual_update_topk(v, keep, x, act_sqnorm, _kept_count(v, sparsity, scope),
+                                               scope == "row")
+
+
+_DUAL_IMPLS = {"reference": reference.admm_dual_update_, "triton": _triton_dual, "cpu": _native_dual}
 
 
 @torch.library.custom_op("pyprune::admm_dual_update_", mutates_args=("v", "keep"))
@@ -46,6 +70,10 @@ def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[
 
     v: fp32 [out, in] contiguous; keep: bool, v's shape, contiguous; x: [out, in] fp32/fp16/bf16;
     act_sqnorm: fp32 [in] (Σ over tokens of x_j²) or None.
+
+    Fused (C++ and Triton): N:M is one pass (update, score, select, write v and keep, residual);
+    C++ top-k per row is one pass per row; top-k per tensor (and Triton's per row) is an update
+    pass, the top-k masks' radix select over v, then one pass writing keep and the residual.
     """
     check.tensor("x", x, dims=(2,))
     check.dtype("v", v, torch.float32)
