@@ -8,6 +8,8 @@ device, versions and thread count) and a markdown table beside it.
     python benchmarks/bench_ops.py --quick            # small shapes, a smoke run
 """
 import argparse
+import itertools
+import math
 import os
 import sys
 
@@ -19,6 +21,12 @@ from pyprune import ops
 
 LLAMA7B_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 QUICK_SHAPES = [(512, 1024), (1024, 512)]
+#: The seven weights of a decoder block, q/k/v/o, gate/up, down (LLaMA-7B: h 4096, FFN 11008).
+LLAMA7B_BLOCK = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+QUICK_BLOCK = [(256, 256)] * 4 + [(688, 256)] * 2 + [(256, 688)]
+SAFE_STEP = "SAFE x-step (sam_perturb_ + sam_adam_step_)"
+#: SAFE's LLM setting (spec §1.13): ρ = 2e-4, Adam lr 2e-4, β = (0.9, 0.95), no weight decay, λ = 1e-3.
+SAFE_RHO, SAFE_LR, SAFE_BETAS, SAFE_EPS, SAFE_LAM = 2e-4, 2e-4, (0.9, 0.95), 1e-8, 1e-3
 
 
 # ---- baselines: the eager PyTorch that pruning code writes today ---------------------------
@@ -102,6 +110,80 @@ def eager_channel_penalty(grad, weight, channels, dim, lam, norm):
         step = slices * (lam / norms.clamp_min(1e-30)).unsqueeze(1 - dim)
     grad.index_add_(dim, channels, step.to(grad.dtype))
     return norms
+
+
+def eager_sam_perturb(x, grads, anchors, rho):
+    """SAM ascent as eager PyTorch: one torch._foreach_norm, then a copy_ and an add_ per tensor."""
+    norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    for p, g, anchor in zip(x, grads, anchors):
+        anchor.copy_(p)
+        if norm > 0:
+            p.add_(g, alpha=rho / norm)
+
+
+def eager_restore_and_penalised_grads(x, grads, anchors, vs, keeps, lam):
+    """x ← anchor, then G = g + λ·(x − z + u) = g + λ·(x ± v) per tensor."""
+    gs = []
+    for p, g, anchor, v, keep in zip(x, grads, anchors, vs, keeps):
+        p.copy_(anchor)
+        gs.append(g + lam * (p + torch.where(keep, -v, v)))
+    return gs
+
+
+def eager_safe_step(x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, step):
+    """SAFE's x-step as eager PyTorch: the ascent, then per tensor the penalty and Adam's math as
+    torch.optim.Adam's single-tensor path writes it."""
+    beta1, beta2 = SAFE_BETAS
+    eager_sam_perturb(x, grads, anchors, SAFE_RHO)
+    gs = eager_restore_and_penalised_grads(x, grads, anchors, vs, keeps, SAFE_LAM)
+    for p, G, m, s in zip(x, gs, exp_avgs, exp_avg_sqs):
+        m.mul_(beta1).add_(G, alpha=1 - beta1)
+        s.mul_(beta2).addcmul_(G, G, value=1 - beta2)
+        denom = (s.sqrt() / math.sqrt(1 - beta2 ** step)).add_(SAFE_EPS)
+        p.addcdiv_(m, denom, value=-SAFE_LR / (1 - beta1 ** step))
+
+
+def optimizer_safe_step(x, grads, anchors, vs, keeps, optimizer):
+    """SAFE's x-step with torch.optim: the eager ascent and penalty, G handed to the optimizer."""
+    eager_sam_perturb(x, grads, anchors, SAFE_RHO)
+    for p, G in zip(x, eager_restore_and_penalised_grads(x, grads, anchors, vs, keeps, SAFE_LAM)):
+        p.grad = G
+    optimizer.step()
+
+
+def safe_block_cases(shapes, dtype, device):
+    """One SAFE x-step (spec K4–K5) over all the weights of a block at once: pyprune's two
+    multi-tensor ops against eager PyTorch and against torch.optim.AdamW (foreach and fused) fed the
+    penalised gradient; the gradient at the perturbed point is the same g (no model here). Bytes
+    for pyprune: the ascent reads g twice and x once and writes the anchor and x; the step reads
+    the anchor, g, v, keep (1 byte), m and s and writes x, m and s."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    new = lambda make: [make(shape).to(device) for shape in shapes]  # noqa: E731
+    x = new(lambda shape: torch.randn(shape, generator=g).to(dtype))
+    grads = new(lambda shape: (torch.randn(shape, generator=g) * 1e-3).to(dtype))
+    anchors = [torch.empty_like(p) for p in x]
+    vs = new(lambda shape: torch.randn(shape, generator=g) * 0.1)
+    keeps = new(lambda shape: torch.rand(shape, generator=g) < 0.5)
+    exp_avgs = new(torch.zeros)
+    exp_avg_sqs = new(torch.zeros)
+
+    def ours():
+        ops.sam_perturb_(x, grads, anchors, SAFE_RHO)
+        ops.sam_adam_step_(x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr=SAFE_LR, betas=SAFE_BETAS,
+                           eps=SAFE_EPS, lam=SAFE_LAM, step=10)
+
+    def with_optimizer(**kind):
+        optimizer = torch.optim.AdamW(x, lr=SAFE_LR, betas=SAFE_BETAS, eps=SAFE_EPS, weight_decay=0.0, **kind)
+        return lambda: optimizer_safe_step(x, grads, anchors, vs, keeps, optimizer)
+
+    numel = sum(p.numel() for p in x)
+    nbytes = numel * (5 * x[0].element_size() + 3 * grads[0].element_size() + 4 * 5 + 1)
+    out = [(SAFE_STEP, "eager: _foreach_norm + per-tensor add_, penalty, Adam math", ours,
+            lambda: eager_safe_step(x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, 10), nbytes)]
+    for kind in ("foreach", "fused"):
+        out.append((SAFE_STEP, f"eager ascent + penalty, AdamW({kind}=True)", ours, with_optimizer(**{kind: True}),
+                    nbytes))
+    return out
 
 
 # ---- the cases -----------------------------------------------------------------------------
@@ -211,14 +293,20 @@ def run(args):
     env = environment(device)
     peaks = roofline(device)
     peak = peaks["bytes"] if peaks else None
+    block = QUICK_BLOCK if args.quick else LLAMA7B_BLOCK
+    selected = lambda op: not args.only or any(key in op for key in args.only)  # noqa: E731
+    groups = ((list(shape), lambda shape=shape: cases(shape, dtype, device, args.quick)) for shape in shapes)
+    if selected(SAFE_STEP):
+        label = f"block of {len(block)}: {sum(r * c for r, c in block) / 1e6:.1f}M"
+        groups = itertools.chain(groups, [(label, lambda: safe_block_cases(block, dtype, device))])
     rows = []
-    for shape in shapes:
-        for op, baseline, ours, theirs, nbytes in cases(shape, dtype, device, args.quick):
-            if args.only and not any(key in op for key in args.only):
+    for shape, make_cases in groups:
+        for op, baseline, ours, theirs, nbytes in make_cases():
+            if not selected(op):
                 continue
             t_ours = timed(ours, device, args.repeat)
             t_base = timed(theirs, device, args.repeat)
-            row = {"op": op, "shape": list(shape), "dtype": args.dtype, "baseline": baseline,
+            row = {"op": op, "shape": shape, "dtype": args.dtype, "baseline": baseline,
                    "pyprune_ms": round(t_ours * 1e3, 4), "baseline_ms": round(t_base * 1e3, 4),
                    "speedup": round(t_base / t_ours, 3), "pyprune_GBps": round(nbytes / t_ours / 1e9, 2)}
             if peak:
@@ -238,7 +326,8 @@ def write(report, path):
              "| op | shape | dtype | pyprune ms | baseline | baseline ms | speedup | GB/s |",
              "|---|---|---|---:|---|---:|---:|---:|"]
     for r in report["results"]:
-        lines.append(f"| {r['op']} | {r['shape'][0]}×{r['shape'][1]} | {r['dtype']} | {r['pyprune_ms']} | "
+        shape = r["shape"] if isinstance(r["shape"], str) else "×".join(map(str, r["shape"]))
+        lines.append(f"| {r['op']} | {shape} | {r['dtype']} | {r['pyprune_ms']} | "
                      f"{r['baseline']} | {r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} |")
     write_atomic(os.path.splitext(path)[0] + ".md", "\n".join(lines) + "\n")
 

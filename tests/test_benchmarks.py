@@ -65,6 +65,15 @@ def test_ops_benchmark_quick_run(tmp_path):
     assert rows and all(r["op"].startswith("nm_linear") and r["speedup"] > 0 for r in rows)
 
 
+def test_ops_benchmark_safe_step_quick_run(tmp_path):
+    out = tmp_path / "ops.json"
+    assert bench_ops.main(["--quick", "--only", "SAFE", "--repeat", "1", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["baseline"].split(" ")[-1] for r in rows] == ["math", "AdamW(foreach=True)", "AdamW(fused=True)"]
+    assert all(r["shape"] == "block of 7: 0.8M" and r["pyprune_ms"] > 0 and r["speedup"] > 0 for r in rows)
+    assert "| SAFE x-step (sam_perturb_ + sam_adam_step_) | block of 7: 0.8M | float32 |" in (tmp_path / "ops.md").read_text()
+
+
 def test_svg_plot_rejects_empty_input():
     from _common import svg_line_plot
     with pytest.raises(ValueError, match="at least one point"):

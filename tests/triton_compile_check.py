@@ -123,9 +123,9 @@ def call_wrappers():
                  (40, torch.arange(0, cols, 2), None, False), (40, None, None, True)], d, l)
             x = _tensor((tokens, cols if in_index is None else in_index.numel()), dtype, layout)
             linear.sliced_linear(x, w, bias if with_bias else None, in_index, out_index, False)
-            # SAFE's multi-tensor x-step: x of this dtype, g of a rotated one (addresses are data, so
-            # the layouts matter only through the tables)
-            shapes = [(rows, cols), (1,), (cols,)]
+            # SAFE's multi-tensor x-step: x of this dtype, g of a rotated one; with every size a multiple
+            # of 16 and every tensor aligned the launch is ALIGNED (16-byte vector accesses)
+            shapes = [(rows, cols), (16 if layout == "multiple of 16" else 1,), (cols,)]
             [g_dtype] = _rotate(DTYPES, d, l)
             xs = [_tensor(s, dtype, layout) for s in shapes]
             gs = [_tensor(s, g_dtype, layout) for s in shapes]
