@@ -16,8 +16,10 @@ What the seed methods need from it:
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -134,22 +136,77 @@ class BlockContext:
                 handle.remove()
 
 
-def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], None], *,
-                  batch_size: int = 8, progress: bool = True, desc: str = "pruning") -> None:
-    """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn; the next block sees
-    the outputs of the pruned blocks before it."""
+@dataclass
+class BlockCheckpoint:
+    """Where layer-wise pruning saves every finished block (``block-<i>.safetensors``) and a
+    manifest (the run's ``key``, the number of finished blocks, their details). A rerun with the
+    same key loads the finished blocks and goes on from the next one; another key is refused
+    before anything changes. Blocks are resumed with pruned propagation (their outputs feed the
+    next block)."""
+
+    directory: str
+    key: dict
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.directory, "blockwise.json")
+
+    def finished(self) -> Tuple[int, List]:
+        """(number of finished blocks, their details); ValueError for a checkpoint of another run."""
+        if not os.path.exists(self.manifest_path):
+            return 0, []
+        with open(self.manifest_path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+        if manifest["key"] != self.key:
+            raise ValueError(f"checkpoint {self.directory} was made with other settings, calibration or model; "
+                             "remove it or choose another checkpoint directory")
+        return manifest["finished"], manifest["details"]
+
+    def restore(self, blocks: nn.ModuleList, finished: int) -> None:
+        from safetensors.torch import load_file
+        for index in range(finished):
+            blocks[index].load_state_dict(load_file(self._block_path(index)))
+
+    def save(self, index: int, block: nn.Module, details: List) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = f"{self._block_path(index)}.tmp-{os.getpid()}"
+        save_file({k: v.detach().contiguous().cpu() for k, v in block.state_dict().items()}, tmp)
+        os.replace(tmp, self._block_path(index))
+        tmp = f"{self.manifest_path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump({"key": self.key, "finished": index + 1, "details": details}, handle)
+        os.replace(tmp, self.manifest_path)
+
+    def _block_path(self, index: int) -> str:
+        return os.path.join(self.directory, f"block-{index}.safetensors")
+
+
+def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], Optional[dict]], *,
+                  batch_size: int = 8, progress: bool = True, desc: str = "pruning",
+                  checkpoint: Optional[BlockCheckpoint] = None) -> List:
+    """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn (and may return
+    details, JSON-serialisable); the next block sees the outputs of the pruned blocks before it.
+    With ``checkpoint``, finished blocks are saved and a rerun resumes. Returns every block's details."""
     blocks = decoder_blocks(model)
     prefix = block_prefix(model)
+    finished, details = checkpoint.finished() if checkpoint is not None else (0, [])
     was_training = model.training
     model.eval()
     try:
+        if finished:
+            checkpoint.restore(blocks, finished)
         inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
-            process_block(ctx)
+            if index >= finished:
+                details.append(process_block(ctx))
+                if checkpoint is not None:
+                    checkpoint.save(index, blocks[index], details)
             inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
     finally:
         model.train(was_training)
+    return details
 
 
 def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 4,

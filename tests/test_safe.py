@@ -207,6 +207,29 @@ def test_safe_on_a_bf16_model_trains_fp32_masters_and_returns_bf16():
     assert report["nm_valid"]["2:4"]
 
 
+def test_safe_checkpoint_resumes_after_the_last_finished_block_and_refuses_other_settings(tmp_path):
+    import json
+    calib = random_tokens((4, 16), seed=1)
+    options = dict(epochs=2, checkpoint=str(tmp_path / "ckpt"))
+    straight = tiny_llama(seed=0)
+    report = pyprune.prune(straight, "safe+", "2:4", calib, progress=False, **options)
+    manifest_path = tmp_path / "ckpt" / "blockwise.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["finished"] == 2 and manifest["details"] == report["blocks"]
+    manifest.update(finished=1, details=manifest["details"][:1])  # as if stopped after block 0
+    manifest_path.write_text(json.dumps(manifest))
+    resumed = tiny_llama(seed=0)
+    again = pyprune.prune(resumed, "safe+", "2:4", calib, progress=False, **options)
+    assert again["blocks"] == report["blocks"]
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        torch.testing.assert_close(a, b)
+    untouched = tiny_llama(seed=0)
+    with pytest.raises(ValueError, match="other settings, calibration or model"):
+        pyprune.prune(untouched, "safe+", "2:4", calib, progress=False, epochs=3, checkpoint=str(tmp_path / "ckpt"))
+    for a, b in zip(untouched.parameters(), tiny_llama(seed=0).parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["2:4", "0.5"])
 def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda_and_sparsegpt(pattern):
