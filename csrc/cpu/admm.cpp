@@ -157,7 +157,7 @@ torch::Tensor finish(const std::vector<double>& partial, int nan_found) {
 }
 
 template <Dt D>
-int topk_rows(const State& s, int64_t keep_count, std::vector<double>* partial) {
+int update_topk_rows(const State& s, int64_t keep_count, std::vector<double>* partial) {
   using T = typename Elem<D>::type;
   const T* x = reinterpret_cast<const T*>(s.x);
   const int64_t cols = s.cols;
@@ -186,7 +186,7 @@ int topk_rows(const State& s, int64_t keep_count, std::vector<double>* partial) 
 }
 
 template <Dt D>
-int topk_tensor(const State& s, int64_t keep_count, std::vector<double>* partial) {
+int update_topk_tensor(const State& s, int64_t keep_count, std::vector<double>* partial) {
   using T = typename Elem<D>::type;
   const T* x = reinterpret_cast<const T*>(s.x);
   const topk::Source v_keys{topk::keys_for(Dt::F32, s.kind()), reinterpret_cast<const char*>(s.v),
@@ -208,8 +208,9 @@ int topk_tensor(const State& s, int64_t keep_count, std::vector<double>* partial
 }
 
 template <Dt D>
-int topk_dual(const State& s, int64_t keep_count, bool per_row, std::vector<double>* partial) {
-  return per_row ? topk_rows<D>(s, keep_count, partial) : topk_tensor<D>(s, keep_count, partial);
+int update_topk(const State& s, int64_t keep_count, bool per_row, std::vector<double>* partial) {
+  return per_row ? update_topk_rows<D>(s, keep_count, partial)
+                 : update_topk_tensor<D>(s, keep_count, partial);
 }
 
 }  // namespace
@@ -267,9 +268,9 @@ torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor&
   const int64_t parts = per_row ? s.rows : (s.numel() + topk::kBlock - 1) / topk::kBlock;
   std::vector<double> partial(static_cast<size_t>(parts));
   const int nan_found =
-      d == Dt::F32   ? topk_dual<Dt::F32>(s, keep_count, per_row, &partial)
-      : d == Dt::F16 ? topk_dual<Dt::F16>(s, keep_count, per_row, &partial)
-                     : topk_dual<Dt::BF16>(s, keep_count, per_row, &partial);
+      d == Dt::F32   ? update_topk<Dt::F32>(s, keep_count, per_row, &partial)
+      : d == Dt::F16 ? update_topk<Dt::F16>(s, keep_count, per_row, &partial)
+                     : update_topk<Dt::BF16>(s, keep_count, per_row, &partial);
   return finish(partial, nan_found);
 }
 
