@@ -236,6 +236,33 @@ def cases(shape, dtype, device, quick):
                 lambda: F.linear(x[:16, :cols // 2], w.index_select(1, in_index)), w.numel() * el // 2))
     out.append(abs_outer_case(shape, x, g))
     out += channel_penalty_cases(w, g)
+    out += admm_cases(w, sqnorm, g)
+    return out
+
+
+def eager_admm_dual_update(v, keep, x, n=None, m=None, sparsity=None, act_sqnorm=None):
+    """SAFE's dual update as eager PyTorch: v = x + v⊙¬keep, the score, the mask by torch.topk +
+    scatter_ (per group of m, or per row), then ‖x − v⊙keep‖²."""
+    v.copy_(x.float() + v * ~keep)
+    scores = v.abs() if act_sqnorm is None else v.abs() * act_sqnorm.sqrt()
+    keep.copy_(vectorised_topk_nm_mask(scores, n, m) if m else eager_topk_row_mask(scores, sparsity))
+    return (x.float() - v * keep).square().sum()
+
+
+def admm_cases(w, sqnorm, g):
+    """admm_dual_update_ (SAFE's z- and u-step, x = w) at 2:4 by |v|, 2:4 by the Wanda score
+    (SAFE⁺) and 50% per row, each op on its own (v, keep) state carried across the timed calls.
+    Bytes: x read, v (fp32) and keep (1 byte) read and written, once each."""
+    v = torch.randn(w.shape, generator=g).to(w.device) * 0.1
+    keep = ops.score_nm_mask(v, 2, 4)
+    ours_state, eager_state = (v.clone(), keep.clone()), (v.clone(), keep.clone())
+    out = []
+    for label, kwargs in (("2:4", dict(n=2, m=4)), ("wanda 2:4", dict(n=2, m=4, act_sqnorm=sqnorm)),
+                          ("row 50%", dict(sparsity=0.5))):
+        out.append((f"admm_dual_update_ {label}", "eager update + torch.topk + scatter_",
+                    lambda kwargs=kwargs: ops.admm_dual_update_(*ours_state, w, **kwargs),
+                    lambda kwargs=kwargs: eager_admm_dual_update(*eager_state, w, **kwargs),
+                    w.numel() * (w.element_size() + 10)))
     return out
 
 
