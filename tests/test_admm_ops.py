@@ -175,7 +175,7 @@ def test_signed_zeros_and_infinities(backend_device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in sqrt:RuntimeWarning")  # the interpreter's
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("pattern", [dict(n=2, m=4), dict(sparsity=0.5, scope="row"),
                                      dict(sparsity=0.5, scope="tensor")], ids=str)
 def test_nan_scores_raise(backend_device, pattern):
@@ -216,6 +216,8 @@ def _call(**overrides):
     (lambda: _call(x=X.int()), TypeError, "x must have dtype float32, float16, bfloat16"),
     (lambda: _call(x=X[0]), ValueError, "x must be 2-D"),
     (lambda: _call(x=X.numpy()), TypeError, "x must be a torch.Tensor"),
+    (lambda: _call(v=V.numpy()), TypeError, "v must be a torch.Tensor"),
+    (lambda: _call(keep=KEEP.numpy()), TypeError, "keep must be a torch.Tensor"),
     (lambda: _call(v=V.half()), TypeError, "v must have dtype torch.float32"),
     (lambda: _call(v=torch.zeros(4, 4)), ValueError, r"v must have the shape of x \(4, 8\)"),
     (lambda: _call(v=torch.zeros(8, 4).t()), ValueError, "v must be contiguous"),

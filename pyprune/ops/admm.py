@@ -40,7 +40,16 @@ def _native_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
                                                scope == "row")
 
 
-_DUAL_IMPLS = {"reference": reference.admm_dual_update_, "triton": _triton_dual, "cpu": _native_dual}
+def _reference_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
+    residual = reference.admm_dual_update_(v, keep, x, act_sqnorm, n, m, sparsity, scope)
+    # the kernels meet NaN scores while selecting; the reference finds them afterwards, same error
+    negative = act_sqnorm is not None and bool((act_sqnorm < 0).any())
+    if negative or bool(torch.isnan(v).any()):
+        raise ValueError(f"{_NAN_SUBJECT} contain NaN; scores must be finite or ±inf")
+    return residual
+
+
+_DUAL_IMPLS = {"reference": _reference_dual, "triton": _triton_dual, "cpu": _native_dual}
 
 
 @torch.library.custom_op("pyprune::admm_dual_update_", mutates_args=("v", "keep"))
@@ -76,7 +85,10 @@ def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[
     pass, the top-k masks' radix select over v, then one pass writing keep and the residual.
     """
     check.tensor("x", x, dims=(2,))
+    check.tensor("v", v, dims=(2,))
     check.dtype("v", v, torch.float32)
+    if not isinstance(keep, Tensor):
+        raise TypeError(f"keep must be a torch.Tensor of bool; got {type(keep).__name__}")
     check.same_shape("v", v, x.shape, "x")
     check.contiguous("v", v)
     check.dtype("keep", keep, torch.bool)
@@ -93,6 +105,8 @@ def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[
         return _admm_dual_update(v, keep, x, act_sqnorm, n, m, 0.0, "row")
     sparsity = check.sparsity(sparsity)
     check.choice("scope", scope, _SCOPES)
+    if (x.shape[1] if scope == "row" else x.numel()) >= 2 ** 32:
+        raise ValueError(f"scope={scope!r} selects among {x.numel()} elements; at most 2**32 - 1 are supported")
     return _admm_dual_update(v, keep, x, act_sqnorm, 0, 0, sparsity, scope)
 
 
@@ -179,7 +193,11 @@ def sam_adam_step_(params: List[Tensor], grads: List[Tensor], anchors: List[Tens
                   (params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs),
                   {"vs": torch.float32, "keeps": torch.bool, "exp_avgs": torch.float32,
                    "exp_avg_sqs": torch.float32})
+    for i, (p, anchor) in enumerate(zip(params, anchors)):
+        check.dtype(f"anchors[{i}]", anchor, p.dtype)
     lr = check.nonnegative("lr", check.finite("lr", lr))
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be two numbers (beta1, beta2) in [0, 1); got {betas!r}")
     beta1, beta2 = (check.finite("betas", b) for b in betas)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be two numbers in [0, 1); got {tuple(betas)!r}")
