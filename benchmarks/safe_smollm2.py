@@ -95,12 +95,15 @@ def main(argv=None):
     for spec in args.patterns:
         for method in args.methods:
             pattern = pyprune.patterns.parse(spec)
-            if any(r["pattern"] == str(pattern) and r["method"] == method for r in rows):
-                continue
-            model = copy.deepcopy(dense_model)
             options = safe_options if method.startswith("safe") else {}
+            resolved = pyprune.methods.get(method, **options).settings
+            if any(r["pattern"] == str(pattern) and r["method"] == method and r["options"] == resolved
+                   for r in rows):
+                continue  # done before with the same options (a changed default reruns the row)
+            rows[:] = [r for r in rows if not (r["pattern"] == str(pattern) and r["method"] == method)]
+            model = copy.deepcopy(dense_model)
             report = pyprune.prune(model, method, pattern, calib, **options)
-            row = {"pattern": str(pattern), "method": method,
+            row = {"pattern": str(pattern), "method": method, "options": report["options"],
                    "perplexity": perplexity(model, tokens, args.seqlen, progress=False),
                    "sparsity": report["sparsity"], "time_s": report["time_s"],
                    "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
@@ -109,7 +112,6 @@ def main(argv=None):
                 row["residual_first"] = sum(b["residuals"][0] for b in blocks) / len(blocks)
                 row["residual_last"] = sum(b["residuals"][-1] for b in blocks) / len(blocks)
                 row["blocks"] = blocks
-                row["options"] = report["options"]
             rows.append(row)
             save()
             print(f"{pattern} {method}: perplexity {row['perplexity']:.3f} ({row['time_s']:.0f} s)", flush=True)

@@ -231,26 +231,29 @@ def test_safe_checkpoint_resumes_after_the_last_finished_block_and_refuses_other
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["2:4", "0.5"])
-def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda_and_sparsegpt(pattern):
+def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda():
     """The claim behind Table 1 on the objective SAFE optimises: on the first two blocks of
-    SmolLM2-135M (Emma calibration), SAFE⁺ with the CPU defaults leaves the hidden states closer to
-    the dense model's, on held-out Emma windows, than Wanda and SparseGPT do."""
+    SmolLM2-135M at 2:4 (16 x 256 Emma calibration), SAFE⁺ with the CPU defaults leaves the hidden
+    states of held-out Emma windows closer to the dense model's than Wanda does, after each block."""
     from pyprune import data
     from pyprune.models import load_model
 
     dense, tokenizer = load_model("smollm2-135m")
-    blocks = engine.decoder_blocks(dense)
-    del blocks[2:]
+    del engine.decoder_blocks(dense)[2:]
     dense.config.num_hidden_layers = 2
     calib = data.calibration_samples(tokenizer, "emma", nsamples=16, seqlen=256, seed=0)
     held_out = data.calibration_samples(tokenizer, "emma", nsamples=8, seqlen=256, seed=1)
-    errors = {}
-    for method in ("wanda", "sparsegpt", "safe+"):
+
+    def errors(model):
+        with torch.no_grad():
+            ours = model(input_ids=held_out, output_hidden_states=True).hidden_states[1:]
+            theirs = dense(input_ids=held_out, output_hidden_states=True).hidden_states[1:]
+        return [float(F.mse_loss(a, b)) for a, b in zip(ours, theirs)]
+
+    results = {}
+    for method in ("wanda", "safe+"):
         model = copy.deepcopy(dense)
-        report = pyprune.prune(model, method, pattern, calib, progress=False)
-        errors[method] = _block_error(model, dense, held_out)
-        if method == "safe+":
-            assert all(b["residuals"][-1] < b["residuals"][0] for b in report["blocks"])
-    assert errors["safe+"] < errors["wanda"]
-    assert errors["safe+"] <= errors["sparsegpt"]
+        report = pyprune.prune(model, method, "2:4", calib, progress=False)
+        assert report["nm_valid"]["2:4"]
+        results[method] = errors(model)
+    assert all(ours < theirs for ours, theirs in zip(results["safe+"], results["wanda"]))

@@ -48,7 +48,7 @@ class Safe(Method):
         Option("epochs", int, 10, "SAFE: passes over the calibration samples per block (paper: 30)", at_least_one),
         Option("train_batch", int, 2, "SAFE: calibration samples per training step (paper: 8)",
                at_least_one),
-        Option("lr", float, 2e-2, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, "
+        Option("lr", float, 5e-3, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, "
                "for LLaMA weights ~8x smaller than SmolLM2's)", positive),
         Option("warmup_epochs", float, 1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative),
         Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
