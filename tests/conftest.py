@@ -13,6 +13,15 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture
+def cpu_extension_is_built():
+    """pyprune._C is part of the install: the cpu cases fail (never skip) without it. Files of C++
+    kernel tests use it with ``pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")``."""
+    from pyprune import backend
+    if backend.native_module("cpu") is None:
+        pytest.fail("pyprune._C is not built", pytrace=False)
+
+
+@pytest.fixture
 def tiny_model_dir(tmp_path):
     """A saved tiny random Llama with its tokenizer, and a text file of its words."""
     from tests.helpers import WORDS, tiny_llama, tiny_tokenizer

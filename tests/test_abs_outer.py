@@ -19,11 +19,7 @@ SHAPES = [(1, 1, 1), (7, 33, 100), (33, 129, 7), (100, 1, 129), (129, 100, 33), 
 U32 = torch.finfo(torch.float32).eps / 2
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: the cpu cases fail (never skip) without it."""
-    if backend.native_module("cpu") is None:
-        pytest.fail("pyprune._C is not built", pytrace=False)
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 
 
 def _inputs(tokens, M, D, a_dtype, b_dtype, seed=0):

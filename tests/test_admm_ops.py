@@ -12,7 +12,7 @@ z + u = x + u_old, exact counts, and the residual from the outputs in fp64.
 import pytest
 import torch
 
-from pyprune import backend, ops
+from pyprune import ops
 from pyprune import reference as R
 from tests.helpers import BACKENDS, DTYPES, NATIVE_BACKENDS, tied_scores
 
@@ -26,11 +26,7 @@ TOPK_SHAPES = [(1, 37), (7, 40), (3, 130)]
 LARGE = (17, 2000)
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: the cpu cases fail (never skip) without it."""
-    if backend.native_module("cpu") is None:
-        pytest.fail("pyprune._C is not built", pytrace=False)
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 
 
 def _generator(seed):

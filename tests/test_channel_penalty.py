@@ -22,11 +22,7 @@ LAYOUTS = [((7, 33), 0), ((7, 33), 1), ((129, 65), 0), ((129, 65), 1), ((100,), 
 LARGE_LAYOUTS = [((512, 300), 0), ((300, 512), 1)]
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: the cpu cases fail (never skip) without it."""
-    if backend.native_module("cpu") is None:
-        pytest.fail("pyprune._C is not built", pytrace=False)
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 
 
 def _generator(seed):

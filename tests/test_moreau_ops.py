@@ -26,11 +26,7 @@ ONE_ROUNDING = {torch.float32: (1e-5, 1e-6), torch.float16: (2.0 ** -10, 1e-5),
                 torch.bfloat16: (2.0 ** -7, 1e-5)}
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: the cpu cases fail (never skip) without it."""
-    if native_module("cpu") is None:
-        pytest.fail("pyprune._C is not built", pytrace=False)
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 
 
 def _generator(seed):

@@ -31,11 +31,7 @@ ONE_ROUNDING = {torch.float32: (1e-5, 1e-6), torch.float16: (2.0 ** -11 + 2.0 **
 MIXED = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: the cpu cases fail (never skip) without it."""
-    if backend.native_module("cpu") is None:
-        pytest.fail("pyprune._C is not built", pytrace=False)
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 
 
 def _generator(seed):

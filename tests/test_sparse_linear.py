@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import pyprune
-from pyprune import ops
 from pyprune import reference as R
 from pyprune.nn import SparseLinear, dispatch, sparsify_
 from pyprune.nn.sparse import detect_pattern
