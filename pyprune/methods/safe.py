@@ -72,10 +72,12 @@ class Safe(Method):
 
         def process(ctx: engine.BlockContext) -> dict:
             linears = ctx.linears()
-            sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
-                       for name, linear in linears.items()}
+            importance = None
             if self.weighted_projection:
+                sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
+                           for name, linear in linears.items()}
                 targets = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
+                importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
             else:
                 targets = ctx.forward()
             frozen = [p for p in ctx.block.parameters() if p.requires_grad]
@@ -86,8 +88,6 @@ class Safe(Method):
                     weights = [linear.weight for linear in linears.values()]
                     for weight in weights:
                         weight.requires_grad_(True)
-                    importance = ({linear.weight: sqnorms[name] for name, linear in linears.items()}
-                                  if self.weighted_projection else None)
                     optimizer = SafeOptimizer(weights, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
                                               lam=self.lam, dual_interval=self.dual_interval, importance=importance)
                     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
