@@ -1,8 +1,10 @@
 """DReSS (2025): regularise hidden channels with data, slice them out, optionally recover with LoRA.
 
-The channels P of the hidden (residual-stream) dimension, the same in every layer, are chosen by
-position (the last ⌈p·d⌉ by default, or the first, or spread over five segments; §4.4, Table 3),
-rounded so that the kept width stays a multiple of the head count (and of ``multiple``).
+The channels P of the hidden (residual-stream) dimension, the same in every layer, are the
+round(p·d) of least residual-stream energy on the calibration data by default (not in the paper:
+it keeps massive-activation channels, which the paper's positional choices happen to miss on its
+models), or by position as in the paper (the last, the first, or spread over five segments; §4.4,
+Table 3); the kept width stays a multiple of the head count (and of ``multiple``).
 
 1. Regularise (Algorithm 1, Eqs. 1-4): train the whole model on calibration windows with
    L = LM loss + λ·Σ‖slice‖ over every slice that reads or writes P: q/k/v/gate/up input columns,
@@ -10,7 +12,8 @@ rounded so that the kept width stays a multiple of the head count (and of ``mult
    per channel (DReSS-ℓ2, default) or ℓ1 (DReSS-ℓ1, Eq. 5-7 as its subgradient). The penalty's
    gradient is added to ``.grad`` by :func:`pyprune.ops.channel_penalty_`. The paper leaves the
    optimiser open: AdamW without weight decay, constant ``lr``; fp32 master weights.
-2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically.
+2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically; the norms
+   are then scaled by sqrt(d/d') (``rescale_norms``, not in the paper), exact for zeroed channels.
 3. Optional RFT: :func:`pyprune.recovery.lora_finetune` on the held-out quarter of the windows
    (the paper's 3:1 split), merged back into dense weights.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -39,22 +42,28 @@ from .options import Option, at_least_one, nonnegative, positive
 class DReSS(Method):
     name = "dress"
     patterns = (Structured,)
-    calibration = (32, 128)
+    calibration = (800, 128)  # 600 windows regularise (one pass of the default steps), 200 for LoRA
+    #: windows whose residual stream ranks the channels for ``channels="quiet"``
+    energy_windows = 64
 
     options = (
         Option("norm", str, "l2", "DReSS: penalty norm per channel slice (l2 = DReSS-l2, l1 = DReSS-l1)",
                choices=("l2", "l1")),
-        Option("lam", float, 1e-3, "DReSS: penalty weight lambda (paper 1e-3)", nonnegative),
-        Option("steps", int, 60, "DReSS: regularisation steps (0 = slice without regularising); "
+        Option("lam", float, 1.0, "DReSS: penalty weight lambda (paper 1e-3; AdamW normalises the gradient, so "
+               "from ~1 on each penalised weight moves ~lr per step toward 0, while 1e-3 hardly moves them "
+               "in a CPU budget of steps)", nonnegative),
+        Option("steps", int, 150, "DReSS: regularisation steps (0 = slice without regularising); "
                "MoreauPruner: inner steps T", nonnegative),
-        Option("lr", float, 1e-4, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)",
+        Option("lr", float, 1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)",
                positive),
         Option("train_batch", int, 4, "DReSS: calibration windows per training step", at_least_one),
-        Option("channels", str, "last", "DReSS: which hidden channels go (paper default: the last)",
-               choices=("last", "first", "spread")),
+        Option("channels", str, "quiet", "DReSS: which hidden channels go: quiet = least residual-stream "
+               "energy on the calibration data (avoids massive-activation channels; not in the paper), "
+               "last (the paper's default), first, spread", choices=("quiet", "last", "first", "spread")),
         Option("multiple", int, 1, "DReSS: keep a multiple of this many channels (e.g. 8 or 64 for "
                "tensor cores), besides a multiple of the head count", at_least_one),
-        Option("rescale_norms", bool, False, "DReSS: scale the sliced norms by sqrt(d/d') (not in the paper)"),
+        Option("rescale_norms", bool, True, "DReSS: scale the sliced norms by sqrt(d/d'), exact when the removed "
+               "channels are zero (not in the paper)"),
         Option("lora_steps", int, 0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative),
         Option("lora_rank", int, 32, "DReSS: LoRA rank (paper 32)", at_least_one),
         Option("lora_alpha", float, 10.0, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
@@ -67,10 +76,11 @@ class DReSS(Method):
 
     # -- which channels ------------------------------------------------------------------------
 
-    def pruned_channels(self, config, ratio: float) -> Tensor:
+    def pruned_channels(self, config, ratio: float, energy: Optional[Tensor] = None) -> Tensor:
         """The hidden channels P to remove for ``ratio``: round(ratio·d), then the kept width
         rounded to the nearest multiple of the head count and of ``multiple``; ValueError when
-        that removes no channel or keeps none."""
+        that removes no channel or keeps none. ``channels="quiet"`` takes the channels of least
+        ``energy`` (:meth:`channel_energy`), sorted; without ``energy`` it only checks the count."""
         d = config.hidden_size
         step = math.lcm(int(config.num_attention_heads), self.multiple)
         kept = round((d - round(ratio * d)) / step) * step
@@ -79,6 +89,8 @@ class DReSS(Method):
                              f"channels removed once the kept width is a multiple of {step} (the head count "
                              f"{config.num_attention_heads} and multiple {self.multiple})")
         count = d - kept
+        if self.channels == "quiet":
+            return torch.arange(count) if energy is None else energy.argsort(stable=True)[:count].sort().values
         if self.channels == "last":
             return torch.arange(kept, d)
         if self.channels == "first":
@@ -86,6 +98,23 @@ class DReSS(Method):
         segments = torch.arange(d).tensor_split(5)  # Table 3 (3): the last channels of 5 segments
         shares = [count // 5 + (i < count % 5) for i in range(5)]
         return torch.cat([seg[len(seg) - share:] for seg, share in zip(segments, shares)])
+
+    @staticmethod
+    @torch.no_grad()
+    def channel_energy(model: nn.Module, windows: Tensor, batch_size: int) -> Tensor:
+        """Each hidden channel's share of the residual stream's energy Σx², averaged over the
+        embedding output and every block's output on ``windows`` (each layer weighs the same). A few
+        massive-activation channels hold most of it (SmolLM2-135M: channel 507, ~96%); slicing one
+        of them breaks the model, whatever the regularisation (DReSS's positional choices happen to
+        miss LLaMA-2's)."""
+        energy = None
+        device = next(model.parameters()).device
+        for batch in windows.split(batch_size):
+            states = model(input_ids=batch.to(device=device, dtype=torch.long), output_hidden_states=True,
+                           use_cache=False).hidden_states
+            sums = torch.stack([h.float().pow(2).sum((0, 1)) for h in states])
+            energy = sums if energy is None else energy + sums
+        return (energy / energy.sum(1, keepdim=True)).mean(0).cpu()
 
     def check_config(self, config, pattern) -> None:
         self.pruned_channels(config, pattern.ratio)
@@ -123,7 +152,9 @@ class DReSS(Method):
             return {name: float(p.index_select(dim, channels.to(p.device)).abs().sum()) for name, p, dim in slices}
 
     def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        channels = self.pruned_channels(model.config, pattern.ratio)
+        energy = self.channel_energy(model, calib[:self.energy_windows], batch_size) \
+            if self.channels == "quiet" else None
+        channels = self.pruned_channels(model.config, pattern.ratio, energy)
         keep = torch.tensor(sorted(set(range(model.config.hidden_size)) - set(channels.tolist())))
         windows = calib
         recovery = None

@@ -5,17 +5,20 @@
   model (DReSS), and describe/rebuild their sizes.
 * :mod:`pyprune.nn.sparse` — :class:`SparseLinear`, a drop-in nn.Linear holding an N:M weight in
   the compressed form, and :func:`sparsify_` to swap it into a pruned model.
-* :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only.
+* :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only, and
+  the same for a whole model's hidden channels (:func:`slice_hidden_channels_`).
 * :mod:`pyprune.nn.dispatch` — the measured table that picks SparseLinear's backend.
 """
 from .compact import (block_layout, check_llama_block, config_accepts, config_fields,
                       grouped_query_heads, keep_attention_heads_, keep_hidden_channels_,
                       keep_mlp_channels_, layouts_uniform, resize_block_)
-from .sliced import SlicedLinear, slice_mlp_channels_, unslice_
+from .sliced import (SlicedEmbedding, SlicedLinear, SlicedNorm, slice_hidden_channels_, slice_mlp_channels_,
+                     unslice_)
 from .sparse import SparseLinear, detect_pattern, sparsify_
 
 __all__ = ["block_layout", "check_llama_block", "config_accepts", "config_fields",
            "grouped_query_heads", "keep_attention_heads_", "keep_hidden_channels_", "keep_mlp_channels_",
            "layouts_uniform", "resize_block_",
            "SparseLinear", "sparsify_", "detect_pattern",
-           "SlicedLinear", "slice_mlp_channels_", "unslice_"]
+           "SlicedLinear", "SlicedEmbedding", "SlicedNorm", "slice_hidden_channels_", "slice_mlp_channels_",
+           "unslice_"]

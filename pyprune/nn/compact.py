@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .sliced import SlicedLinear
+from .sliced import SlicedEmbedding, SlicedLinear, SlicedNorm
 from .sparse import SparseLinear
 
 __all__ = [
@@ -322,9 +322,9 @@ def hidden_stream(model: nn.Module) -> Dict:
     blocks), after checking that each has ``model.config.hidden_size`` channels there and that no
     other tensor has that size (ValueError otherwise)."""
     sparse = sorted(name for name, module in model.named_modules()
-                    if isinstance(module, (SparseLinear, SlicedLinear)))
+                    if isinstance(module, (SparseLinear, SlicedLinear, SlicedEmbedding, SlicedNorm)))
     if sparse:
-        raise ValueError(f"model holds SparseLinear/SlicedLinear layers {sparse[:3]}, whose "
+        raise ValueError(f"model holds SparseLinear/Sliced* modules {sparse[:3]}, whose "
                          f"stored weights cannot lose hidden channels; slice the dense model first "
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
     base, config = getattr(model, "model", None), getattr(model, "config", None)

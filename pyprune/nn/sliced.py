@@ -4,8 +4,10 @@ Structured methods score a channel mask and want the model's loss under it befor
 it (and to :mod:`pyprune.nn.compact`, which physically copies the kept rows/columns). A
 SlicedLinear wraps the original layer (``base``, whose weight it shares) and index tensors and runs
 :func:`pyprune.ops.sliced_linear`: its input holds the kept input channels, its output the kept
-output channels. :func:`slice_mlp_channels_` applies that to a LLaMA MLP and :func:`unslice_`
-puts the original layers back.
+output channels. :func:`slice_mlp_channels_` applies that to a LLaMA MLP,
+:func:`slice_hidden_channels_` to a whole model's hidden dimension (DReSS: the model as it will be
+after slicing, before slicing it; with :class:`SlicedEmbedding` and :class:`SlicedNorm`), and
+:func:`unslice_` puts the original modules back.
 """
 from __future__ import annotations
 
@@ -73,12 +75,64 @@ def slice_mlp_channels_(block: nn.Module, keep: Tensor) -> None:
     mlp.down_proj = SlicedLinear(mlp.down_proj, in_index=keep)
 
 
+class SlicedEmbedding(nn.Module):
+    """``base``'s embeddings restricted to the hidden channels ``index`` (weight shared)."""
+
+    def __init__(self, base: nn.Embedding, index: Tensor):
+        super().__init__()
+        self.base = base
+        self.register_buffer("index", index.to(base.weight.device).long(), persistent=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.base(ids).index_select(-1, self.index)
+
+
+class SlicedNorm(nn.Module):
+    """``base`` (an RMSNorm/LayerNorm over the hidden channels) run on the channels ``index``
+    only: its own forward with its weight (and bias) entries at ``index``, so its statistics are
+    taken over those channels, as after :func:`pyprune.nn.keep_hidden_channels_`."""
+
+    def __init__(self, base: nn.Module, index: Tensor):
+        super().__init__()
+        self.base = base
+        self.register_buffer("index", index.to(base.weight.device).long(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kept = {name: p.index_select(0, self.index) for name, p in self.base.named_parameters(recurse=False)}
+        return torch.func.functional_call(self.base, kept, (x,))
+
+
+def slice_hidden_channels_(model: nn.Module, keep) -> None:
+    """Run a LLaMA-family causal LM on the hidden (residual-stream) channels ``keep`` only, in
+    place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
+    (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
+    :func:`pyprune.nn.keep_hidden_channels_` would make (same ``keep`` rules and errors), so a
+    method can evaluate (or train through) the sliced model while the full weights stay; undone by
+    :func:`unslice_`."""
+    from .compact import _hidden_index, hidden_stream  # compact imports this module
+
+    stream = hidden_stream(model)
+    index = _hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
+    wrapped = {"model.embed_tokens": SlicedEmbedding(stream["embed"], index),
+               "lm_head": SlicedLinear(stream["lm_head"], in_index=index)}
+    wrapped.update({name: SlicedNorm(norm, index) for name, norm in stream["norms"].items()})
+    wrapped.update({name: SlicedLinear(m, in_index=index) for name, m in stream["readers"].items()})
+    wrapped.update({name: SlicedLinear(m, out_index=index) for name, m in stream["writers"].items()})
+    for name, module in wrapped.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+
+
+_WRAPPERS = (SlicedLinear, SlicedEmbedding, SlicedNorm)
+
+
 def unslice_(model: nn.Module) -> int:
-    """Replace every SlicedLinear inside ``model`` by its original layer; returns how many."""
+    """Replace every SlicedLinear, SlicedEmbedding and SlicedNorm inside ``model`` by its
+    original module; returns how many."""
     restored = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, SlicedLinear):
+            if isinstance(child, _WRAPPERS):
                 setattr(module, child_name, child.base)
                 restored += 1
     return restored
