@@ -2,8 +2,8 @@
 
 The channels P of the hidden (residual-stream) dimension, the same in every layer, are the
 round(p·d) of least residual-stream energy on the calibration data by default (not in the paper:
-it keeps massive-activation channels, which the paper's positional choices happen to miss on its
-models), or by position as in the paper (the last, the first, or spread over five segments; §4.4,
+it keeps massive-activation channels, which the paper's positional choices appear to miss on
+LLaMA-2-7B), or by position as in the paper (the last, the first, or spread over five segments; §4.4,
 Table 3); the kept width stays a multiple of the head count (and of ``multiple``).
 
 1. Regularise (Algorithm 1, Eqs. 1-4): train the whole model on calibration windows with
@@ -105,8 +105,8 @@ class DReSS(Method):
         """Each hidden channel's share of the residual stream's energy Σx², averaged over the
         embedding output and every block's output on ``windows`` (each layer weighs the same). A few
         massive-activation channels hold most of it (SmolLM2-135M: channel 507, ~96%); slicing one
-        of them breaks the model, whatever the regularisation (DReSS's positional choices happen to
-        miss LLaMA-2's)."""
+        of them breaks the model, whatever the regularisation (DReSS's positional choices appear to
+        miss LLaMA-2-7B's)."""
         energy = None
         device = next(model.parameters()).device
         for batch in windows.split(batch_size):
