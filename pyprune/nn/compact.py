@@ -324,8 +324,8 @@ def hidden_stream(model: nn.Module) -> Dict:
     sparse = sorted(name for name, module in model.named_modules()
                     if isinstance(module, (SparseLinear, SlicedLinear, SlicedEmbedding, SlicedNorm)))
     if sparse:
-        raise ValueError(f"model holds SparseLinear/SlicedLinear/SlicedEmbedding/SlicedNorm modules {sparse[:3]}, whose "
-                         f"stored weights cannot lose hidden channels; slice the dense model first "
+        raise ValueError(f"model holds SparseLinear/SlicedLinear/SlicedEmbedding/SlicedNorm modules "
+                         f"{sparse[:3]}, whose stored weights cannot lose hidden channels; slice the dense model first "
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
     base, config = getattr(model, "model", None), getattr(model, "config", None)
     embed, norm = getattr(base, "embed_tokens", None), getattr(base, "norm", None)

@@ -106,7 +106,7 @@ def slice_hidden_channels_(model: nn.Module, keep) -> None:
     """Run a LLaMA-family causal LM on the hidden (residual-stream) channels ``keep`` only, in
     place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
     (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
-    :func:`pyprune.nn.keep_hidden_channels_` would make (same ``keep`` rules and errors), so a
+    :func:`pyprune.nn.keep_hidden_channels_` would make (``keep`` is checked the same way), so a
     method can evaluate (or train through) the sliced model while the full weights stay; undone by
     :func:`unslice_`."""
     from .compact import _hidden_index, hidden_stream  # compact imports this module
