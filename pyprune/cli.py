@@ -267,6 +267,9 @@ def cmd_continual(args) -> int:
     if not isinstance(pattern, runner.patterns) or not runner.needs_calibration:
         raise UsageError(f"--method {args.method!r} is not a calibrated unstructured/N:M method "
                          "(continual: copal, wanda, sparsegpt)")
+    if args.init == "cumulative" and (runner.keeps_state or not getattr(runner, "can_accumulate", False)):
+        raise UsageError(f"--init cumulative needs a method whose statistics add up across datasets (wanda, "
+                         f"sparsegpt); got --method {args.method!r}")
     if len(set(args.datasets)) != len(args.datasets) or len(args.datasets) < 2:
         raise UsageError(f"--datasets needs two or more distinct texts; got {args.datasets}")
     pairs = _continual_sources(args)
@@ -277,7 +280,8 @@ def cmd_continual(args) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     _check_report(args.report)
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
-                "init": args.init, "permutations": args.permutations, "datasets": args.datasets,
+                "scope": getattr(runner.resolve(pattern), "scope", None), "init": args.init,
+                "permutations": args.permutations, "datasets": args.datasets,
                 "sources": [list(pair) for pair in pairs], "nsamples": args.nsamples, "seqlen": args.seqlen,
                 "seed": args.seed, "eval_seqlen": args.eval_seqlen, "eval_max_tokens": args.eval_max_tokens,
                 "options": runner.settings}
@@ -471,9 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     cont.add_argument("--seed", type=int, default=0, help="calibration sampling seed (the same for every order)")
     cont.add_argument("--permutations", choices=["given", "all"], default="given",
                       help="run the given order, or every order of the datasets")
-    cont.add_argument("--init", choices=["global", "sequential"], default="global",
-                      help="baselines: re-prune the dense model on each dataset (global) or prune the "
-                           "already-pruned model (sequential); COPAL keeps its own continual state")
+    cont.add_argument("--init", choices=["global", "sequential", "cumulative"], default="global",
+                      help="baselines: re-prune the dense model on each dataset (global), prune the "
+                           "already-pruned model (sequential), or prune the dense model from statistics summed "
+                           "over the datasets so far (cumulative: wanda, sparsegpt); COPAL keeps its own "
+                           "continual state")
     cont.add_argument("--report", required=True, help="JSON report (rewritten after every order; an existing "
                       "report of the same settings is resumed)")
     _add_method_options(cont)

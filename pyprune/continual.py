@@ -8,13 +8,19 @@ continual state (COPAL: one method object per order, accumulating), or with
 * global initialisation: each step re-prunes the dense model on that step's dataset only
   (the baselines of COPAL's Table 2; the result depends on the last dataset alone), or
 * sequential initialisation: each step prunes the model the previous step left (Table 1's
-  weight stasis).
+  weight stasis), or
+* cumulative initialisation: the statistics of a layer-wise method (Wanda's Σ‖x_j‖², SparseGPT's
+  Hessian) summed over the datasets seen so far, the mask always taken from the dense weights
+  (:meth:`~pyprune.methods.base.LayerwiseMaskMethod.accumulate_across_calls`): COPAL's
+  accumulation without its sensitivity formula.
 
 Metrics (Eqs. 13-14, with the pair sets the paper leaves open fixed as its tables imply):
 BWT_π[j] = P_π[last][j] − P_π[step of j][j] for every dataset j not last in π (positive means
 forgetting); per dataset the mean over orders; ``a_bwt`` the mean of the per-dataset means and
 ``m_bwt`` the largest single value. ``a_ppl`` is the mean over datasets of the mean perplexity
-of the final models, ``m_ppl`` the largest final perplexity.
+of the final models, ``m_ppl`` the largest final perplexity; ``a_ppl_steps`` (Eq. 13's other
+reading, P^{i,j}_π over every step i and dataset j of every order) the mean of P over every
+step, dataset and order, ``m_ppl_steps`` its largest value.
 """
 from __future__ import annotations
 
@@ -29,9 +35,10 @@ from tqdm.auto import tqdm
 
 from . import methods
 from .eval import perplexity
+from .patterns import parse
 from .pruning import prune
 
-INITS = ("global", "sequential")
+INITS = ("global", "sequential", "cumulative")
 
 
 @dataclass
@@ -64,7 +71,12 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
     if init not in INITS:
         raise ValueError(f"init must be one of {', '.join(INITS)}; got {init!r}")
     method_options = dict(method_options or {})
-    stateful = methods.get(method, **method_options).keeps_state  # options checked before anything runs
+    probe = methods.get(method, **method_options)  # options checked before anything runs
+    if init == "cumulative" and (probe.keeps_state or not getattr(probe, "can_accumulate", False)):
+        raise ValueError("init 'cumulative' needs a method whose calibration statistics add up across datasets "
+                         f"(wanda, sparsegpt); got {method!r}")
+    stateful = probe.keeps_state or init == "cumulative"
+    scope = getattr(probe.resolve(parse(pattern)), "scope", None)
     if stateful and method_options.get("state") is not None:
         raise ValueError(f"the continual runner keeps {method}'s state in memory, one per order; drop the "
                          "state option")
@@ -87,7 +99,11 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
     try:
         for order in todo:
             model.load_state_dict(dense_state)
-            runner = methods.get(method, **method_options) if stateful else None
+            runner = None
+            if stateful:
+                runner = methods.get(method, **method_options)
+                if init == "cumulative":
+                    runner.accumulate_across_calls()
             steps = []
             for name in order:
                 if not stateful and init == "global" and name in memo:
@@ -109,7 +125,8 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
     finally:
         bar.close()
         model.load_state_dict(dense_state)
-    report = {"method": method, "pattern": str(pattern), "init": "continual state" if stateful else init,
+    report = {"method": method, "pattern": str(pattern), "scope": scope,
+              "init": "continual state" if stateful and init != "cumulative" else init,
               "datasets": names, "dense": dense,
               "matrix": [{"order": list(order), "steps": matrix[order]} for order in orders(names, permutations)],
               "time_s": round(time.perf_counter() - start, 1)}
@@ -135,9 +152,11 @@ def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:
         final_all += finals
         bwt_all += bwts
     with_bwt = [entry["bwt"] for entry in per_dataset.values() if entry["bwt"] is not None]
+    every_step = [step["perplexity"][name] for steps in matrix.values() for step in steps for name in names]
     return {"per_dataset": per_dataset,
             "a_ppl": statistics.fmean(entry["ppl"] for entry in per_dataset.values()),
             "m_ppl": max(final_all),
+            "a_ppl_steps": statistics.fmean(every_step), "m_ppl_steps": max(every_step),
             "a_bwt": statistics.fmean(with_bwt) if with_bwt else None,
             "m_bwt": max(bwt_all) if bwt_all else None}
 

@@ -10,6 +10,7 @@ import torch
 import pyprune
 from pyprune import continual, engine
 from pyprune.methods.copal import STATE_FILE, Copal
+from pyprune.patterns import Unstructured
 from pyprune.reference import kept_count
 from tests.helpers import WORDS, random_tokens, tiny_llama
 
@@ -166,6 +167,7 @@ def test_state_refuses_other_settings_other_models_and_repeated_data(tmp_path):
     cases = [
         (tiny_llama(seed=0), 0.5, {"epsilon": 0.1}, "other settings: epsilon 0.01"),
         (tiny_llama(seed=0), "2:4", {}, "other settings: pattern"),
+        (tiny_llama(seed=0), Unstructured(0.5, "row"), {}, "other settings: scope 'tensor' \\(now 'row'\\)"),
         (tiny_llama(seed=7), 0.5, {}, "another model"),
         (tiny_llama(seed=0).to(torch.bfloat16), 0.5, {}, "another model"),
         (tiny_llama(seed=0), 0.5, {}, "already accumulated"),
@@ -249,6 +251,80 @@ def test_copal_runs_continually_and_reports_every_step():
     assert report["a_bwt"] is not None and report["m_ppl"] >= report["a_ppl"]
 
 
+def _input_sqnorms(model, calib):
+    """Σ_t x_t² per input feature of every linear of the dense ``model`` (fp64), by hooks."""
+    sums = {name: torch.zeros(linear.in_features, dtype=torch.float64) for name, linear in _linears(model).items()}
+    def hook(name, x):
+        sums[name] += x.double().reshape(-1, x.shape[-1]).square().sum(0)
+
+    handles = [linear.register_forward_hook(lambda mod, args, out, name=name: hook(name, args[0]))
+               for name, linear in _linears(model).items()]
+    with torch.no_grad():
+        model(input_ids=calib, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    return sums
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+def test_cumulative_wanda_prunes_the_dense_weights_by_the_summed_statistic(scope):
+    """After datasets A then B, each layer keeps the top |W_ij|·sqrt(Σ_A‖x_j‖² + Σ_B‖x_j‖²) of the
+    dense W (per row or per matrix). One block: every layer's inputs come from the dense block, so
+    hooks on the dense model give the statistic by hand."""
+    calib_a, calib_b = random_tokens((2, 32), seed=1), random_tokens((2, 32), seed=2, vocab=40)
+    model = tiny_llama(seed=0, layers=1)
+    dense = _weights(model)
+    norms = {n: _input_sqnorms(model, calib_a)[n] + s for n, s in _input_sqnorms(model, calib_b).items()}
+    runner = pyprune.methods.get("wanda").accumulate_across_calls()
+    for calib in (calib_a, calib_b):
+        pyprune.prune(model, runner, Unstructured(0.5, scope), calib, progress=False)
+    for name, w in _weights(model).items():
+        score = dense[name].double().abs() * norms[name].sqrt()
+        rows = score if scope == "row" else score.reshape(1, -1)
+        k = kept_count(rows.shape[1], 0.5)
+        expected = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, rows.topk(k, dim=1).indices, True)
+        assert torch.equal(w != 0, expected.reshape(w.shape)), name
+        assert torch.equal(w[w != 0], dense[name][w != 0])  # kept weights are the dense ones
+
+
+def test_cumulative_sparsegpt_equals_one_shot_on_the_datasets_together():
+    """SparseGPT's Hessian summed over A then B is the one of A and B together, and the weights
+    are updated from the dense ones: the same result as one call on both (one block)."""
+    calib_a, calib_b = random_tokens((2, 32), seed=1), random_tokens((2, 32), seed=2, vocab=40)
+    model, together = tiny_llama(seed=0, layers=1), tiny_llama(seed=0, layers=1)
+    runner = pyprune.methods.get("sparsegpt").accumulate_across_calls()
+    for calib in (calib_a, calib_b):
+        pyprune.prune(model, runner, 0.5, calib, batch_size=2, progress=False)
+    pyprune.prune(together, "sparsegpt", 0.5, torch.cat([calib_a, calib_b]), batch_size=2, progress=False)
+    expected = _weights(together)
+    for name, w in _weights(model).items():
+        torch.testing.assert_close(w, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_continual_runner_cumulative_init():
+    model = tiny_llama(seed=0)
+    report = continual.run(model, "wanda", 0.5, _tasks(), init="cumulative", eval_seqlen=32, progress=False)
+    assert report["init"] == "cumulative" and report["scope"] == "row"
+    (run,) = report["matrix"]
+    first = continual.run(model, "wanda", 0.5, _tasks()[:1], eval_seqlen=32, progress=False)
+    assert run["steps"][0]["perplexity"]["A"] == first["matrix"][0]["steps"][0]["perplexity"]["A"]
+    assert run["steps"][-1]["perplexity"] != first["matrix"][0]["steps"][0]["perplexity"]
+    for method in ("copal", "magnitude"):
+        with pytest.raises(ValueError, match="init 'cumulative' needs"):
+            continual.run(model, method, 0.5, _tasks(), init="cumulative", progress=False)
+    with pytest.raises(ValueError, match="cannot accumulate"):
+        Copal().accumulate_across_calls()
+
+
+def test_metrics_over_every_step():
+    """Eq. 13 read over every step i and dataset j: the mean and max of all of P."""
+    matrix = {("A", "B"): [{"pruned_on": "A", "perplexity": {"A": 10.0, "B": 30.0}},
+                           {"pruned_on": "B", "perplexity": {"A": 12.0, "B": 20.0}}]}
+    result = continual.metrics(["A", "B"], matrix)
+    assert result["a_ppl_steps"] == pytest.approx(18.0) and result["m_ppl_steps"] == 30.0
+    assert result["a_ppl"] == pytest.approx(16.0)
+
+
 def _two_texts(directory):
     """Two texts of the tiny tokenizer's words, with lines (so that they have two halves)."""
     text, other = directory / "text.txt", directory / "other.txt"
@@ -277,6 +353,24 @@ def test_cli_continual_end_to_end_and_resume(tiny_model_dir, tmp_path, capsys):
     before = report_path.read_text()
     assert main(argv[:-1] + ["--epsilon", "0.1", "--quiet"]) == 2
     assert "other settings" in capsys.readouterr().err and report_path.read_text() == before
+
+
+def test_cli_continual_report_keys_the_selection_scope(tiny_model_dir, tmp_path, capsys):
+    """A report made per matrix (COPAL's default) is not resumed per row."""
+    from pyprune.cli import main
+    model_dir, _ = tiny_model_dir
+    text, other = _two_texts(tmp_path)
+    report_path = tmp_path / "continual.json"
+    argv = ["continual", "--model", str(model_dir), "--method", "copal", "--sparsity", "0.5",
+            "--datasets", str(text), str(other), "--nsamples", "2", "--seqlen", "16", "--eval-seqlen", "16",
+            "--report", str(report_path), "--quiet"]
+    assert main(argv) == 0
+    before = report_path.read_text()
+    assert json.loads(before)["scope"] == "tensor"
+    assert main(argv + ["--scope", "row"]) == 2
+    assert "other settings" in capsys.readouterr().err and report_path.read_text() == before
+    assert main(argv + ["--init", "cumulative"]) == 2
+    assert "--init cumulative needs" in capsys.readouterr().err and report_path.read_text() == before
 
 
 @pytest.mark.parametrize("extra,message", [

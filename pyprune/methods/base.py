@@ -88,10 +88,37 @@ class LayerwiseMaskMethod(Method):
         """Prune ``linear`` in place from its statistics."""
 
     def prepare_block(self, ctx: engine.BlockContext) -> None:
-        """Called before a block's inputs are captured (e.g. to restore weights a method keeps)."""
+        """Called before a block's inputs are captured (e.g. to restore weights a method keeps).
+        With cumulative statistics: every layer back to its dense weights."""
+        if self._kept_stats is not None:
+            restore_dense_weights(ctx, self._dense_weights)
 
     #: next block's inputs from the block's outputs before pruning ("dense") or after ("pruned")
     propagate = "pruned"
+
+    #: the statistics are sums over calibration tokens, so they can also sum over datasets
+    #: (:meth:`accumulate_across_calls`)
+    can_accumulate = False
+    _kept_stats: Optional[Dict[str, Any]] = None
+
+    def accumulate_across_calls(self) -> "LayerwiseMaskMethod":
+        """Keep this object's per-layer statistics and the dense weights between ``prune`` calls
+        (the continual runner's cumulative initialisation, the control of COPAL's accumulation):
+        each call adds its calibration data to the statistics of the earlier calls and prunes the
+        dense weights from the sum, so a weight pruned earlier can come back. Returns ``self``."""
+        if not self.can_accumulate:
+            raise ValueError(f"method {self.name!r} cannot accumulate its statistics across calls")
+        self.keeps_state = True
+        self._kept_stats, self._dense_weights = {}, {}
+        return self
+
+    def _layer_stats(self, name: str, linear: nn.Linear):
+        """:meth:`new_stats`, or the ones this object kept for ``name`` from earlier calls."""
+        if self._kept_stats is None:
+            return self.new_stats(name, linear)
+        if name not in self._kept_stats:
+            self._kept_stats[name] = self.new_stats(name, linear)
+        return self._kept_stats[name]
 
     def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
         pattern = self.resolve(pattern)
@@ -99,7 +126,7 @@ class LayerwiseMaskMethod(Method):
         def process(ctx: engine.BlockContext) -> None:
             self.prepare_block(ctx)
             linears = ctx.linears()
-            stats = {name: self.new_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
+            stats = {name: self._layer_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
             outputs = ctx.capture(lambda name, linear, x, y: self.update(stats[name], x, y))
             for name, linear in linears.items():
                 self.prune_layer(linear, stats.pop(name), pattern)
@@ -109,6 +136,22 @@ class LayerwiseMaskMethod(Method):
         engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                              desc=self.name)
         return {"scope": getattr(pattern, "scope", None)}
+
+
+@torch.no_grad()
+def restore_dense_weights(ctx: engine.BlockContext, dense: Dict[str, Tensor]) -> None:
+    """Put every linear layer of the block back to its weights in ``dense`` (by qualified name),
+    or record them there on the first visit: a continual method always prunes the dense model."""
+    for name, linear in ctx.linears().items():
+        qualified = f"{ctx.name}.{name}"
+        if qualified not in dense:
+            dense[qualified] = linear.weight.detach().clone()
+        elif dense[qualified].shape != linear.weight.shape:
+            raise ValueError(f"{qualified}: the kept dense weights have shape {tuple(dense[qualified].shape)}, "
+                             f"the model's {tuple(linear.weight.shape)}; use a new method object for another model")
+        else:
+            dense[qualified] = dense[qualified].to(linear.weight.device)
+            linear.weight.copy_(dense[qualified])
 
 
 @torch.no_grad()

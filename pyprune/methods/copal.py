@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from .. import engine, ops
 from ..io import model_fingerprint
 from ..patterns import Pattern
-from .base import LayerwiseMaskMethod
+from .base import LayerwiseMaskMethod, restore_dense_weights
 from .options import Option, positive
 
 STATE_FILE = "copal-state.safetensors"
@@ -84,8 +84,10 @@ class Copal(LayerwiseMaskMethod):
     # -- the continual state -------------------------------------------------------------------
 
     def _settings_key(self, pattern: Pattern) -> dict:
+        """What a saved state must match: the options that change G or the masks, the pattern and
+        its selection scope (``str(pattern)`` omits it)."""
         return {key: self.settings[key] for key in ("perturbation", "epsilon", "perturbation_seed", "propagate")
-                } | {"pattern": str(pattern)}
+                } | {"pattern": str(pattern), "scope": getattr(pattern, "scope", None)}
 
     def check(self, model: nn.Module, pattern: Pattern) -> None:
         super().check(model, pattern)
@@ -159,13 +161,9 @@ class Copal(LayerwiseMaskMethod):
     @torch.no_grad()
     def prepare_block(self, ctx: engine.BlockContext) -> None:
         """Calibrate every layer on its dense weights: restore them (or record them on the first step)."""
+        restore_dense_weights(ctx, self.dense)
         for name, linear in ctx.linears().items():
             qualified = f"{ctx.name}.{name}"
-            if qualified in self.dense:
-                self.dense[qualified] = self.dense[qualified].to(linear.weight.device)
-                linear.weight.copy_(self.dense[qualified])
-            else:
-                self.dense[qualified] = linear.weight.detach().clone()
             if qualified in self.accumulators:
                 self.accumulators[qualified] = self.accumulators[qualified].to(linear.weight.device)
 

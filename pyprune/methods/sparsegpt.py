@@ -40,6 +40,7 @@ class _Hessian:
 class SparseGPT(LayerwiseMaskMethod):
     name = "sparsegpt"
     default_scope = "tensor"
+    can_accumulate = True  # H is the mean of 2·x xᵀ over every token seen, of every dataset
 
     options = (
         Option("blocksize", int, 128, "SparseGPT: columns per lazy-update block", at_least_one),
@@ -67,7 +68,8 @@ class SparseGPT(LayerwiseMaskMethod):
     @torch.no_grad()
     def prune_layer(self, linear, stats: _Hessian, pattern: Pattern) -> None:
         W = linear.weight.detach().float().clone()
-        Hinv = self._inverse_cholesky(stats.H, W)
+        # the inversion dampens H in place: on a copy when the statistics are kept for the next call
+        Hinv = self._inverse_cholesky(stats.H if self._kept_stats is None else stats.H.clone(), W)
         columns = W.shape[1]
         nm = pattern if isinstance(pattern, NM) else None
         blocksize = self.blocksize if nm is None else nm.m * math.ceil(self.blocksize / nm.m)
