@@ -94,12 +94,65 @@ def test_steps_zero_is_plain_slicing():
         assert torch.equal(a, b), name
 
 
-def test_rescale_norms():
-    model, plain = tiny_llama(seed=0), tiny_llama(seed=0)
-    pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=0, rescale_norms=True)
-    pyprune.prune(plain, "dress", Structured(0.25), _calib(), progress=False, steps=0, rescale_norms=False)
-    torch.testing.assert_close(model.model.norm.weight, plain.model.norm.weight * math.sqrt(64 / 48))
+def test_rescale_norms_by_the_measured_energy_share():
+    """Each norm is scaled by the mean over tokens of sqrt(s·d/d'), s the kept channels' share of
+    its input's energy (by hand for the final norm); the weights it does not read stay."""
+    model, plain, calib = tiny_llama(seed=0), tiny_llama(seed=0), _calib()
+    inputs = []
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
+    with torch.no_grad():
+        model(input_ids=calib)
+    handle.remove()
+    report = pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=0, channels="last")
+    pyprune.prune(plain, "dress", Structured(0.25), calib, progress=False, steps=0, channels="last",
+                  rescale_norms=False)
+    energy = torch.cat(inputs).double().square()
+    expected = (energy[..., :48].sum(-1) / energy.sum(-1) * 64 / 48).sqrt().mean()
+    assert report["norm_scale"]["model.norm"] == pytest.approx(float(expected), rel=1e-5)
+    assert report["width_scale"] == pytest.approx(math.sqrt(64 / 48)) and float(expected) < math.sqrt(64 / 48)
+    torch.testing.assert_close(model.model.norm.weight, plain.model.norm.weight * float(expected))
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight)
+
+
+def test_the_measured_rescale_is_sqrt_width_when_the_removed_channels_are_empty():
+    model, calib = tiny_llama(seed=0), _calib()
+    stream = pyprune.nn.compact.hidden_stream(model)
+    with torch.no_grad():  # nothing writes the last 16 channels: the residual stream is zero there
+        stream["embed"].weight[:, 48:] = 0
+        for writer in stream["writers"].values():
+            writer.weight[48:] = 0
+    scales = DReSS.norm_scales(model, torch.arange(48), calib, batch_size=4)
+    assert len(scales) == 5 and all(v == pytest.approx(math.sqrt(64 / 48), rel=1e-6) for v in scales.values())
+
+
+def test_the_preview_with_the_rescale_gives_the_sliced_model_s_logits():
+    calib = _calib()
+    sliced, preview = tiny_llama(seed=0), tiny_llama(seed=0)
+    report = pyprune.prune(sliced, "dress", Structured(0.25), calib, progress=False, steps=0)
+    keep = sorted(set(range(64)) - set(report["pruned_channels"]))
+    pyprune.nn.slice_hidden_channels_(preview, keep, norm_scale=report["norm_scale"])
+    with torch.no_grad():
+        expected, got = sliced(input_ids=calib).logits, preview(input_ids=calib).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    pyprune.nn.unslice_(preview)
+    pyprune.nn.slice_hidden_channels_(preview, keep)  # without the rescale it is another model
+    with torch.no_grad():
+        assert not torch.allclose(preview(input_ids=calib).logits, expected, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="norm_scale names no norm"):
+        pyprune.nn.slice_hidden_channels_(tiny_llama(seed=0), keep, norm_scale={"model.nowhere": 2.0})
+
+
+def test_mass_ratio_per_layer_and_kind_of_matrix():
+    report = pyprune.prune(tiny_llama(seed=0), "dress", Structured(0.25), _calib(), progress=False,
+                           steps=5, lam=0.05, lr=3e-3)
+    per_tensor, per_layer, per_kind = (report[f"slice_mass_ratio_per_{k}"] for k in ("tensor", "layer", "kind"))
+    assert set(per_layer) == {"layer 0", "layer 1", "model.embed_tokens", "model.norm", "lm_head"}  # untied
+    assert {"q_proj", "o_proj", "down_proj", "input_layernorm", "embed_tokens", "norm"} <= set(per_kind)
+    start = DReSS.slice_mass(DReSS().penalised_slices(tiny_llama(seed=0)),
+                             torch.tensor(report["pruned_channels"]))
+    q = [n for n in start if n.endswith("q_proj")]
+    expected = sum(per_tensor[n] * start[n] for n in q) / sum(start[n] for n in q)  # Σ after / Σ before
+    assert per_kind["q_proj"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_an_interrupted_regularisation_resumes_exactly(tmp_path):

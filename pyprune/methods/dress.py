@@ -12,8 +12,10 @@ Table 3); the kept width stays a multiple of the head count (and of ``multiple``
    per channel (DReSS-ℓ2, default) or ℓ1 (DReSS-ℓ1, Eq. 5-7 as its subgradient). The penalty's
    gradient is added to ``.grad`` by :func:`pyprune.ops.channel_penalty_`. The paper leaves the
    optimiser open: AdamW without weight decay, constant ``lr``; fp32 master weights.
-2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically; the norms
-   are then scaled by sqrt(d/d') (``rescale_norms``, not in the paper), exact for zeroed channels.
+2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically; each norm
+   is then scaled by the factor that keeps its output on the calibration data (``rescale_norms``,
+   not in the paper; :meth:`DReSS.norm_scales`): sqrt(s·d/d') with s the kept channels' measured
+   share of its input's energy, which is sqrt(d/d') only when the removed channels are empty.
 3. Optional RFT: :func:`pyprune.recovery.lora_finetune` on the held-out quarter of the windows
    (the paper's 3:1 split), merged back into dense weights.
 
@@ -39,6 +41,12 @@ from .options import Option, at_least_one, nonnegative, positive
 
 
 
+def _layer_of(name: str) -> str:
+    """'layer 3' for a tensor of model.layers.3, else the tensor's own name (embedding, final norm)."""
+    parts = name.split(".")
+    return f"layer {parts[2]}" if parts[:2] == ["model", "layers"] else name
+
+
 class DReSS(Method):
     name = "dress"
     patterns = (Structured,)
@@ -62,8 +70,8 @@ class DReSS(Method):
                "last (the paper's default), first, spread", choices=("quiet", "last", "first", "spread")),
         Option("multiple", int, 1, "DReSS: keep a multiple of this many channels (e.g. 8 or 64 for "
                "tensor cores), besides a multiple of the head count", at_least_one),
-        Option("rescale_norms", bool, True, "DReSS: scale the sliced norms by sqrt(d/d'), exact when the removed "
-               "channels are zero (not in the paper)"),
+        Option("rescale_norms", bool, True, "DReSS: scale each sliced norm by sqrt(s*d/d'), s the kept channels' "
+               "measured share of its input's energy on the calibration data (not in the paper)"),
         Option("lora_steps", int, 0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative),
         Option("lora_rank", int, 32, "DReSS: LoRA rank (paper 32)", at_least_one),
         Option("lora_alpha", float, 10.0, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
@@ -151,6 +159,46 @@ class DReSS(Method):
         with torch.no_grad():
             return {name: float(p.index_select(dim, channels.to(p.device)).abs().sum()) for name, p, dim in slices}
 
+    @staticmethod
+    def mass_ratio_by(start: Dict[str, float], end: Dict[str, float], group) -> Dict[str, float]:
+        """Σ end / Σ start of the slice masses over the tensors ``group(name)`` puts together
+        (e.g. by layer or by kind of matrix, as in Fig. 5)."""
+        totals: Dict[str, List[float]] = {}
+        for name, before in start.items():
+            total = totals.setdefault(group(name), [0.0, 0.0])
+            total[0] += end[name]
+            total[1] += before
+        return {key: after / before for key, (after, before) in totals.items() if before}
+
+    @staticmethod
+    @torch.no_grad()
+    def norm_scales(model: nn.Module, keep: Tensor, windows: Tensor, batch_size: int) -> Dict[str, float]:
+        """Per norm of the hidden stream, the factor that keeps its output on the kept channels once
+        the others are sliced: an RMS norm over d' channels divides by sqrt(s·d'/d) times the old
+        RMS, s = Σ_kept x² / Σ x² of the token's input, so the factor is sqrt(s·d/d'), averaged over
+        the tokens of ``windows``; it is sqrt(d/d') exactly when the removed channels are zero."""
+        stream = hidden_stream(model)
+        device = next(model.parameters()).device
+        index, width = keep.to(device), model.config.hidden_size / keep.numel()
+        sums = dict.fromkeys(stream["norms"], 0.0)
+
+        def record(name):
+            def hook(module, args):
+                energy = args[0].float().square()
+                total = energy.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+                share = energy.index_select(-1, index).sum(-1) / total
+                sums[name] += float((share * width).sqrt().sum())
+            return hook
+
+        handles = [norm.register_forward_pre_hook(record(name)) for name, norm in stream["norms"].items()]
+        try:
+            for batch in windows.split(batch_size):
+                model(input_ids=batch.to(device=device, dtype=torch.long), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {name: total / windows.numel() for name, total in sums.items()}
+
     def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
         energy = self.channel_energy(model, calib[:self.energy_windows], batch_size) \
             if self.channels == "quiet" else None
@@ -169,13 +217,16 @@ class DReSS(Method):
         log = self._regularise(model, slices, channels, windows, progress) if self.steps > 0 else {}
         mass_end = self.slice_mass(slices, channels)
         d = model.config.hidden_size
+        scales = self.norm_scales(model, keep, calib[:self.energy_windows], batch_size) if self.rescale_norms else {}
         keep_hidden_channels_(model, keep)
-        if self.rescale_norms:
-            self._rescale_norms(model, math.sqrt(d / keep.numel()))
+        self._rescale_norms(model, scales)
         details = {
             "hidden_size": [d, keep.numel()], "pruned_channels": channels.tolist(),
+            "norm_scale": scales, "width_scale": math.sqrt(d / keep.numel()),
             "slice_mass_ratio": sum(mass_end.values()) / sum(mass_start.values()),
             "slice_mass_ratio_per_tensor": {k: mass_end[k] / mass_start[k] for k in mass_start if mass_start[k]},
+            "slice_mass_ratio_per_layer": self.mass_ratio_by(mass_start, mass_end, _layer_of),
+            "slice_mass_ratio_per_kind": self.mass_ratio_by(mass_start, mass_end, lambda n: n.rpartition(".")[2]),
             "regularisation": log, "cost_before": before, "cost_after": model_cost(model, calib.shape[1])}
         if recovery is not None:
             from ..recovery import lora_finetune
@@ -186,9 +237,10 @@ class DReSS(Method):
         return details
 
     @torch.no_grad()
-    def _rescale_norms(self, model, factor: float) -> None:
-        for norm in hidden_stream(model)["norms"].values():
-            norm.weight.mul_(factor)
+    def _rescale_norms(self, model, scales: Dict[str, float]) -> None:
+        for name, norm in hidden_stream(model)["norms"].items():
+            if name in scales:
+                norm.weight.mul_(scales[name])
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor, progress: bool) -> Dict:
         """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's

@@ -11,7 +11,7 @@ after slicing, before slicing it; with :class:`SlicedEmbedding` and :class:`Slic
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
@@ -89,33 +89,42 @@ class SlicedEmbedding(nn.Module):
 
 class SlicedNorm(nn.Module):
     """``base`` (an RMSNorm/LayerNorm over the hidden channels) run on the channels ``index``
-    only: its own forward with its weight (and bias) entries at ``index``, so its statistics are
-    taken over those channels, as after :func:`pyprune.nn.keep_hidden_channels_`."""
+    only: its own forward with its weight (and bias) entries at ``index``, the weight times
+    ``scale``, so its statistics are taken over those channels, as after
+    :func:`pyprune.nn.keep_hidden_channels_` and a rescale of the norm by ``scale``."""
 
-    def __init__(self, base: nn.Module, index: Tensor):
+    def __init__(self, base: nn.Module, index: Tensor, scale: float = 1.0):
         super().__init__()
-        self.base = base
+        self.base, self.scale = base, float(scale)
         self.register_buffer("index", index.to(base.weight.device).long(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         kept = {name: p.index_select(0, self.index) for name, p in self.base.named_parameters(recurse=False)}
+        if self.scale != 1.0:
+            kept["weight"] = kept["weight"] * self.scale
         return torch.func.functional_call(self.base, kept, (x,))
 
 
-def slice_hidden_channels_(model: nn.Module, keep) -> None:
+def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str, float]] = None) -> None:
     """Run a LLaMA-family causal LM on the hidden (residual-stream) channels ``keep`` only, in
     place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
     (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
     :func:`pyprune.nn.keep_hidden_channels_` would make (``keep`` is checked the same way), so a
     method can evaluate (or train through) the sliced model while the full weights stay; undone by
-    :func:`unslice_`."""
+    :func:`unslice_`. ``norm_scale`` (norm name -> factor, e.g. DReSS's ``norm_scale`` report) scales
+    those norms' weights as a rescale after slicing would."""
     from .compact import _hidden_index, hidden_stream  # compact imports this module
 
     stream = hidden_stream(model)
     index = _hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
     wrapped = {"model.embed_tokens": SlicedEmbedding(stream["embed"], index),
                "lm_head": SlicedLinear(stream["lm_head"], in_index=index)}
-    wrapped.update({name: SlicedNorm(norm, index) for name, norm in stream["norms"].items()})
+    norm_scale = dict(norm_scale or {})
+    unknown = sorted(set(norm_scale) - set(stream["norms"]))
+    if unknown:
+        raise ValueError(f"norm_scale names no norm of the hidden stream: {', '.join(unknown)}")
+    wrapped.update({name: SlicedNorm(norm, index, norm_scale.get(name, 1.0))
+                    for name, norm in stream["norms"].items()})
     wrapped.update({name: SlicedLinear(m, in_index=index) for name, m in stream["readers"].items()})
     wrapped.update({name: SlicedLinear(m, out_index=index) for name, m in stream["writers"].items()})
     for name, module in wrapped.items():
