@@ -7,11 +7,15 @@ novels), ``moby_dick`` and ``python`` source, all embedded in pyprune; the first
 calibrates (``--nsamples`` x ``--seqlen`` random windows, the same for every order), the first
 ``--eval-tokens`` tokens of its second half evaluate.
 
-Rows: COPAL (continual state; ``copal/row`` selects per output row instead of the paper's per
-matrix), and Wanda / SparseGPT with global initialisation (the paper's
-baselines: re-prune the dense model on each dataset) and with sequential initialisation (prune
-the pruned model: weight stasis). Results go to benchmarks/results/continual-smollm2-135m.{json,md},
-rewritten after every finished order; a rerun resumes.
+Rows, each ``method[:init][+perturbation][/scope]``: COPAL (continual state; ``+gaussian`` draws
+the perturbations instead of the default proportional ones; ``/row`` selects per output row
+instead of the paper's per matrix), and Wanda / SparseGPT with global initialisation (the paper's
+baselines: re-prune the dense model on each dataset), sequential initialisation (prune the pruned
+model: weight stasis) or cumulative initialisation (their own statistics summed over the datasets
+so far, the mask from the dense weights: accumulation without COPAL's sensitivity). Every row
+reports A-PPL of the final models and A-PPL over every step (Eq. 13's two readings). Results go to
+benchmarks/results/continual-smollm2-135m.{json,md}, rewritten after every finished order; a
+rerun resumes.
 
     python benchmarks/continual_smollm2.py                          # the README table
     python benchmarks/continual_smollm2.py --patterns 0.5 --rows copal wanda:global --permutations given
@@ -24,18 +28,26 @@ import time
 import torch
 
 from _common import environment, previous_result, write_atomic, write_json
-from pyprune import continual, data
+from pyprune import continual, data, methods
 from pyprune.eval import perplexity
 from pyprune.models import load_model
 from pyprune.patterns import Unstructured, parse
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ROWS = ("copal", "copal/row", "wanda:global", "sparsegpt:global", "wanda:sequential", "sparsegpt:sequential")
+ROWS = ("copal", "copal/row", "copal+gaussian", "copal+gaussian/row", "wanda:global", "wanda:cumulative",
+        "wanda:cumulative/tensor", "sparsegpt:global", "sparsegpt:cumulative", "wanda:sequential",
+        "sparsegpt:sequential")
+DEFAULT_ROWS = ROWS[:9]
 DATASETS = ("austen", "moby_dick", "python")
 
 
 def _fmt(value, digits=3):
     return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _spread(mean, std):
+    """mean ± standard deviation across orders (– for no value, mean alone for one order)."""
+    return "–" if mean is None else f"{mean:.3f}" + (f" ± {std:.2f}" if std else "")
 
 
 def markdown(result) -> str:
@@ -45,17 +57,20 @@ def markdown(result) -> str:
         f"Datasets {', '.join(s['datasets'])} in {s['permutations']} order(s); calibration {s['calibration']}; "
         f"evaluation {s['evaluation']}. BWT = P[after the last dataset][j] − P[right after j][j], over every "
         "dataset j not last in its order (positive = forgetting); A- = mean over datasets of the per-dataset "
-        "mean, M- = largest single value; PPL of the final models.", "",
+        "mean, M- = largest single value; PPL of the final models; A-PPL (steps) = mean of P over every step, "
+        "dataset and order (Eq. 13 read over every step i). Spread: standard deviation across orders.", "",
         "Dense: " + ", ".join(f"{k} {v:.3f}" for k, v in result["dense"].items()), "",
-        "| pattern | method | init | A-BWT | M-BWT | A-PPL | M-PPL | " +
+        "| pattern | method | init | A-BWT | M-BWT | A-PPL | M-PPL | A-PPL (steps) | " +
         " | ".join(f"{d} BWT | {d} PPL" for d in s["datasets"]) + " | time (s) |",
-        "|---|---|---|---:|---:|---:|---:|" + "---:|---:|" * len(s["datasets"]) + "---:|"]
+        "|---|---|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(s["datasets"]) + "---:|"]
     for row in result["rows"]:
         if row.get("partial"):
             continue
-        cells = [f"{_fmt(row['per_dataset'][d]['bwt'])} | {row['per_dataset'][d]['ppl']:.3f}" for d in s["datasets"]]
+        cells = [_spread(row['per_dataset'][d]['bwt'], row['per_dataset'][d]['bwt_std']) + " | " +
+                 _spread(row['per_dataset'][d]['ppl'], row['per_dataset'][d]['ppl_std']) for d in s["datasets"]]
         lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | {_fmt(row['a_bwt'])} | "
-                     f"{_fmt(row['m_bwt'])} | {row['a_ppl']:.3f} | {row['m_ppl']:.3f} | " + " | ".join(cells)
+                     f"{_fmt(row['m_bwt'])} | {row['a_ppl']:.3f} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
+                     + " | ".join(cells)
                      + f" | {row['time_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -63,7 +78,7 @@ def markdown(result) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
-    parser.add_argument("--rows", nargs="+", default=list(ROWS[:4]), choices=ROWS)
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS)
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--permutations", choices=["given", "all"], default="all")
     parser.add_argument("--nsamples", type=int, default=16)
@@ -96,11 +111,15 @@ def main(argv=None):
     for spec in args.patterns:
         for row_name in args.rows:
             row_name, _, scope = row_name.partition("/")
+            row_name, _, perturbation = row_name.partition("+")
             method, _, init = row_name.partition(":")
             init = init or "global"
+            options = {"perturbation": perturbation} if perturbation else {}
             pattern = parse(spec) if ":" in spec else Unstructured(float(spec), scope or None)
-            label = {"pattern": str(pattern) + (f" per {scope}" if scope and ":" not in spec else ""),
-                     "method": method, "init": init if method != "copal" else "continual state"}
+            scope = getattr(methods.get(method).resolve(pattern), "scope", None)
+            label = {"pattern": str(pattern) + (f" per {scope}" if scope else ""),
+                     "method": method + (f" ({perturbation})" if perturbation else ""),
+                     "init": init if method != "copal" else "continual state"}
             row = next((r for r in rows if all(r[k] == v for k, v in label.items())), None)
             if row is not None and not row.get("partial"):
                 continue
@@ -115,14 +134,17 @@ def main(argv=None):
 
             start = time.perf_counter()
             report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
-                                   eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint)
+                                   eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint,
+                                   method_options=options)
             report["time_s"] = round(time.perf_counter() - start, 1)
             row.clear()
             row.update(label, resumed_orders=len(done), **{k: report[k] for k in (
-                "a_ppl", "m_ppl", "a_bwt", "m_bwt", "per_dataset", "matrix", "time_s")})
+                "a_ppl", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "m_bwt", "per_dataset", "matrix",
+                "time_s")})
             save()
             print(f"{pattern} {method} ({label['init']}): A-BWT {_fmt(report['a_bwt'])} M-BWT "
-                  f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} M-PPL {report['m_ppl']:.3f} "
+                  f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} (over every step "
+                  f"{report['a_ppl_steps']:.3f}) M-PPL {report['m_ppl']:.3f} "
                   f"({report['time_s']} s)", flush=True)
     return 0
 

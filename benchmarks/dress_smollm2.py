@@ -1,14 +1,23 @@
-"""DReSS's central comparison on SmolLM2-135M: regularise-then-slice against slicing the same
-hidden channels without regularisation (the paper's "w/o R" ablation, Table 5), each before and
-after LoRA recovery, for each channel choice in ``--channels``.
+"""DReSS's central comparison on SmolLM2-135M, for each channel choice in ``--channels``, each row
+before and after LoRA recovery, every row slicing the same hidden channels:
+
+* slice only (the paper's "w/o R" ablation, Table 5): no training;
+* DReSS: regularise (λ, ``--steps`` AdamW steps) then slice;
+* fine-tune with λ = 0 then slice: the same training budget without the penalty;
+* slice then train (the paper's N&P&R control, Table 4): the sliced model trained with the same
+  steps, windows, optimiser and seed.
+
+Regularise-then-slice is supported only where it beats both trained controls.
 
 Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma, split 3:1 as in the paper:
 the first three quarters regularise (one pass at the defaults: steps x train batch = windows),
 the last quarter trains LoRA. Evaluation: the first ``--eval-tokens`` tokens of Pride and
-Prejudice. Hidden size 576 -> 432 at ``--ratio 0.25``. Each row: perplexity after slicing, after
-LoRA, the weight mass of the removed slices after regularisation relative to before (Fig. 5's
-measure), and the wall time of each phase. Results: benchmarks/results/dress-smollm2-135m.{json,md},
-rewritten after every row; a rerun skips the rows already there.
+Prejudice and of Moby Dick (not by Austen). Hidden size 576 -> 432 at ``--ratio 0.25``. Each row:
+perplexity after slicing and after LoRA on both texts, the weight mass of the removed slices after
+training relative to before (Fig. 5's measure), overall, per layer and per kind of matrix (also
+plotted, dress-smollm2-135m-mass-<channels>.svg), the norm rescale measured against sqrt(d/d'), and the wall
+time of each phase. Results: benchmarks/results/dress-smollm2-135m.{json,md}, rewritten after every
+row; a rerun skips the rows already there.
 
     python benchmarks/dress_smollm2.py
     python benchmarks/dress_smollm2.py --channels last --steps 120 --lam 1 --lr 1e-3
@@ -21,7 +30,7 @@ import time
 
 import torch
 
-from _common import environment, previous_result, write_atomic, write_json
+from _common import environment, previous_result, svg_line_plot, write_atomic, write_json
 import pyprune
 from pyprune import data
 from pyprune.eval import perplexity
@@ -29,24 +38,71 @@ from pyprune.methods.dress import DReSS
 from pyprune.models import load_model
 from pyprune.patterns import Structured
 from pyprune.recovery import lora_finetune
+from pyprune.training import fp32_master_weights, train
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULTS = {option.name: option.default for option in DReSS.options}
+EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
+KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
+
+
+def arms(args):
+    """(label, DReSS options, train the sliced model afterwards) of every row of one channel choice."""
+    trained = {k: getattr(args, k) for k in ("lam", "lr", "norm", "train_batch")}
+    return [("slice only (w/o R)", {"steps": 0}, False),
+            (f"DReSS-{args.norm}", {"steps": args.steps, **trained}, False),
+            ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
+            ("slice, then train (N&P&R)", {"steps": 0}, True)]
+
+
+def mass_plot(row) -> str:
+    """SVG: the slice-mass ratio of every decoder layer, one line per kind of matrix."""
+    series = {}
+    for name, ratio in row["slice_mass_ratio_per_tensor"].items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            series.setdefault(parts[-1], []).append((int(parts[2]), ratio))
+    return svg_line_plot(series, f"DReSS slice mass after/before per layer ({row['channels']}, {row['label']})",
+                         "decoder layer", "slice mass after / before", log2_x=False, reference_y=1.0)
 
 
 def markdown(result) -> str:
     s = result["settings"]
+    texts = list(result["dense"])
     lines = ["# DReSS on SmolLM2-135M", "",
              f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
-             f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity {result['dense']:.2f}.", "",
-             "| channels | setting | steps | λ | lr | slice mass after/before | ppl sliced | ppl + LoRA | "
-             "regularise (s) | LoRA (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
+             + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". Every row of a channel choice "
+             "slices the same channels; 'train steps' are AdamW steps on the same windows, before slicing "
+             "(DReSS, λ=0) or after (N&P&R).", "",
+             "| channels | setting | train steps | λ | lr | slice mass after/before | "
+             + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts) + " | train (s) | LoRA (s) |",
+             "|---|---|---:|---:|---:|---:|" + "---:|---:|" * len(texts) + "---:|---:|"]
     for r in result["rows"]:
-        trained = r["steps"] > 0
-        lam, lr = (f"{r[k]:g}" if trained else "–" for k in ("lam", "lr"))
-        lines.append(f"| {r['channels']} | {r['label']} | {r['steps']} | {lam} | {lr} | "
-                     f"{r['slice_mass_ratio']:.3f} | {r['ppl_sliced']:.2f} | {r['ppl_lora']:.2f} | "
-                     f"{r['regularise_s']:.0f} | {r['lora_s']:.0f} |")
+        trained = r["train_steps"] > 0
+        lam = f"{r['lam']:g}" if r["steps"] > 0 else "–"
+        lr = f"{r['lr']:g}" if trained else "–"
+        lines.append(f"| {r['channels']} | {r['label']} | {r['train_steps']} | {lam} | {lr} | "
+                     f"{r['slice_mass_ratio']:.3f} | "
+                     + " | ".join(f"{r['ppl_sliced'][t]:.2f} | {r['ppl_lora'][t]:.2f}" for t in texts)
+                     + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
+    lines += ["", "Slice mass after/before per kind of matrix (Fig. 5; rows that trained before slicing):", "",
+              "| channels | setting | " + " | ".join(KINDS) + " |", "|---|---|" + "---:|" * len(KINDS)]
+    for r in result["rows"]:
+        if r["steps"] > 0:
+            kinds = r["slice_mass_ratio_per_kind"]
+            lines.append(f"| {r['channels']} | {r['label']} | "
+                         + " | ".join(f"{kinds[k]:.3f}" if k in kinds else "–" for k in KINDS) + " |")
+    lines += ["", "Norm rescale: the measured factor sqrt(s·d/d') (s = kept channels' share of each norm's input "
+              "energy on the calibration windows) against sqrt(d/d'), which assumes empty removed channels:", "",
+              "| channels | setting | sqrt(d/d') | measured min | measured median | measured max |",
+              "|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        scales = sorted(r["norm_scale"].values())
+        if scales:
+            lines.append(f"| {r['channels']} | {r['label']} | {r['width_scale']:.4f} | {scales[0]:.4f} | "
+                         f"{scales[len(scales) // 2]:.4f} | {scales[-1]:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -55,8 +111,8 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--nsamples", type=int, default=DReSS.calibration[0])
     parser.add_argument("--seqlen", type=int, default=DReSS.calibration[1])
-    parser.add_argument("--channels", default="quiet,last",
-                        help="comma-separated channel choices, each a pair of rows (quiet, last, first, spread)")
+    parser.add_argument("--channels", default="quiet,last,first,spread",
+                        help="comma-separated channel choices, each four rows (quiet, last, first, spread)")
     for name in ("steps", "lam", "lr", "norm", "train_batch", "rescale_norms", "lora_steps", "lora_lr"):
         kind = type(DEFAULTS[name])
         parser.add_argument(f"--{name.replace('_', '-')}", default=DEFAULTS[name],
@@ -71,47 +127,60 @@ def main(argv=None):
     calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=0)
     split = (3 * args.nsamples) // 4
     regularise, recover = calib[:split], calib[split:]
-    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=args.eval_tokens)
+    tokens = {text: data.eval_tokens(tokenizer, text, max_tokens=args.eval_tokens) for text in EVAL_TEXTS}
     settings = {"hidden": f"576 -> ratio {args.ratio}",
-                "calibration": f"{split} x {args.seqlen} Emma windows regularise, {args.nsamples - split} train LoRA",
-                "evaluation": f"first {args.eval_tokens} tokens of pride_and_prejudice, {args.eval_seqlen}-token windows",
+                "calibration": f"{split} x {args.seqlen} Emma windows train, {args.nsamples - split} train LoRA",
+                "evaluation": f"first {args.eval_tokens} tokens of {' and '.join(EVAL_TEXTS)}, "
+                              f"{args.eval_seqlen}-token windows",
                 "lora": f"{args.lora_steps} steps, rank 32, alpha 10, lr {args.lora_lr:g}, batch {args.train_batch}",
                 "threads": torch.get_num_threads()}
     keep = previous_result(args.output, settings)
     rows = keep["rows"] if keep else []
-    dense = keep["dense"] if keep else perplexity(dense_model, tokens, args.eval_seqlen, progress=False)
+    dense = keep["dense"] if keep else {text: perplexity(dense_model, ids, args.eval_seqlen, progress=False)
+                                        for text, ids in tokens.items()}
 
-    trained = {k: getattr(args, k) for k in ("lam", "lr", "norm", "train_batch")}
+    def evaluate(model):
+        return {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
+
     for channels in args.channels.split(","):
-        for label, options in (("slice only (w/o R)", {"steps": 0}),
-                               (f"DReSS-{args.norm}", {"steps": args.steps, **trained})):
-            options.update(channels=channels, rescale_norms=args.rescale_norms)
+        for label, options, train_after in arms(args):
+            options = dict(options, channels=channels, rescale_norms=args.rescale_norms)
             if any(r["label"] == label and all(r.get(k) == v for k, v in options.items()) for r in rows):
                 continue
             model = copy.deepcopy(dense_model)
             start = time.perf_counter()
             report = pyprune.prune(model, "dress", Structured(args.ratio), regularise, progress=True, **options)
-            regularise_s = time.perf_counter() - start
-            ppl_sliced = perplexity(model, tokens, args.eval_seqlen, progress=False)
+            log = report["regularisation"]
+            if train_after:  # N&P&R: the sliced model, the same steps, windows, optimiser and seed
+                with fp32_master_weights(model), torch.enable_grad():
+                    log = train(model, list(model.parameters()), regularise, steps=args.steps, lr=args.lr,
+                                batch_size=args.train_batch, seed=DEFAULTS["train_seed"], desc="train sliced")
+            train_s = time.perf_counter() - start
+            ppl_sliced = evaluate(model)
             start = time.perf_counter()
             lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, lr=args.lora_lr,
                           batch_size=args.train_batch, progress=True)
             lora_s = time.perf_counter() - start
-            ppl_lora = perplexity(model, tokens, args.eval_seqlen, progress=False)
-            log = report["regularisation"]
-            row = {"label": label, **dict.fromkeys(trained), **options,
-                   "slice_mass_ratio": report["slice_mass_ratio"], "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
-                   "regularise_s": regularise_s, "lora_s": lora_s, "hidden_size": report["hidden_size"],
-                   "pruned_channels": report["pruned_channels"],
+            ppl_lora = evaluate(model)
+            row = {"label": label, "lam": None, "lr": args.lr, "norm": None, "train_batch": args.train_batch,
+                   **options, "train_steps": args.steps if train_after else options["steps"],
+                   "slice_mass_ratio": report["slice_mass_ratio"],
+                   **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
+                      for k in ("tensor", "layer", "kind")},
+                   "norm_scale": report["norm_scale"], "width_scale": report["width_scale"],
+                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "train_s": train_s, "lora_s": lora_s,
+                   "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                    "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
                    "loss": log.get("loss"), "penalty": log.get("penalty")}
             rows.append(row)
-            print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced:.2f}, "
-                  f"+ LoRA {ppl_lora:.2f}", flush=True)
+            print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced}, "
+                  f"+ LoRA {ppl_lora}", flush=True)
             result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
                       "rows": rows}
             write_json(args.output, result)
             write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+            if options["steps"] > 0 and options["lam"] > 0:
+                write_atomic(f"{os.path.splitext(args.output)[0]}-mass-{channels}.svg", mass_plot(row))
     return 0
 
 

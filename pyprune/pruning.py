@@ -33,12 +33,9 @@ def prune(model: nn.Module, method: Union[str, Method], pattern: Union[str, floa
         runner = method
     else:
         runner = methods.get(method, **method_options)
-    runner.check(model, pattern)
-    if runner.needs_calibration and (calib is None or calib.dim() != 2 or calib.numel() == 0):
-        raise ValueError(f"method {runner.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
     params_before = parameter_count(model)
     start = time.perf_counter()
-    details = runner.prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+    details = runner.prune(model, pattern, calib, batch_size=batch_size, progress=progress)  # checks first
     elapsed = time.perf_counter() - start
     checked = [(2, 4), (4, 8)]
     if isinstance(pattern, NM) and (pattern.n, pattern.m) not in checked:

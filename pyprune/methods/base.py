@@ -52,7 +52,7 @@ class Method(ABC):
 
     def check(self, model: nn.Module, pattern: Pattern) -> None:
         """Reject a pattern this method cannot produce, or one the model's layers cannot take,
-        before anything is modified."""
+        before anything is modified. Changes nothing, on the model or on this object."""
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
             raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
@@ -62,10 +62,23 @@ class Method(ABC):
                 for name, linear in engine.block_linears(block).items():
                     pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
 
-    @abstractmethod
-    def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
+    def check_calibration(self, calib: Optional[Tensor]) -> None:
+        """Reject missing or misshapen calibration tokens of a method that needs them."""
+        if self.needs_calibration and (calib is None or calib.dim() != 2 or calib.numel() == 0):
+            raise ValueError(f"method {self.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
+
+    def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor] = None, *,
               batch_size: int = 8, progress: bool = True) -> Dict:
-        """Prune ``model`` in place; return details for the report."""
+        """Prune ``model`` in place; return details for the report. Checks everything first
+        (:meth:`check`, :meth:`check_calibration`), then runs :meth:`_prune` on the resolved pattern."""
+        self.check(model, pattern)
+        self.check_calibration(calib)
+        return self._prune(model, self.resolve(pattern), calib, batch_size=batch_size, progress=progress)
+
+    @abstractmethod
+    def _prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
+               batch_size: int, progress: bool) -> Dict:
+        """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
 
 class LayerwiseMaskMethod(Method):
@@ -120,9 +133,7 @@ class LayerwiseMaskMethod(Method):
             self._kept_stats[name] = self.new_stats(name, linear)
         return self._kept_stats[name]
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        pattern = self.resolve(pattern)
-
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
         def process(ctx: engine.BlockContext) -> None:
             self.prepare_block(ctx)
             linears = ctx.linears()

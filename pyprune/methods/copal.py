@@ -95,19 +95,38 @@ class Copal(LayerwiseMaskMethod):
         if self._incomplete:
             raise RuntimeError("COPAL: an earlier step failed midway, so this method object's accumulators are "
                                "incomplete; start from a new one (and its saved state, if any)")
-        if not self._loaded and self.state is not None:
-            self._load(self.state)
         expected = self._settings_key(pattern)
-        stored = self._stored_settings
+        stored, fingerprint = self._stored_key()
         if stored is not None:
             if stored != expected:
                 different = ", ".join(f"{k} {stored.get(k)!r} (now {v!r})" for k, v in expected.items()
                                       if stored.get(k) != v)
                 raise ValueError(f"COPAL state {self.state or '(in memory)'} was made with other settings: "
                                  f"{different}")
-            if self._fingerprint != model_fingerprint(model):
+            if fingerprint != model_fingerprint(model):
                 raise ValueError(f"COPAL state {self.state or '(in memory)'} was made for another model "
                                  "(its config, dtype or embeddings differ)")
+
+    def _stored_key(self):
+        """(settings, model fingerprint) of the state this object continues: its own once it has
+        one, else the saved state's (read, not loaded), else (None, None)."""
+        if self._loaded or self.state is None or self._stored_settings is not None:
+            return self._stored_settings, self._fingerprint
+        path = os.path.join(self.state, STATE_FILE)
+        if not os.path.exists(path):
+            return None, None
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            meta = self._metadata(path, f)
+        return meta["settings"], meta["model"]
+
+    @staticmethod
+    def _metadata(path: str, f) -> dict:
+        meta = json.loads(f.metadata()["pyprune_copal"])
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"COPAL state {path} has format {meta.get('format')}; this pyprune reads "
+                             f"format {_FORMAT}")
+        return meta
 
     def _load(self, directory: str) -> None:
         path = os.path.join(directory, STATE_FILE)
@@ -116,10 +135,7 @@ class Copal(LayerwiseMaskMethod):
             return
         from safetensors import safe_open
         with safe_open(path, framework="pt") as f:
-            meta = json.loads(f.metadata()["pyprune_copal"])
-            if meta.get("format") != _FORMAT:
-                raise ValueError(f"COPAL state {path} has format {meta.get('format')}; this pyprune reads "
-                                 f"format {_FORMAT}")
+            meta = self._metadata(path, f)
             for key in f.keys():
                 kind, layer = key.split(":", 1)
                 (self.accumulators if kind == "G" else self.dense)[layer] = f.get_tensor(key)
@@ -141,8 +157,9 @@ class Copal(LayerwiseMaskMethod):
 
     # -- one dataset -----------------------------------------------------------------------------
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        pattern = self.resolve(pattern)
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        if not self._loaded and self.state is not None:
+            self._load(self.state)
         digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]
         if any(step["calib_sha256"] == digest for step in self.steps):
             raise ValueError("COPAL: these calibration tokens were already accumulated "
@@ -151,7 +168,7 @@ class Copal(LayerwiseMaskMethod):
         self._stored_settings = self._settings_key(pattern)
         self._fingerprint = model_fingerprint(model)
         self._incomplete = True
-        details = super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
         self.steps.append({"calib_sha256": digest, "tokens": int(calib.numel())})
         self._incomplete = False
         if self.state is not None:

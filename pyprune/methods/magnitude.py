@@ -11,8 +11,7 @@ class Magnitude(Method):
     patterns = (Unstructured, NM)
     needs_calibration = False
 
-    def prune(self, model, pattern, calib=None, *, batch_size=8, progress=True):
-        pattern = self.resolve(pattern)
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
         for block in engine.decoder_blocks(model):
             for linear in engine.block_linears(block).values():
                 apply_mask(linear, pattern.weight_mask(linear.weight))

@@ -63,8 +63,7 @@ class Safe(Method):
                "same settings, calibration and model resumes after the last one", optional=True),
     )
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        pattern = self.resolve(pattern)
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
         samples = calib.shape[0]
         steps_per_epoch = math.ceil(samples / min(self.train_batch, samples))
         steps = self.epochs * steps_per_epoch

@@ -261,8 +261,7 @@ class StructuredMethod(Method):
             selections[index] = (q_kept, kv_kept, ch_kept, n_q, n_ch)
         return selections
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        self.check(model, pattern)
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
         blocks = engine.decoder_blocks(model)
         first, last = self.layer_range(len(blocks))
         ratio, uniform = float(pattern.ratio), bool(pattern.uniform)
