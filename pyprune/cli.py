@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from . import data, methods
+from . import data, methods, storage
 from .patterns import NM, Structured, Unstructured, parse
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,23 +62,110 @@ def _check_output(path: Optional[str], flag: str) -> None:
 
 
 def _check_report(path: Optional[str]) -> None:
-    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"--report {path} is a directory; give the path of a JSON file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise UsageError(f"--report {path}: its directory does not exist")
 
 
-def _write_json_atomic(path: str, payload) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+def _check_counts(args, flags, optional=()) -> None:
+    """Every integer flag in ``flags`` (and in ``optional`` when given) is >= 1."""
+    for flag in list(flags) + [f for f in optional if getattr(args, f) is not None]:
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
 
 
-def _evaluate(model, tokenizer, sources: List[str], seqlen: int, max_tokens: Optional[int],
-              batch_size: int, progress: bool):
+def _check_device(device: str) -> None:
+    """A device this torch build has (``--device cuda`` on a CPU build is refused before loading)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    backend = getattr(torch, kind, None)
+    if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise UsageError(f"--device {device}: this torch build ({torch.__version__}) has no usable {kind} "
+                         "device; use --device cpu")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _check_model(model: str):
+    """The model's config, read before its weights load, with its ``pyprune.json`` and the headers
+    of its safetensors files checked: a broken file is named in one line."""
+    from transformers import AutoConfig
+
+    from . import io
+    from .models import resolve_model_dir
+    directory = resolve_model_dir(model)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"--model {model}: {directory} has no config.json, so it is not a Hugging Face model "
+                         "directory")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            json.load(handle)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {model}: {config_path} is not a valid model config ({_first_line(error)})") from None
+    io.read_manifest(directory)
+    io.check_weights(directory)
+    return config
+
+
+def _check_method_config(runner, config, pattern) -> None:
+    """The method's checks that need only the model's config and files on disk (e.g. DReSS's channel
+    rounding, a COPAL state's settings)."""
+    try:
+        runner.check_config(config, pattern)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from .models import resolve_model_dir
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise UsageError(f"--model {model}: could not load its tokenizer ({_first_line(error)})") from None
+
+
+def _read(flag: str, source: str, read):
+    """``read()`` of a text source; a dataset that cannot be loaded now becomes a UsageError."""
+    try:
+        return read()
+    except RuntimeError as error:
+        raise UsageError(f"{flag} {source}: {error}") from None
+
+
+def _calibration(tokenizer, source: str, args, flag: str = "--calib"):
+    return _read(flag, source, lambda: data.calibration_samples(tokenizer, source, nsamples=args.nsamples,
+                                                                seqlen=args.seqlen, seed=args.seed))
+
+
+def _eval_streams(tokenizer, sources: List[str], seqlen: int, max_tokens: Optional[int], flag: str,
+                  seqlen_flag: str) -> list:
+    """(source, token stream) of every evaluation text, each checked to hold one window at least,
+    before the model loads."""
+    streams = []
+    for source in sources:
+        tokens = _read(flag, source, lambda: data.eval_tokens(tokenizer, source, max_tokens=max_tokens))
+        if tokens.numel() < seqlen:
+            raise UsageError(f"{flag} {source} has {tokens.numel()} tokens, fewer than one window of "
+                             f"{seqlen_flag} {seqlen}")
+        streams.append((source, tokens))
+    return streams
+
+
+def _evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool):
     from .eval import perplexity
     results = []
-    for source in sources:
-        tokens = data.eval_tokens(tokenizer, source, max_tokens=max_tokens)
+    for source, tokens in streams:
         ppl = perplexity(model, tokens, seqlen, batch_size=batch_size, progress=progress)
         used = tokens.numel() // seqlen * seqlen
         results.append({"data": source, "perplexity": round(ppl, 4), "tokens": used, "seqlen": seqlen})
@@ -91,15 +178,11 @@ def _load(args):
     return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
 
 
-def _check_config(runner, model: str, pattern) -> None:
-    """The method's checks that need only the model's config (e.g. DReSS's channel rounding)."""
-    from transformers import AutoConfig
-
-    from .models import resolve_model_dir
-    try:
-        runner.check_config(AutoConfig.from_pretrained(resolve_model_dir(model)), pattern)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+def _run_info(args) -> dict:
+    """What a report records of the run itself."""
+    from . import __version__
+    return {"device": args.device, "dtype": getattr(args, "dtype", "float32"), "batch_size": args.batch_size,
+            "threads": torch.get_num_threads(), "pyprune": __version__, "torch": torch.__version__}
 
 
 def _method_option_values(args) -> dict:
@@ -164,35 +247,34 @@ def cmd_prune(args) -> int:
     _check_report(args.report)
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
-    for flag in ("nsamples", "seqlen", "batch_size"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-
-    _check_config(runner, args.model, pattern)
+    _check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    _check_device(args.device)
+    _check_method_config(runner, _check_model(args.model), pattern)
+    tokenizer = _tokenizer(args.model)
+    calib = _calibration(tokenizer, args.calib, args) if runner.needs_calibration else None
+    streams = _eval_streams(tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+                            "--eval-seqlen")
 
     from . import pruning
-    from .io import save
+    from .io import save, write_report
     model, tokenizer = _load(args)
-    calib = None
-    if runner.needs_calibration:
-        calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples,
-                                         seqlen=args.seqlen, seed=args.seed)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet, **_method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
-                   "seqlen": args.seqlen, "seed": args.seed, "dtype": args.dtype})
-    report["eval"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
-                               args.batch_size, not args.quiet)
+                   "seqlen": args.seqlen, "seed": args.seed, **_run_info(args)})
     if args.sparse_layers:
         from .nn import sparsify_
         report["sparse_layers"] = len(sparsify_(model, pattern))
         print(f"stored {report['sparse_layers']} layers as SparseLinear {pattern}")
-    if args.output:
+    if args.output:  # saved before evaluating: a failing evaluation never loses the prune
         save(model, tokenizer, args.output, report=report)
         print(f"saved the pruned model to {args.output}")
+    report["eval"] = _evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+    if args.output and report["eval"]:
+        write_report(args.output, report)
     if args.report:
-        _write_json_atomic(args.report, report)
+        storage.write_json(args.report, report)
         print(f"wrote {args.report}")
     return 0
 
@@ -212,28 +294,29 @@ def cmd_robustness(args) -> int:
         raise UsageError(str(error)) from None
     args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
     args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
-    for flag in ("nsamples", "seqlen", "batch_size", "eval_seqlen"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    _check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
     for source in (args.calib, args.eval):
         data.check_source(source)
     _check_report(args.report)
+    _check_device(args.device)
+    _check_method_config(runner, _check_model(args.model), _Structured(args.ratio, uniform=args.uniform))
+    tokenizer = _tokenizer(args.model)
+    calib = _calibration(tokenizer, args.calib, args)
+    [(_, tokens)] = _eval_streams(tokenizer, [args.eval], args.eval_seqlen, args.eval_max_tokens, "--eval",
+                                  "--eval-seqlen")
 
     from .models import load_model
-    model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
-    calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples, seqlen=args.seqlen,
-                                     seed=args.seed)
-    tokens = data.eval_tokens(tokenizer, args.eval, max_tokens=args.eval_max_tokens)
+    model, _ = load_model(args.model, dtype=torch.float32, device=args.device)
     report = robustness.study(model, args.method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
                               arithmetic=args.arithmetic, uniform=args.uniform, batch_size=args.batch_size,
                               progress=not args.quiet, **_method_option_values(args))
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
                    "seed": args.seed, "eval": args.eval, "eval_tokens": tokens.numel() // args.eval_seqlen
-                   * args.eval_seqlen, "eval_seqlen": args.eval_seqlen})
+                   * args.eval_seqlen, "eval_seqlen": args.eval_seqlen, **_run_info(args)})
     print(f"{args.method} at {args.ratio}: perplexity bf16 {report['ppl_bf16']:.3f}, fp16 "
           f"{report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement {report['agreement']:.4f} "
           f"({args.arithmetic})")
-    _write_json_atomic(args.report, report)
+    storage.write_json(args.report, report)
     print(f"wrote {args.report}")
     return 0
 
@@ -275,10 +358,10 @@ def cmd_continual(args) -> int:
     pairs = _continual_sources(args)
     args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
     args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
-    for flag in ("nsamples", "seqlen", "batch_size", "eval_seqlen"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    _check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
     _check_report(args.report)
+    _check_device(args.device)
+    _check_method_config(runner, _check_model(args.model), pattern)
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
                 "scope": getattr(runner.resolve(pattern), "scope", None), "init": args.init,
                 "permutations": args.permutations, "datasets": args.datasets,
@@ -287,45 +370,54 @@ def cmd_continual(args) -> int:
                 "options": runner.settings}
     done = {}
     if os.path.exists(args.report):
-        with open(args.report) as f:
-            previous = json.load(f)
-        if previous.get("settings") != settings:
+        try:
+            with open(args.report, encoding="utf-8") as f:
+                previous = json.load(f)
+        except ValueError as error:
+            raise UsageError(f"--report {args.report} is not valid JSON ({error}); remove it or choose another "
+                             "path") from None
+        if not isinstance(previous, dict) or previous.get("settings") != settings:
             raise UsageError(f"--report {args.report} holds a run with other settings; remove it or choose "
                              "another path")
         done = {tuple(run["order"]): run["steps"] for run in previous["matrix"]}
         print(f"resuming: {len(done)} order(s) already in {args.report}")
 
-    model, tokenizer = _load(args)
-    tasks = [continual.Task(name, data.calibration_samples(tokenizer, calib, nsamples=args.nsamples,
-                                                           seqlen=args.seqlen, seed=args.seed),
-                            data.eval_tokens(tokenizer, evaluation, max_tokens=args.eval_max_tokens))
+    tokenizer = _tokenizer(args.model)
+    tasks = [continual.Task(name, _calibration(tokenizer, calib, args, "--datasets"),
+                            _eval_streams(tokenizer, [evaluation], args.eval_seqlen, args.eval_max_tokens,
+                                          "--eval" if args.eval else "--datasets", "--eval-seqlen")[0][1])
              for name, (calib, evaluation) in zip(args.datasets, pairs)]
+    model, _ = _load(args)
 
     def checkpoint(order, steps):
         done[order] = steps
-        _write_json_atomic(args.report, {"settings": settings, "partial": True,
+        storage.write_json(args.report, {"settings": settings, "partial": True,
                                          "matrix": [{"order": list(o), "steps": s} for o, s in done.items()]})
 
     report = continual.run(model, args.method, pattern, tasks, init=args.init, permutations=args.permutations,
                            eval_seqlen=args.eval_seqlen, batch_size=args.batch_size, progress=not args.quiet,
                            done=done, on_order=checkpoint, method_options=_method_option_values(args))
     report["settings"] = settings
+    report["run"] = _run_info(args)
     print(f"{args.method} {pattern} ({report['init']}): A-PPL {report['a_ppl']:.3f}, M-PPL {report['m_ppl']:.3f}, "
           f"A-BWT {report['a_bwt']:.3f}, M-BWT {report['m_bwt']:.3f} over {len(report['matrix'])} order(s)")
-    _write_json_atomic(args.report, report)
+    storage.write_json(args.report, report)
     print(f"wrote {args.report}")
     return 0
 
 
 def cmd_eval(args) -> int:
+    _check_counts(args, ("seqlen", "batch_size"), optional=("max_tokens",))
     for source in args.data:
         data.check_source(source)
     _check_report(args.report)
-    model, tokenizer = _load(args)
-    results = _evaluate(model, tokenizer, args.data, args.seqlen, args.max_tokens, args.batch_size,
-                        not args.quiet)
+    _check_device(args.device)
+    _check_model(args.model)
+    streams = _eval_streams(_tokenizer(args.model), args.data, args.seqlen, args.max_tokens, "--data", "--seqlen")
+    model, _ = _load(args)
+    results = _evaluate(model, streams, args.seqlen, args.batch_size, not args.quiet)
     if args.report:
-        _write_json_atomic(args.report, {"model": args.model, "eval": results})
+        storage.write_json(args.report, {"model": args.model, "eval": results, **_run_info(args)})
     return 0
 
 
@@ -334,9 +426,7 @@ def cmd_recover(args) -> int:
     from . import recovery
     recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
-    for flag in ("nsamples", "eval_seqlen"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    _check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_max_tokens",))
     if args.seqlen < 2:
         raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
     if args.batch_size > args.nsamples:
@@ -345,14 +435,17 @@ def cmd_recover(args) -> int:
         data.check_source(source)
     _check_output(args.output, "--output")
     _check_report(args.report)
+    _check_device(args.device)
+    _check_model(args.model)
+    tokenizer = _tokenizer(args.model)
+    calib = _calibration(tokenizer, args.calib, args)
+    streams = _eval_streams(tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+                            "--eval-seqlen")
 
-    from .io import save
+    from .io import save, write_report
     model, tokenizer = _load(args)
-    calib = data.calibration_samples(tokenizer, args.calib, nsamples=args.nsamples, seqlen=args.seqlen,
-                                     seed=args.seed)
-    report = {"model": args.model, "calib": args.calib, "dtype": args.dtype}
-    report["eval_before"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
-                                      args.batch_size, not args.quiet)
+    report = {"model": args.model, "calib": args.calib, **_run_info(args)}
+    report["eval_before"] = _evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
     report["recovery"] = recovery.lora_finetune(
         model, calib, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
         target_modules=args.target_modules, seed=args.seed, progress=not args.quiet)
@@ -360,12 +453,13 @@ def cmd_recover(args) -> int:
     if args.steps:
         print(f"LoRA rank {args.rank} on {done['lora_layers']} layers, {args.steps} steps in {done['time_s']:.1f} s: "
               f"training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
-    report["eval_after"] = _evaluate(model, tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens,
-                                     args.batch_size, not args.quiet)
-    save(model, tokenizer, args.output, report=report)
+    save(model, tokenizer, args.output, report=report)  # before evaluating: the training is never lost
     print(f"saved the recovered model to {args.output}")
+    report["eval_after"] = _evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+    if report["eval_after"]:
+        write_report(args.output, report)
     if args.report:
-        _write_json_atomic(args.report, report)
+        storage.write_json(args.report, report)
         print(f"wrote {args.report}")
     return 0
 
@@ -541,6 +635,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"pyprune {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -179,15 +179,22 @@ def _known_hint() -> str:
             + "; any of them may end in :first_half or :second_half")
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start}); give a text file") from None
+
+
 def _load_whole(source: str, split: str) -> str:
     path = Path(source).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return _read_utf8(path)
     if path.is_dir():
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
         if not files:
             raise ValueError(f"source={source!r} is a directory with no *.txt files")
-        return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
+        return "\n\n".join(_read_utf8(p) for p in files)
     name = source.strip().lower()
     if name in EMBEDDED:
         return _embedded_text(name)

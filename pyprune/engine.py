@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import storage
+
 
 class _BlockInputsCaptured(Exception):
     pass
@@ -155,11 +157,13 @@ class BlockCheckpoint:
         """(number of finished blocks, their details); ValueError for a checkpoint of another run."""
         if not os.path.exists(self.manifest_path):
             return 0, []
-        with open(self.manifest_path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-        if manifest["key"] != self.key:
-            raise ValueError(f"checkpoint {self.directory} was made with other settings, calibration or model; "
-                             "remove it or choose another checkpoint directory")
+        try:
+            with open(self.manifest_path, encoding="utf-8") as handle:
+                manifest = json.load(handle)
+        except ValueError as error:
+            raise storage.StateError(f"checkpoint manifest {self.manifest_path} is not valid JSON ({error}); "
+                                     "remove it") from None
+        storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key)
         return manifest["finished"], manifest["details"]
 
     def restore(self, blocks: nn.ModuleList, finished: int) -> None:
@@ -170,13 +174,9 @@ class BlockCheckpoint:
     def save(self, index: int, block: nn.Module, details: List) -> None:
         from safetensors.torch import save_file
         os.makedirs(self.directory, exist_ok=True)
-        tmp = f"{self._block_path(index)}.tmp-{os.getpid()}"
-        save_file({k: v.detach().contiguous().cpu() for k, v in block.state_dict().items()}, tmp)
-        os.replace(tmp, self._block_path(index))
-        tmp = f"{self.manifest_path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump({"key": self.key, "finished": index + 1, "details": details}, handle)
-        os.replace(tmp, self.manifest_path)
+        with storage.atomic_path(self._block_path(index)) as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in block.state_dict().items()}, tmp)
+        storage.write_json(self.manifest_path, {"key": self.key, "finished": index + 1, "details": details})
 
     def _block_path(self, index: int) -> str:
         return os.path.join(self.directory, f"block-{index}.safetensors")

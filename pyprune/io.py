@@ -28,21 +28,21 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import uuid
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import engine
+from . import engine, storage
 from .nn import compact, sparse
 
-__all__ = ["save", "load", "MANIFEST", "model_layout"]
+__all__ = ["save", "load", "read_manifest", "write_report", "check_weights", "MANIFEST", "model_layout"]
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
 _FORMAT_VERSION = 2  # 2: sparse_layers
+_READABLE_VERSIONS = (1, 2)
 
 
 def model_layout(model: nn.Module) -> Dict[str, Any]:
@@ -124,9 +124,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)
-    parent, base = os.path.split(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    tmp = storage.make_temp_dir(directory)
     try:
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         if tokenizer is not None:
@@ -136,9 +134,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config = json.load(handle)
         if layout["config_fields"]:
             config.update(layout["config_fields"])
-        with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(config, handle, indent=2, sort_keys=True)
-            handle.write("\n")
+        storage.write_json(config_path, config, sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
             "architecture": type(model).__name__,
@@ -146,14 +142,62 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "layers": layout["layers"],
             "sparse_layers": sparse_layers,
         }
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as handle:
-            json.dump(dict(manifest, report=_json_safe(report)), handle, indent=1)
-            handle.write("\n")
+        storage.write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
         _move_into_place(tmp, directory, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    """The ``pyprune.json`` of a saved directory ({} when it has none); ValueError naming the file
+    when it is not valid JSON or not a pyprune manifest of a format this version reads."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except ValueError as error:
+        raise ValueError(f"cannot load {directory}: {path} is not valid JSON ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "pyprune":
+        raise ValueError(f"cannot load {directory}: {path} is not a pyprune manifest (its format is "
+                         f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected 'pyprune')")
+    if manifest.get("version") not in _READABLE_VERSIONS:
+        raise ValueError(f"cannot load {directory}: {path} has version {manifest.get('version')!r}; this pyprune "
+                         f"reads versions {', '.join(map(str, _READABLE_VERSIONS))}")
+    return manifest
+
+
+def write_report(directory: str, report: Optional[Dict]) -> None:
+    """Replace the report recorded in the ``pyprune.json`` of a saved directory (atomically)."""
+    manifest = read_manifest(directory)
+    if not manifest:
+        raise FileNotFoundError(f"{directory} holds no {MANIFEST}: it was not written by pyprune.save")
+    storage.write_json(os.path.join(directory, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+
+
+def check_weights(directory: str) -> None:
+    """ValueError naming the first safetensors file of ``directory`` that is not whole: its header
+    unreadable, or the file shorter than its header says (e.g. a copy cut short). Reads headers only."""
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                if not 0 < length <= size - 8:
+                    raise ValueError(f"a header of {length} bytes in a file of {size}")
+                header = json.loads(handle.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+            raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+        if 8 + length + end > size:
+            raise ValueError(f"{path} is truncated: {size} bytes, its header describes {8 + length + end}")
 
 
 def _state_dict(directory: str) -> Dict[str, torch.Tensor]:
@@ -197,11 +241,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot load {directory}: no such directory")
-    manifest_path = os.path.join(directory, MANIFEST)
-    manifest = {}
-    if os.path.isfile(manifest_path):
-        with open(manifest_path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
+    manifest = read_manifest(directory)
     state = _state_dict(directory)
     if dtype is None:
         dtypes = [t.dtype for t in state.values() if t.is_floating_point()]

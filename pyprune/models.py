@@ -25,13 +25,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+from . import storage
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
 
@@ -143,8 +144,8 @@ def _remove_tree(path: str) -> None:
     """Remove ``path`` by first renaming it aside (so no reader sees it half-deleted)."""
     if not os.path.lexists(path):
         return
-    parent, base = os.path.split(path)
-    trash = tempfile.mkdtemp(prefix=f".{base}.trash-", dir=parent)
+    base = os.path.basename(path)
+    trash = storage.make_temp_dir(path)
     try:
         os.replace(path, os.path.join(trash, base))
     except OSError:
@@ -308,10 +309,7 @@ def _build_from_gguf(alias: str, work: str, out_dir: str, target: str) -> dict[s
     saved_cfg.pop("quantization_config", None)
     if gguf_theta is not None:
         saved_cfg["rope_theta"] = gguf_theta
-    with open(cfg_path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(saved_cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(cfg_path + ".tmp", cfg_path)
+    storage.write_json(cfg_path, saved_cfg, sort_keys=True)
 
     # Verify what was written reloads with the same configuration and weights.
     reloaded_cfg = AutoConfig.from_pretrained(out_dir, local_files_only=True)
@@ -340,16 +338,12 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
         return target
 
     os.makedirs(parent, exist_ok=True)
-    with _build_lock(os.path.join(parent, f".{alias}.lock")) as locked:
+    with _build_lock(os.path.join(parent, f".{alias}.lock")):
         if _is_complete(target):  # another process finished it while we waited
             return target
-        if locked:  # we hold the lock: any temp dir of ours left over is from a killed run
-            for entry in os.listdir(parent):
-                if entry.startswith(f".{alias}.tmp-") or entry.startswith(f".{alias}.trash-"):
-                    shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
         _log(f"building cache entry for {alias!r} in {target} (one-off)")
         t0 = time.perf_counter()
-        work = tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=parent)
+        work = storage.make_temp_dir(target)  # temp dirs of killed builds are removed first
         try:
             out_dir = os.path.join(work, alias)
             os.makedirs(out_dir)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import engine
+from . import engine, storage
 
 
 def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -43,42 +43,59 @@ def fp32_master_weights(model: nn.Module):
 
 @dataclass
 class Checkpoint:
-    """Where and how often :func:`train` saves; ``key`` identifies the run (settings, model), and
-    a checkpoint with another key is refused."""
+    """Where and how often :func:`train` saves (a safetensors state of the model's and the
+    optimizer's tensors, the rest in its JSON metadata); ``key`` identifies the run (settings,
+    model), and a checkpoint with another key is refused."""
 
     directory: str
     every: int
     key: dict
-    name: str = "train-checkpoint.pt"
+    name: str = "train-checkpoint.safetensors"
+
+    KIND = "training checkpoint"
+    FORMATS = (1,)
 
     @property
     def path(self) -> str:
         return os.path.join(self.directory, self.name)
 
-    def check(self) -> None:
-        """ValueError when the directory holds a checkpoint of another run."""
-        if os.path.exists(self.path) and torch.load(self.path, map_location="cpu", weights_only=False,
-                                                    mmap=True)["key"] != self.key:
-            raise ValueError(f"checkpoint {self.path} was made with other settings or another model; remove it "
-                             "or choose another checkpoint directory")
+    def check(self, parts=None) -> None:
+        """ValueError when the directory holds a checkpoint of another run (compared in ``parts``
+        of the key if given: e.g. the settings alone, before the model is loaded)."""
+        if os.path.exists(self.path):
+            meta = storage.read_state_meta(self.path, self.KIND, self.FORMATS)
+            storage.check_key(f"checkpoint {self.path}", meta["key"], self.key, parts)
 
     def save(self, model: nn.Module, optimizer, step: int, log: Dict) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        torch.save({"key": self.key, "step": step, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "log": log}, tmp)
-        os.replace(tmp, self.path)
+        tensors = {f"model.{name}": value for name, value in model.state_dict().items()}
+        saved = optimizer.state_dict()
+        scalars = {}
+        for index, values in saved["state"].items():
+            for name, value in values.items():
+                if isinstance(value, Tensor):
+                    tensors[f"optimizer.{index}.{name}"] = value
+                else:
+                    scalars[f"{index}.{name}"] = value
+        storage.save_state(self.path, tensors, {
+            "kind": self.KIND, "format": self.FORMATS[-1], "key": self.key, "step": step, "log": log,
+            "optimizer": {"param_groups": saved["param_groups"], "scalars": scalars}})
 
     def load(self, model: nn.Module, optimizer, log: Dict) -> int:
         """Restore a saved run into ``model``, ``optimizer`` and ``log``; the step to go on from."""
         if not os.path.exists(self.path):
             return 0
         self.check()
-        saved = torch.load(self.path, map_location=next(model.parameters()).device, weights_only=False)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        log.update(saved["log"])
-        return saved["step"]
+        tensors, meta = storage.load_state(self.path, self.KIND, self.FORMATS)  # the optimizer casts its state
+        model.load_state_dict({name[len("model."):]: value for name, value in tensors.items()
+                               if name.startswith("model.")})
+        state: Dict[int, dict] = {}
+        for name, value in list(tensors.items()) + list(meta["optimizer"]["scalars"].items()):
+            if not name.startswith("model."):
+                index, field = name.removeprefix("optimizer.").split(".", 1)
+                state.setdefault(int(index), {})[field] = value
+        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+        log.update(meta["log"])
+        return meta["step"]
 
 
 def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,

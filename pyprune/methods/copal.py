@@ -25,7 +25,6 @@ rewritten atomically after every step.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import zlib
 from typing import Dict, Optional
@@ -33,14 +32,15 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from .. import engine, ops
+from .. import engine, ops, storage
 from ..io import model_fingerprint
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights
 from .options import Option, positive
 
 STATE_FILE = "copal-state.safetensors"
-_FORMAT = 1
+_KIND = "COPAL state"
+_FORMAT = 2  # 2: pyprune's state protocol (kind, format and key in the metadata)
 
 
 class _Layer:
@@ -95,71 +95,45 @@ class Copal(LayerwiseMaskMethod):
         if self._incomplete:
             raise RuntimeError("COPAL: an earlier step failed midway, so this method object's accumulators are "
                                "incomplete; start from a new one (and its saved state, if any)")
-        expected = self._settings_key(pattern)
-        stored, fingerprint = self._stored_key()
-        if stored is not None:
-            if stored != expected:
-                different = ", ".join(f"{k} {stored.get(k)!r} (now {v!r})" for k, v in expected.items()
-                                      if stored.get(k) != v)
-                raise ValueError(f"COPAL state {self.state or '(in memory)'} was made with other settings: "
-                                 f"{different}")
-            if fingerprint != model_fingerprint(model):
-                raise ValueError(f"COPAL state {self.state or '(in memory)'} was made for another model "
-                                 "(its config, dtype or embeddings differ)")
+        if not self._loaded and self.state is not None:
+            self._load(self.state)
+        if self._stored_settings is not None:
+            storage.check_key(f"COPAL state {self.state or '(in memory)'}",
+                              {"settings": self._stored_settings, "model": self._fingerprint},
+                              {"settings": self._settings_key(pattern), "model": model_fingerprint(model)})
 
-    def _stored_key(self):
-        """(settings, model fingerprint) of the state this object continues: its own once it has
-        one, else the saved state's (read, not loaded), else (None, None)."""
-        if self._loaded or self.state is None or self._stored_settings is not None:
-            return self._stored_settings, self._fingerprint
-        path = os.path.join(self.state, STATE_FILE)
-        if not os.path.exists(path):
-            return None, None
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            meta = self._metadata(path, f)
-        return meta["settings"], meta["model"]
-
-    @staticmethod
-    def _metadata(path: str, f) -> dict:
-        meta = json.loads(f.metadata()["pyprune_copal"])
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"COPAL state {path} has format {meta.get('format')}; this pyprune reads "
-                             f"format {_FORMAT}")
-        return meta
+    def check_config(self, config, pattern: Pattern) -> None:
+        """A saved state's settings are refused from its metadata, before the model is loaded."""
+        super().check_config(config, pattern)
+        path = os.path.join(self.state, STATE_FILE) if self.state is not None else None
+        if not self._loaded and path is not None and os.path.exists(path):
+            stored = storage.read_state_meta(path, _KIND, (_FORMAT,))["key"]["settings"]
+            storage.check_key(f"COPAL state {self.state}", {"settings": stored},
+                              {"settings": self._settings_key(self.resolve(pattern))})
 
     def _load(self, directory: str) -> None:
         path = os.path.join(directory, STATE_FILE)
         self._loaded = True
         if not os.path.exists(path):
             return
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            meta = self._metadata(path, f)
-            for key in f.keys():
-                kind, layer = key.split(":", 1)
-                (self.accumulators if kind == "G" else self.dense)[layer] = f.get_tensor(key)
-        self._stored_settings = meta["settings"]
-        self._fingerprint = meta["model"]
+        tensors, meta = storage.load_state(path, _KIND, (_FORMAT,))
+        for key, tensor in tensors.items():
+            kind, layer = key.split(":", 1)
+            (self.accumulators if kind == "G" else self.dense)[layer] = tensor
+        self._stored_settings = meta["key"]["settings"]
+        self._fingerprint = meta["key"]["model"]
         self.steps = meta["steps"]
 
     def _save(self, directory: str) -> None:
-        from safetensors.torch import save_file
-        os.makedirs(directory, exist_ok=True)
-        tensors = {f"G:{n}": g.contiguous().cpu() for n, g in self.accumulators.items()}
-        tensors.update({f"W:{n}": w.contiguous().cpu() for n, w in self.dense.items()})
-        meta = {"format": _FORMAT, "settings": self._stored_settings, "model": self._fingerprint,
-                "steps": self.steps}
-        path = os.path.join(directory, STATE_FILE)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, tmp, metadata={"pyprune_copal": json.dumps(meta)})
-        os.replace(tmp, path)
+        tensors = {f"G:{n}": g for n, g in self.accumulators.items()} | {f"W:{n}": w for n, w in self.dense.items()}
+        storage.save_state(os.path.join(directory, STATE_FILE), tensors, {
+            "kind": _KIND, "format": _FORMAT, "steps": self.steps,
+            "key": {"settings": self._stored_settings, "model": self._fingerprint}})
 
     # -- one dataset -----------------------------------------------------------------------------
 
-    def _prune(self, model, pattern, calib, *, batch_size, progress):
-        if not self._loaded and self.state is not None:
-            self._load(self.state)
+    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+        pattern = self.resolve(pattern)
         digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]
         if any(step["calib_sha256"] == digest for step in self.steps):
             raise ValueError("COPAL: these calibration tokens were already accumulated "
@@ -168,7 +142,7 @@ class Copal(LayerwiseMaskMethod):
         self._stored_settings = self._settings_key(pattern)
         self._fingerprint = model_fingerprint(model)
         self._incomplete = True
-        details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        details = super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
         self.steps.append({"calib_sha256": digest, "tokens": int(calib.numel())})
         self._incomplete = False
         if self.state is not None:
