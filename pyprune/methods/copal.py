@@ -95,21 +95,29 @@ class Copal(LayerwiseMaskMethod):
         if self._incomplete:
             raise RuntimeError("COPAL: an earlier step failed midway, so this method object's accumulators are "
                                "incomplete; start from a new one (and its saved state, if any)")
-        if not self._loaded and self.state is not None:
-            self._load(self.state)
-        if self._stored_settings is not None:
-            storage.check_key(f"COPAL state {self.state or '(in memory)'}",
-                              {"settings": self._stored_settings, "model": self._fingerprint},
+        stored, fingerprint = self._stored_key()
+        if stored is not None:
+            storage.check_key(f"COPAL state {self.state or '(in memory)'}", {"settings": stored, "model": fingerprint},
                               {"settings": self._settings_key(pattern), "model": model_fingerprint(model)})
 
     def check_config(self, config, pattern: Pattern) -> None:
         """A saved state's settings are refused from its metadata, before the model is loaded."""
         super().check_config(config, pattern)
-        path = os.path.join(self.state, STATE_FILE) if self.state is not None else None
-        if not self._loaded and path is not None and os.path.exists(path):
-            stored = storage.read_state_meta(path, _KIND, (_FORMAT,))["key"]["settings"]
+        stored, _ = self._stored_key()
+        if stored is not None:
             storage.check_key(f"COPAL state {self.state}", {"settings": stored},
                               {"settings": self._settings_key(self.resolve(pattern))})
+
+    def _stored_key(self):
+        """(settings, model fingerprint) of the state this object continues: its own once it has
+        one, else the saved state's (read, not loaded), else (None, None)."""
+        if self._loaded or self.state is None or self._stored_settings is not None:
+            return self._stored_settings, self._fingerprint
+        path = os.path.join(self.state, STATE_FILE)
+        if not os.path.exists(path):
+            return None, None
+        key = storage.read_state_meta(path, _KIND, (_FORMAT,))["key"]
+        return key["settings"], key["model"]
 
     def _load(self, directory: str) -> None:
         path = os.path.join(directory, STATE_FILE)
@@ -132,8 +140,9 @@ class Copal(LayerwiseMaskMethod):
 
     # -- one dataset -----------------------------------------------------------------------------
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
-        pattern = self.resolve(pattern)
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        if not self._loaded and self.state is not None:
+            self._load(self.state)
         digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]
         if any(step["calib_sha256"] == digest for step in self.steps):
             raise ValueError("COPAL: these calibration tokens were already accumulated "
@@ -142,7 +151,7 @@ class Copal(LayerwiseMaskMethod):
         self._stored_settings = self._settings_key(pattern)
         self._fingerprint = model_fingerprint(model)
         self._incomplete = True
-        details = super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
         self.steps.append({"calib_sha256": digest, "tokens": int(calib.numel())})
         self._incomplete = False
         if self.state is not None:

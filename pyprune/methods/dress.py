@@ -131,11 +131,19 @@ class DReSS(Method):
         super().check(model, pattern)
         hidden_stream(model)  # a LLaMA-style model whose hidden channels can all be sliced
         self.check_config(model.config, pattern)
-        self._key = {"settings": {k: self.settings[k] for k in (
+        checkpoint = self._checkpoint(model, pattern)
+        if checkpoint is not None:
+            checkpoint.check()
+
+    def _checkpoint(self, model: nn.Module, pattern: Structured) -> Optional[Checkpoint]:
+        """Where the regularisation saves, keyed by its settings and the dense model (None without
+        ``checkpoint``)."""
+        if not self.checkpoint:
+            return None
+        key = {"settings": {k: self.settings[k] for k in (
             "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
             "model": model_fingerprint(model)}
-        if self.checkpoint:
-            Checkpoint(self.checkpoint, self.checkpoint_every, self._key, "dress-regularise.safetensors").check()
+        return Checkpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
     # -- regularise, slice, recover ----------------------------------------------------------------
 
@@ -199,7 +207,8 @@ class DReSS(Method):
                 handle.remove()
         return {name: total / windows.numel() for name, total in sums.items()}
 
-    def prune(self, model, pattern, calib, *, batch_size=8, progress=True):
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        checkpoint = self._checkpoint(model, pattern)
         energy = self.channel_energy(model, calib[:self.energy_windows], batch_size) \
             if self.channels == "quiet" else None
         channels = self.pruned_channels(model.config, pattern.ratio, energy)
@@ -214,7 +223,7 @@ class DReSS(Method):
         before = model_cost(model, calib.shape[1])
         slices = self.penalised_slices(model)
         mass_start = self.slice_mass(slices, channels)
-        log = self._regularise(model, slices, channels, windows, progress) if self.steps > 0 else {}
+        log = self._regularise(model, slices, channels, windows, checkpoint, progress) if self.steps > 0 else {}
         mass_end = self.slice_mass(slices, channels)
         d = model.config.hidden_size
         scales = self.norm_scales(model, keep, calib[:self.energy_windows], batch_size) if self.rescale_norms else {}
@@ -242,7 +251,8 @@ class DReSS(Method):
             if name in scales:
                 norm.weight.mul_(scales[name])
 
-    def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor, progress: bool) -> Dict:
+    def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor,
+                    checkpoint: Optional[Checkpoint], progress: bool) -> Dict:
         """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's
         gradient is added by :func:`pyprune.ops.channel_penalty_` after each backward."""
         index = channels.to(next(model.parameters()).device)
@@ -252,9 +262,6 @@ class DReSS(Method):
                         for _, p, dim in slices)
             return {"penalty": round(self.lam * total, 6)}
 
-        checkpoint = None
-        if self.checkpoint:
-            checkpoint = Checkpoint(self.checkpoint, self.checkpoint_every, self._key, "dress-regularise.safetensors")
         start = time.perf_counter()
         with fp32_master_weights(model), torch.enable_grad():
             log = train(model, list(model.parameters()), windows, steps=self.steps, lr=self.lr,
