@@ -75,6 +75,22 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _current(row):
+    """A row as this script writes it now: rows written before the selection scope was part of the
+    label, or before A-PPL over every step was reported, get both (from the method's default
+    scope and the row's own matrix)."""
+    if row.get("partial"):
+        return row
+    if " per " not in row["pattern"] and ":" not in row["pattern"]:
+        method = row["method"].split(" ")[0]
+        row["pattern"] += f" per {methods.get(method).default_scope}"
+    if "a_ppl_steps" not in row:
+        names = list(row["per_dataset"])
+        measured = continual.metrics(names, {tuple(r["order"]): r["steps"] for r in row["matrix"]})
+        row.update(a_ppl_steps=measured["a_ppl_steps"], m_ppl_steps=measured["m_ppl_steps"])
+    return row
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
@@ -98,7 +114,7 @@ def main(argv=None):
                 "calibration": f"{args.nsamples} x {args.seqlen} tokens of each first half (seed {args.seed})",
                 "evaluation": f"first {args.eval_tokens} tokens of each second half, {args.eval_seqlen}-token windows"}
     keep = previous_result(args.output, settings)
-    rows = keep["rows"] if keep else []
+    rows = [_current(row) for row in keep["rows"]] if keep else []
     dense = keep["dense"] if keep else {t.name: perplexity(model, t.eval_tokens, args.eval_seqlen, progress=False)
                                         for t in tasks}
 
