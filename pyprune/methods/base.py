@@ -28,8 +28,9 @@ class Method(ABC):
     options: Tuple[Option, ...] = ()
     #: default calibration (nsamples, seqlen) of the CLI
     calibration: Tuple[int, int] = (64, 512)
-    #: the method object accumulates across ``prune`` calls (COPAL): a continual run keeps one per
-    #: order instead of re-pruning from the dense model
+    #: the method object accumulates across ``prune`` calls (COPAL; Wanda and SparseGPT after
+    #: ``accumulate_across_calls``): a continual run keeps one per order instead of re-pruning from
+    #: the dense model
     keeps_state: bool = False
 
     def __init__(self, **values: Any):
