@@ -124,6 +124,7 @@ def main(argv=None):
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
+    save()  # kept rows in the current format, before any new one
     for spec in args.patterns:
         for row_name in args.rows:
             row_name, _, scope = row_name.partition("/")
