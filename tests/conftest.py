@@ -32,3 +32,26 @@ def tiny_model_dir(tmp_path):
     text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
     return model_dir, text
 
+
+
+def _fingerprint(model):
+    return [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M and its tokenizer, loaded once per test session and shared: a test that
+    changes the model takes ``smollm2_copy``. The session ends with a check that nobody changed it."""
+    from pyprune.models import load_model
+    model, tokenizer = load_model("smollm2-135m")
+    before = _fingerprint(model)
+    yield model, tokenizer
+    assert _fingerprint(model) == before, "a test changed the shared SmolLM2 model; use smollm2_copy"
+
+
+@pytest.fixture
+def smollm2_copy(smollm2):
+    """A private copy of the session's SmolLM2-135M (to prune, slice or cut), and its tokenizer."""
+    import copy
+    model, tokenizer = smollm2
+    return copy.deepcopy(model), tokenizer

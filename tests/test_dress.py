@@ -228,7 +228,7 @@ def test_cli_dress(tiny_model_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_on_smollm2_quiet_channels_and_regularisation_each_lower_the_sliced_perplexity():
+def test_on_smollm2_quiet_channels_and_regularisation_each_lower_the_sliced_perplexity(smollm2):
     """576 -> 432 hidden channels. Slicing the last quarter removes the massive-activation channel
     507 and breaks the model; the quiet quarter does not, and 30 DReSS steps (120 windows, one
     pass) lower its sliced perplexity further (the benchmark's 150 steps: see the README)."""
@@ -236,9 +236,8 @@ def test_on_smollm2_quiet_channels_and_regularisation_each_lower_the_sliced_perp
 
     from pyprune import data
     from pyprune.eval import perplexity
-    from pyprune.models import load_model
 
-    dense, tokenizer = load_model("smollm2-135m")
+    dense, tokenizer = smollm2
     calib = data.calibration_samples(tokenizer, "emma", nsamples=120, seqlen=128, seed=0)
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=4096)
     ppl, mass = {}, {}

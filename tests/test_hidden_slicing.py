@@ -316,10 +316,8 @@ def test_model_cost_rejects_a_bad_seqlen(seqlen, error):
 
 
 @pytest.mark.slow
-def test_smollm2_sliced_from_576_to_432_channels():
-    from pyprune.models import load_model
-
-    model, tokenizer = load_model("smollm2-135m")
+def test_smollm2_sliced_from_576_to_432_channels(smollm2_copy):
+    model, tokenizer = smollm2_copy
     config = model.config
     assert (config.hidden_size, config.tie_word_embeddings) == (576, True)
     before = model_cost(model, 512)

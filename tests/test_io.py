@@ -193,9 +193,8 @@ def test_load_rejects_missing_or_mismatched(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("uniform", [False, True])
-def test_smollm2_pruned_round_trip(tmp_path, uniform):
-    from pyprune.models import load_model
-    model, tokenizer = load_model("smollm2-135m")
+def test_smollm2_pruned_round_trip(tmp_path, uniform, smollm2_copy):
+    model, tokenizer = smollm2_copy
     calib = random_tokens((4, 32), vocab=model.config.vocab_size)
     report = pyprune.prune(model, "taylor", Structured(0.2, uniform=uniform), calib, progress=False,
                            first_layer=0 if uniform else 1)

@@ -180,11 +180,6 @@ def test_failed_build_leaves_no_entry(tmp_path, monkeypatch):
 # the real model (slow)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")  # default cache: $PYPRUNE_CACHE or ~/.cache/pyprune
-
-
 @pytest.mark.slow
 def test_smollm2_config_and_tied_embeddings(smollm2):
     model, tok = smollm2

@@ -10,15 +10,14 @@ import pytest
 import pyprune
 from pyprune import data
 from pyprune.eval import perplexity
-from pyprune.models import load_model
 
 pytestmark = pytest.mark.slow
 SEQLEN = 256
 
 
 @pytest.fixture(scope="module")
-def setup():
-    model, tokenizer = load_model("smollm2-135m")
+def setup(smollm2):
+    model, tokenizer = smollm2
     calib = data.calibration_samples(tokenizer, "emma", nsamples=16,
                                      seqlen=SEQLEN, seed=0)
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=8192)

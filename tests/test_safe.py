@@ -231,14 +231,13 @@ def test_safe_checkpoint_resumes_after_the_last_finished_block_and_refuses_other
 
 
 @pytest.mark.slow
-def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda():
+def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda(smollm2_copy):
     """The claim behind Table 1 on the objective SAFE optimises: on the first two blocks of
     SmolLM2-135M at 2:4 (16 x 256 Emma calibration), SAFE⁺ with the CPU defaults leaves the hidden
     states of held-out Emma windows closer to the dense model's than Wanda does, after each block."""
     from pyprune import data
-    from pyprune.models import load_model
 
-    dense, tokenizer = load_model("smollm2-135m")
+    dense, tokenizer = smollm2_copy
     del engine.decoder_blocks(dense)[2:]
     dense.config.num_hidden_layers = 2
     calib = data.calibration_samples(tokenizer, "emma", nsamples=16, seqlen=256, seed=0)

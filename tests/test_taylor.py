@@ -329,12 +329,11 @@ def test_needs_calibration():
 
 
 @pytest.mark.slow
-def test_smollm2_taylor_20_percent_stays_sane():
+def test_smollm2_taylor_20_percent_stays_sane(smollm2_copy):
     from pyprune.data import calibration_samples, eval_tokens
     from pyprune.eval import perplexity
-    from pyprune.models import load_model
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = smollm2_copy
     source = "emma"
     calib = calibration_samples(tokenizer, source, nsamples=16, seqlen=128)
     tokens = eval_tokens(tokenizer, source, max_tokens=512 * 4)

@@ -14,6 +14,13 @@ abs-outer GEMM, costly to compile: four launches, its three dtypes and a mixed p
 three layouts). This
 catches what the CPU interpreter cannot: code that does not lower to GPU code for the launches
 we make.
+
+Of the distinct specialisations that grid yields, only representatives are compiled (see
+:func:`representatives`): for each kernel and target, the fewest variants that between them show
+the compiler every argument dtype, every constexpr value, each integer and pointer argument both
+divisible by 16 and not, every (num_warps, num_stages) pair, and, on sm_80 and for every kernel
+that calls ``tl.dot``, each dtype combination both with all pointers 16-byte aligned and without.
+The rest differ from a compiled one only in a combination of those that no kernel branches on.
 Prints one line per failing variant and a summary; exits non-zero if any variant fails.
 """
 import argparse
@@ -135,6 +142,7 @@ def call_wrappers():
             sam.sam_perturb_(xs, gs, anchors, 0.05, False)
             sam.sam_adam_step_(xs, gs, anchors, moments[0], keeps, moments[1], moments[2], 0.01, 0.9, 0.95,
                                1e-8, 0.1, 0.3, 3, False)
+    moreau.philox_uint32(2 ** 40 + 3, torch.arange(100))  # int64 only: one launch
     # COPAL's |a|ᵀ|b| GEMM (each autotune config it keeps is a full compile, so a handful of launches):
     # one 16-bit dtype fed to tl.dot as it is, fp32, and mixed dtypes (upcast), across the layouts
     for a_dtype, b_dtype, layout in ((torch.float16, torch.float16, "not a multiple of 16"),
@@ -190,6 +198,39 @@ def variants():
     return list(seen.values())
 
 
+def _features(source, options, with_pairs):
+    """What the compiler sees of one variant, as a set of facts (see the module docstring)."""
+    names = list(source.signature)
+    runtime = [k for k, kind in source.signature.items() if kind != "constexpr"]
+    facts = {("dtype", k, source.signature[k]) for k in runtime}
+    facts |= {("constexpr", names[i], repr(value)) for (i,), value in source.constants.items()}
+    facts |= {("divisible by 16", k, bool(source.attrs.get((names.index(k),)))) for k in runtime}
+    facts.add(("launch", options["num_warps"], options["num_stages"]))
+    if with_pairs:
+        pointers = [k for k in runtime if source.signature[k].startswith("*")]
+        facts.add(("dtypes x aligned", tuple(source.signature[k] for k in pointers),
+                   all(source.attrs.get((names.index(k),)) for k in pointers)))
+    return facts
+
+
+def representatives(all_variants):
+    """A greedy cover: per kernel and target, variants are taken (in recording order, the one that
+    adds most facts first) until every fact of :func:`_features` that any variant shows is shown."""
+    groups = {}
+    for variant in all_variants:
+        groups.setdefault((variant[0], variant[1].arch), []).append(variant)
+    chosen = []
+    for (name, arch), group in groups.items():
+        uses_dot = "dot(" in group[0][2].fn.src  # tl.dot, or kernels/linear.py's _dot helper
+        facts = [_features(source, options, arch == 80 or uses_dot) for _, _, source, options in group]
+        missing = set().union(*facts)
+        while missing:
+            best = max(range(len(group)), key=lambda j: (len(facts[j] & missing), -j))
+            chosen.append(group[best])
+            missing -= facts[best]
+    return chosen
+
+
 def _compile(index):
     """Build variant ``index`` of VARIANTS (by index: forked workers inherit the list)."""
     name, target, source, options = VARIANTS[index]
@@ -206,7 +247,8 @@ def main():
     jobs = parser.parse_args().jobs
     KernelInterface.__getitem__ = _record
     call_wrappers()
-    VARIANTS.extend(variants())
+    distinct = variants()
+    VARIANTS.extend(representatives(distinct))
     start = time.perf_counter()
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -216,7 +258,8 @@ def main():
     for failure in failures:
         print(failure)
     names = sorted({name for name, *_ in VARIANTS})
-    print(f"compiled {len(VARIANTS) - len(failures)} of {len(VARIANTS)} variants ({len(launches)} launches recorded) "
+    print(f"compiled {len(VARIANTS) - len(failures)} of {len(VARIANTS)} representative variants (of {len(distinct)} "
+          f"distinct, from {len(launches)} launches recorded) "
           f"of {len(names)} kernels in {time.perf_counter() - start:.0f} s: {', '.join(names)}")
     return 1 if failures else 0
 
