@@ -87,6 +87,9 @@ def _check_device(device: str) -> None:
     if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
         raise UsageError(f"--device {device}: this torch build ({torch.__version__}) has no usable {kind} "
                          "device; use --device cpu")
+    index = torch.device(device).index
+    if index is not None and hasattr(backend, "device_count") and index >= backend.device_count():
+        raise UsageError(f"--device {device}: there are {backend.device_count()} {kind} devices")
 
 
 def _first_line(error: BaseException) -> str:
@@ -470,6 +473,7 @@ def cmd_demo(args) -> int:
     from .eval import perplexity
     from .models import load_model
     calib_source, eval_source = "emma", "pride_and_prejudice"
+    _check_counts(args, ("nsamples", "eval_tokens"))
     model, tokenizer = load_model("smollm2-135m")
     calib = data.calibration_samples(tokenizer, calib_source, nsamples=args.nsamples, seqlen=256, seed=0)
     tokens = data.eval_tokens(tokenizer, eval_source, max_tokens=args.eval_tokens)

@@ -126,6 +126,8 @@ class DReSS(Method):
 
     def check_config(self, config, pattern) -> None:
         self.pruned_channels(config, pattern.ratio)
+        if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
+            self._checkpoint(None, pattern).check(parts=["settings"])
 
     def check(self, model, pattern):
         super().check(model, pattern)
@@ -135,14 +137,14 @@ class DReSS(Method):
         if checkpoint is not None:
             checkpoint.check()
 
-    def _checkpoint(self, model: nn.Module, pattern: Structured) -> Optional[Checkpoint]:
-        """Where the regularisation saves, keyed by its settings and the dense model (None without
-        ``checkpoint``)."""
+    def _checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[Checkpoint]:
+        """Where the regularisation saves, keyed by its settings and the dense model (not yet
+        loaded: None) (None without ``checkpoint``)."""
         if not self.checkpoint:
             return None
         key = {"settings": {k: self.settings[k] for k in (
             "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
-            "model": model_fingerprint(model)}
+            "model": model_fingerprint(model) if model is not None else None}
         return Checkpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
     # -- regularise, slice, recover ----------------------------------------------------------------
