@@ -222,3 +222,31 @@ def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, mo
     assert "evaluation failed" in capsys.readouterr().err
     model, _ = pyprune.load(output)
     assert pyprune.eval.sparsity_report(model)["nm_valid"]["2:4"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2"),
+    ({"format": "other"}, "is not a pyprune manifest"),
+])
+def test_load_refuses_an_unknown_format_or_version(files, tmp_path, change, message):
+    directory = _copy_model(files / "saved", tmp_path / "saved")
+    manifest = json.loads((directory / "pyprune.json").read_text())
+    (directory / "pyprune.json").write_text(json.dumps(dict(manifest, **change)))
+    with pytest.raises(ValueError, match=message):
+        pyprune.load(directory)
+
+
+def test_reports_record_the_run(tiny_model_dir, tmp_path):
+    """prune and eval reports: device, dtype, batch size, thread count, pyprune and torch versions."""
+    model_dir, text = tiny_model_dir
+    prune_report, eval_report = tmp_path / "prune.json", tmp_path / "eval.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--batch-size", "3", "--report", str(prune_report), "--quiet"]) == 0
+    assert cli.main(["eval", "--model", str(model_dir), "--data", str(text), "--seqlen", "16", "--dtype",
+                     "bfloat16", "--report", str(eval_report), "--quiet"]) == 0
+    expected = {"device": "cpu", "batch_size": 3, "threads": torch.get_num_threads(),
+                "pyprune": pyprune.__version__, "torch": torch.__version__, "dtype": "float32"}
+    report = json.loads(prune_report.read_text())
+    assert {key: report[key] for key in expected} == expected
+    report = json.loads(eval_report.read_text())
+    assert {key: report[key] for key in expected} == dict(expected, batch_size=8, dtype="bfloat16")
