@@ -73,6 +73,10 @@ setup(
         "accelerate",
         "peft>=0.21",  # LoRA recovery (pyprune.recovery); tested with 0.21.2
     ],
-    extras_require={"test": ["pytest>=7", "pytest-benchmark", "hypothesis"]},
+    extras_require={
+        # zero-shot accuracy (pyprune.zeroshot, --tasks) and comparison figures (pyprune compare)
+        "eval": ["lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
+        "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
+    },
     entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
 )

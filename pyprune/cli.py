@@ -2,7 +2,8 @@
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
-    pyprune eval --model pruned/ --data pride_and_prejudice
+    pyprune eval --model pruned/ --data pride_and_prejudice --tasks austen_continuation,piqa --limit 200
+    pyprune compare dense.json wanda.json sparsegpt.json --output comparison/
     pyprune recover --model pruned/ --calib emma --steps 200 --eval pride_and_prejudice \\
                     --output recovered/ --report recover.json
     pyprune robustness --model smollm2-135m --method moreau --ratio 0.2 --calib emma \\
@@ -176,6 +177,40 @@ def _evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool
     return results
 
 
+def _zero_shot_tasks(args):
+    """Check --tasks / --limit and load the tasks with their data (lm-eval), before any model work:
+    an unknown task, a missing extra or data that cannot be downloaded is a one-line error."""
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1; got {args.limit}")
+    if args.tasks is None:
+        if args.limit is not None:
+            raise UsageError("--limit needs --tasks")
+        return None
+    from . import zeroshot
+    names = [name.strip() for name in args.tasks.split(",")]
+    try:
+        return zeroshot.load_tasks(names)
+    except (ImportError, zeroshot.TaskDataError, ValueError) as error:
+        raise UsageError(f"--tasks: {error}") from None
+
+
+def _add_zero_shot_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", help="zero-shot accuracy (lm-evaluation-harness, extra pyprune[eval]) on "
+                        "these comma-separated tasks: austen_continuation, moby_dick_continuation, "
+                        "python_continuation (local, no download) or lm-eval names (piqa, arc_easy, ...)")
+    parser.add_argument("--limit", type=int, default=None, help="with --tasks: the first N items of each task")
+
+
+def _zero_shot(model, tokenizer, tasks, args) -> dict:
+    from . import zeroshot
+    results = zeroshot.evaluate(model, tokenizer, tasks, limit=args.limit, batch_size=args.batch_size)
+    for name, result in results.items():
+        norm = "" if result["acc_norm"] is None else f", acc_norm {result['acc_norm']:.4f}"
+        print(f"{name}: acc {result['acc']:.4f} ± {result['stderr']['acc']:.4f}{norm} ({result['n']} items, "
+              f"{result['num_fewshot']}-shot)")
+    return results
+
+
 def _load(args):
     from .models import load_model
     return load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
@@ -257,6 +292,7 @@ def cmd_prune(args) -> int:
     calib = _calibration(tokenizer, args.calib, args) if runner.needs_calibration else None
     streams = _eval_streams(tokenizer, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
                             "--eval-seqlen")
+    tasks = _zero_shot_tasks(args)
 
     from . import pruning
     from .io import save, write_report
@@ -274,7 +310,9 @@ def cmd_prune(args) -> int:
         save(model, tokenizer, args.output, report=report)
         print(f"saved the pruned model to {args.output}")
     report["eval"] = _evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
-    if args.output and report["eval"]:
+    if tasks is not None:
+        report["tasks"] = _zero_shot(model, tokenizer, tasks, args)
+    if args.output and (report["eval"] or tasks is not None):
         write_report(args.output, report)
     if args.report:
         storage.write_json(args.report, report)
@@ -411,16 +449,35 @@ def cmd_continual(args) -> int:
 
 def cmd_eval(args) -> int:
     _check_counts(args, ("seqlen", "batch_size"), optional=("max_tokens",))
+    if not args.data and args.tasks is None:
+        raise UsageError("give --data TEXT ... (perplexity) and/or --tasks NAME,... (zero-shot accuracy)")
     for source in args.data:
         data.check_source(source)
     _check_report(args.report)
     _check_device(args.device)
     _check_model(args.model)
     streams = _eval_streams(_tokenizer(args.model), args.data, args.seqlen, args.max_tokens, "--data", "--seqlen")
-    model, _ = _load(args)
-    results = _evaluate(model, streams, args.seqlen, args.batch_size, not args.quiet)
+    tasks = _zero_shot_tasks(args)
+    model, tokenizer = _load(args)
+    report = {"model": args.model, "eval": _evaluate(model, streams, args.seqlen, args.batch_size, not args.quiet)}
+    if tasks is not None:
+        report["tasks"] = _zero_shot(model, tokenizer, tasks, args)
     if args.report:
-        storage.write_json(args.report, {"model": args.model, "eval": results, **_run_info(args)})
+        storage.write_json(args.report, {**report, **_run_info(args)})
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """Reports -> one markdown table (best per column in bold) and a figure (PNG + SVG)."""
+    from . import compare
+    reports = [compare.load_report(path) for path in args.reports]
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError(f"--output {args.output} exists and is not a directory")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise UsageError(f"--output {args.output}: its parent directory does not exist")
+    written = compare.compare(reports, args.output, name=args.name)
+    print(compare.markdown_table(compare.rows(reports)), end="")
+    print(f"wrote {written['markdown']}, {written['png']}, {written['svg']}")
     return 0
 
 
@@ -528,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                             "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
     prune.add_argument("--report", help="JSON report path")
+    _add_zero_shot_options(prune)
     _add_method_options(prune)
     prune.set_defaults(run=cmd_prune)
 
@@ -583,13 +641,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_options(cont)
     cont.set_defaults(run=cmd_continual, ratio=None, uniform=False)
 
-    evaluate = sub.add_parser("eval", help="perplexity of a model on texts")
+    evaluate = sub.add_parser("eval", help="perplexity of a model on texts, zero-shot accuracy on tasks")
     common(evaluate)
-    evaluate.add_argument("--data", nargs="+", required=True)
+    evaluate.add_argument("--data", nargs="*", default=[], help="texts for perplexity (as prune's --calib)")
     evaluate.add_argument("--seqlen", type=int, default=512)
     evaluate.add_argument("--max-tokens", type=int, default=None)
     evaluate.add_argument("--report", help="JSON report path")
+    _add_zero_shot_options(evaluate)
     evaluate.set_defaults(run=cmd_eval)
+
+    comp = sub.add_parser("compare", help="reports of prune/eval runs -> one markdown table and a figure")
+    comp.add_argument("reports", nargs="+", help="JSON reports (pyprune prune/eval --report)")
+    comp.add_argument("--output", default=".", help="directory for NAME.md, NAME.png, NAME.svg (default .)")
+    comp.add_argument("--name", default="compare", help="file name stem (default compare)")
+    comp.set_defaults(run=cmd_compare)
 
     recover = sub.add_parser("recover", help="LoRA recovery fine-tuning (RFT) of a pruned model, merged "
                              "back into dense weights")
