@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .engine import block_prefix, decoder_blocks
-from .nn import compact
+from .nn.layout import block_layout, check_llama_block
 from .nn.sliced import SlicedLinear
 from .nn.sparse import SparseLinear
 from .patterns import NM
@@ -98,8 +98,8 @@ def model_cost(model: nn.Module, seqlen: int) -> Dict[str, int]:
     linear_flops = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     attention_flops = 0
     for index, block in enumerate(decoder_blocks(model)):
-        compact.check_llama_block(block, f"block {index}")
-        layout = compact.block_layout(block)
+        check_llama_block(block, f"block {index}")
+        layout = block_layout(block)
         attention_flops += 4 * layout["heads"] * layout["head_dim"] * seqlen
     return {"parameters": parameter_count(model), "linear_flops_per_token": linear_flops,
             "attention_flops_per_token": attention_flops, "flops_per_token": linear_flops + attention_flops}

@@ -36,6 +36,7 @@ from torch import nn
 
 from . import engine, storage
 from .nn import compact, sparse
+from .nn.layout import block_layout, check_llama_block, config_accepts, config_fields
 
 __all__ = ["save", "load", "read_manifest", "write_report", "check_weights", "MANIFEST", "model_layout"]
 
@@ -53,12 +54,12 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
     try:
         blocks = engine.decoder_blocks(model)
         for index, block in enumerate(blocks):
-            compact.check_llama_block(block, f"block {index}")
+            check_llama_block(block, f"block {index}")
     except ValueError:
         return {"layers": None, "config_compatible": True, "config_fields": None}
-    layouts = [compact.block_layout(block) for block in blocks]
-    fields = compact.config_fields(blocks)
-    if not compact.config_accepts(getattr(model, "config", None), fields):
+    layouts = [block_layout(block) for block in blocks]
+    fields = config_fields(blocks)
+    if not config_accepts(getattr(model, "config", None), fields):
         fields = None
     return {"layers": layouts, "config_compatible": fields is not None, "config_fields": fields}
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import engine
 from .training import train
-from .nn import compact
+from .nn.layout import ATTENTION_LINEARS, MLP_LINEARS
 from .nn.sliced import SlicedLinear
 from .nn.sparse import SparseLinear
 
@@ -32,7 +32,7 @@ __all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES"]
 
 #: Every linear layer of a LLaMA-style decoder block. The papers do not name their LoRA targets;
 #: LLM-Pruner's post_training.py adapts these seven, PEFT's own default for llama is q_proj, v_proj.
-DEFAULT_TARGET_MODULES = compact.ATTENTION_LINEARS + compact.MLP_LINEARS
+DEFAULT_TARGET_MODULES = ATTENTION_LINEARS + MLP_LINEARS
 
 
 def _is_int(value) -> bool:

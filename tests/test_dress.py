@@ -116,7 +116,7 @@ def test_rescale_norms_by_the_measured_energy_share():
 
 def test_the_measured_rescale_is_sqrt_width_when_the_removed_channels_are_empty():
     model, calib = tiny_llama(seed=0), _calib()
-    stream = pyprune.nn.compact.hidden_stream(model)
+    stream = pyprune.nn.layout.hidden_stream(model)
     with torch.no_grad():  # nothing writes the last 16 channels: the residual stream is zero there
         stream["embed"].weight[:, 48:] = 0
         for writer in stream["writers"].values():

@@ -10,7 +10,7 @@ from torch import nn
 
 import pyprune
 from pyprune import cli
-from pyprune.nn import compact
+from pyprune.nn.layout import LINEARS, block_layout
 from pyprune.patterns import Structured
 from pyprune.recovery import DEFAULT_TARGET_MODULES, lora_finetune
 from tests.helpers import random_tokens, tiny_llama
@@ -88,7 +88,7 @@ def test_merge_restores_the_model_and_changes_only_the_targets(targets):
     assert_same_model(model, before, weights_equal=False)
     names = DEFAULT_TARGET_MODULES if targets is None else [t.split(".")[-1] for t in targets]
     changed = {k for k, v in before["state"].items() if not torch.equal(model.state_dict()[k], v)}
-    expected = {f"model.layers.{i}.{block_name}.weight" for i in range(2) for block_name in compact.LINEARS
+    expected = {f"model.layers.{i}.{block_name}.weight" for i in range(2) for block_name in LINEARS
                 if block_name.split(".")[-1] in names}
     assert changed == expected
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -129,13 +129,13 @@ def test_structured_pruned_model_with_non_uniform_layers():
     model = tiny_llama(layers=3, heads=8, kv_heads=4)
     calib = random_tokens((4, 32), vocab=VOCAB, seed=3)
     pyprune.prune(model, "taylor", Structured(0.25), calib, progress=False, first_layer=1)
-    layouts = [compact.block_layout(block) for block in model.model.layers]
+    layouts = [block_layout(block) for block in model.model.layers]
     assert layouts[0] != layouts[1] and layouts[1]["heads"] == 6 and layouts[1]["intermediate"] == 96
     tokens = counting_tokens()
     before, loss_before = snapshot(model), mean_loss(model, tokens)
     report = lora_finetune(model, tokens, steps=30, **SETTINGS)
     assert_same_model(model, before, weights_equal=False)
-    assert [compact.block_layout(block) for block in model.model.layers] == layouts
+    assert [block_layout(block) for block in model.model.layers] == layouts
     expected = sum(8 * (m.in_features + m.out_features) for block in model.model.layers
                    for m in block.modules() if isinstance(m, nn.Linear))
     assert report["trainable_parameters"] == expected
@@ -281,8 +281,8 @@ def test_cli_recover_a_non_uniform_pruned_model(tiny_model_dir, tmp_path):
     assert cli.main(_recover_argv(pruned, text, output, "--target-modules", "q_proj", "v_proj")) == 0
     before, _ = pyprune.load(str(pruned))
     after, _ = pyprune.load(str(output))
-    layouts = [compact.block_layout(block) for block in after.model.layers]
-    assert layouts == [compact.block_layout(block) for block in before.model.layers] and layouts[0] != layouts[1]
+    layouts = [block_layout(block) for block in after.model.layers]
+    assert layouts == [block_layout(block) for block in before.model.layers] and layouts[0] != layouts[1]
     assert json.loads((output / "pyprune.json").read_text())["config_compatible"] is False
     assert list(after.state_dict()) == list(before.state_dict())
     changed = {k for k, v in before.state_dict().items() if not torch.equal(after.state_dict()[k], v)}

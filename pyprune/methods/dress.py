@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from .. import ops
 from ..eval import model_cost
 from ..io import model_fingerprint
-from ..nn.compact import hidden_stream, keep_hidden_channels_
+from ..nn.compact import keep_hidden_channels_
+from ..nn.layout import hidden_stream
 from ..patterns import Structured
 from ..training import Checkpoint, fp32_master_weights, train
 from .base import Method
@@ -152,7 +153,7 @@ class DReSS(Method):
 
     def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int]]:
         """(name, parameter, dim of the hidden channels) of every tensor that reads or writes them
-        (Eqs. 2-4), as :func:`pyprune.nn.compact.hidden_stream` lists them: embedding and LM-head
+        (Eqs. 2-4), as :func:`pyprune.nn.layout.hidden_stream` lists them: embedding and LM-head
         columns, reader input columns, writer output rows, norm entries; a tied LM head shares the
         embedding's tensor and appears once."""
         stream = hidden_stream(model)

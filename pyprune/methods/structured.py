@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from .. import engine
 from ..nn import compact
+from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields, head_dim, layouts_uniform
 from ..patterns import Structured
 from ..reference import kept_count
 from .base import Method
@@ -91,7 +92,7 @@ def group_scores(block: nn.Module, element_scores: ElementScores) -> Dict[str, T
     * ``channels`` [intermediate]: each MLP channel's gate_proj + up_proj rows + down_proj column.
     """
     attn, mlp = block.self_attn, block.mlp
-    hd = compact.head_dim(attn)
+    hd = head_dim(attn)
     n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
     n_ch = mlp.gate_proj.out_features
     with torch.no_grad():
@@ -219,27 +220,27 @@ class StructuredMethod(Method):
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
         for index, block in enumerate(blocks):
-            compact.check_llama_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+            check_llama_block(block, f"block {prefix}.{index} of {type(model).__name__}")
         first, last = self.layer_range(len(blocks))
         if pattern.uniform and pattern.ratio > 0:
             if (first, last) != (0, len(blocks) - 1):
                 raise ValueError(f"uniform (config-compatible) pruning must prune every layer; "
                                  f"first_layer/last_layer select layers {first}..{last} of {len(blocks)}")
-            if not compact.layouts_uniform([compact.block_layout(block) for block in blocks]):
+            if not layouts_uniform([block_layout(block) for block in blocks]):
                 raise ValueError("uniform (config-compatible) pruning needs decoder blocks of equal sizes; "
                                  "this model's blocks already differ")
 
     def _uniform_kv_groups(self, model: nn.Module, blocks, ratio: float) -> int:
         """KV groups every layer keeps under uniform pruning, snapped to a count the model's
         config class accepts (transformers 5's LlamaConfig wants hidden_size % heads == 0)."""
-        layout = compact.block_layout(blocks[0])
+        layout = block_layout(blocks[0])
         groups = layout["heads"] // layout["kv_heads"]
         channels = max(1, kept_count(layout["intermediate"], ratio)) if self.channels \
             else layout["intermediate"]
         config = getattr(model, "config", None)
 
         def allowed(n: int) -> bool:
-            return compact.config_accepts(config, {
+            return config_accepts(config, {
                 "num_attention_heads": n * groups, "num_key_value_heads": n,
                 "head_dim": layout["head_dim"], "intermediate_size": channels})
 
@@ -273,7 +274,7 @@ class StructuredMethod(Method):
             compact.keep_mlp_channels_(blocks[index], ch_kept)
         structure: List[Dict] = []
         for index, block in enumerate(blocks):
-            layout = compact.block_layout(block)
+            layout = block_layout(block)
             entry = {"layer": index, "pruned": index in selections, "heads": layout["heads"],
                      "kv_heads": layout["kv_heads"], "channels": layout["intermediate"]}
             if index in selections:
@@ -283,9 +284,9 @@ class StructuredMethod(Method):
                 entry["pruned_heads"] = _complement(q_kept, n_q)
                 entry["pruned_channels"] = _complement(ch_kept, n_ch)
             structure.append(entry)
-        fields = compact.config_fields(blocks)
+        fields = config_fields(blocks)
         config = getattr(model, "config", None)
-        if not compact.config_accepts(config, fields):
+        if not config_accepts(config, fields):
             fields = None
         if fields is not None and config is not None:
             for key, value in fields.items():

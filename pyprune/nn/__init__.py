@@ -1,17 +1,19 @@
 """pyprune.nn: turning pruned dense weights into smaller or faster layers.
 
+* :mod:`pyprune.nn.layout` — the model description the others share: the linear layers and norms
+  of a LLaMA-family block, its sizes and config fields, the modules of the hidden stream.
 * :mod:`pyprune.nn.compact` — physically remove attention heads and MLP channels from
   LLaMA-family decoder blocks (structured pruning's output) and hidden channels from a whole
-  model (DReSS), and describe/rebuild their sizes.
+  model (DReSS), and rebuild saved sizes.
 * :mod:`pyprune.nn.sparse` — :class:`SparseLinear`, a drop-in nn.Linear holding an N:M weight in
   the compressed form, and :func:`sparsify_` to swap it into a pruned model.
 * :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only, and
   the same for a whole model's hidden channels (:func:`slice_hidden_channels_`).
 * :mod:`pyprune.nn.dispatch` — the measured table that picks SparseLinear's backend.
 """
-from .compact import (block_layout, check_llama_block, config_accepts, config_fields,
-                      grouped_query_heads, keep_attention_heads_, keep_hidden_channels_,
-                      keep_mlp_channels_, layouts_uniform, resize_block_)
+from .compact import (grouped_query_heads, keep_attention_heads_, keep_hidden_channels_, keep_mlp_channels_,
+                      resize_block_)
+from .layout import block_layout, check_llama_block, config_accepts, config_fields, layouts_uniform
 from .sliced import (SlicedEmbedding, SlicedLinear, SlicedNorm, slice_hidden_channels_, slice_mlp_channels_,
                      unslice_)
 from .sparse import SparseLinear, detect_pattern, sparsify_

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 
 from ..ops import _validate as check
 from ..ops.linear import _sliced_linear
+from .layout import ChannelView, hidden_index, hidden_stream
 
 
-class SlicedLinear(nn.Module):
+class SlicedLinear(ChannelView):
     """``base`` restricted to ``out_index`` rows and ``in_index`` columns (None keeps all)."""
 
     def __init__(self, base: nn.Linear, in_index: Optional[Tensor] = None,
@@ -75,7 +76,7 @@ def slice_mlp_channels_(block: nn.Module, keep: Tensor) -> None:
     mlp.down_proj = SlicedLinear(mlp.down_proj, in_index=keep)
 
 
-class SlicedEmbedding(nn.Module):
+class SlicedEmbedding(ChannelView):
     """``base``'s embeddings restricted to the hidden channels ``index`` (weight shared)."""
 
     def __init__(self, base: nn.Embedding, index: Tensor):
@@ -87,7 +88,7 @@ class SlicedEmbedding(nn.Module):
         return self.base(ids).index_select(-1, self.index)
 
 
-class SlicedNorm(nn.Module):
+class SlicedNorm(ChannelView):
     """``base`` (an RMSNorm/LayerNorm over the hidden channels) run on the channels ``index``
     only: its own forward with its weight (and bias) entries at ``index``, the weight times
     ``scale``, so its statistics are taken over those channels, as after
@@ -113,10 +114,8 @@ def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str
     method can evaluate (or train through) the sliced model while the full weights stay; undone by
     :func:`unslice_`. ``norm_scale`` (norm name -> factor, e.g. DReSS's ``norm_scale`` report) scales
     those norms' weights as a rescale after slicing would."""
-    from .compact import _hidden_index, hidden_stream  # compact imports this module
-
     stream = hidden_stream(model)
-    index = _hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
+    index = hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
     wrapped = {"model.embed_tokens": SlicedEmbedding(stream["embed"], index),
                "lm_head": SlicedLinear(stream["lm_head"], in_index=index)}
     norm_scale = dict(norm_scale or {})
