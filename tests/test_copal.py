@@ -371,6 +371,10 @@ def test_cli_continual_report_keys_the_selection_scope(tiny_model_dir, tmp_path,
     assert "other settings" in capsys.readouterr().err and report_path.read_text() == before
     assert main(argv + ["--init", "cumulative"]) == 2
     assert "--init cumulative needs" in capsys.readouterr().err and report_path.read_text() == before
+    wanda = [a if a != "copal" else "wanda" for a in argv[:-2]] + [str(tmp_path / "wanda.json"), "--quiet"]
+    assert main(wanda + ["--init", "cumulative"]) == 0
+    report = json.loads((tmp_path / "wanda.json").read_text())
+    assert report["init"] == "cumulative" and report["settings"]["scope"] == "row"
 
 
 @pytest.mark.parametrize("extra,message", [
