@@ -1,29 +1,18 @@
 """Pure-PyTorch reference of every op: the test oracle for the kernels and the fallback path.
-
-Conventions (shared by every backend):
-
-* weights are ``[out, in]``; N:M groups are ``m`` consecutive elements of the last dim;
-* masks are ``torch.bool`` with True = keep; among equal scores the lower index is kept;
-* scores and statistics are fp32 whatever the input dtype;
-* the compressed N:M format is ``values [rows, in*n/m]`` (kept elements of each row, in index
-  order) and ``meta [rows, ceil(in/8)] uint8``: the keep mask packed 8 columns per byte, column
-  ``8*b + j`` in bit ``j`` of byte ``b``. For fp16/bf16 2:4 and 4:8 that is 9/16 of the dense bytes.
+It follows the conventions of :mod:`pyprune.conventions` (kept counts, mask packing), as every
+backend does.
 
 Nothing here validates arguments: :mod:`pyprune.ops` does that before any backend runs.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def kept_count(count: int, sparsity: float) -> int:
-    """Number of elements kept out of ``count`` at ``sparsity``: round((1 - sparsity)·count), halves up."""
-    return int(math.floor((1.0 - sparsity) * count + 0.5))
+from .conventions import kept_count, pack_mask, sparse24_mma_meta, unpack_mask  # noqa: F401 (part of the reference)
 
 
 def magnitude_score(w: Tensor) -> Tensor:
@@ -109,21 +98,6 @@ def group_soft_threshold(x: Tensor, alpha: float, group_dim: int) -> Tensor:
     return (xf * scale).to(x.dtype)
 
 
-def pack_mask(mask: Tensor) -> Tensor:
-    """Pack a bool mask [rows, cols] into uint8 [rows, ceil(cols/8)], column 8b+j in bit j of byte b."""
-    rows, cols = mask.shape
-    padded = F.pad(mask.to(torch.uint8), (0, (-cols) % 8)).reshape(rows, -1, 8)
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
-    return (padded * weights).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack_mask(meta: Tensor, cols: int) -> Tensor:
-    """Inverse of :func:`pack_mask`."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=meta.device)
-    bits = (meta.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(meta.shape[0], -1)[:, :cols].bool()
-
-
 def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
     """(values, meta) of an N:M-masked weight; ``mask`` has exactly n True per group of m."""
     values = w[mask].reshape(w.shape[0], w.shape[1] * n // m)
@@ -137,19 +111,6 @@ def nm_decompress(values: Tensor, meta: Tensor, n: int, m: int) -> Tensor:
     dense = torch.zeros(values.shape[0], cols, dtype=values.dtype, device=values.device)
     dense[mask] = values.reshape(-1)
     return dense
-
-
-def sparse24_mma_meta(meta: Tensor, cols: int) -> Tensor:
-    """The 2:4 sparse tensor-core metadata (csrc/cuda/sparse24_mm.cu) of a packed 2:4 keep mask:
-    int16 [rows, cols/16]; word j holds groups 4j..4j+3 of its row, group i in bits 4i..4i+3 as
-    (first kept position) | (second kept position) << 2, positions 0..3 in the group."""
-    mask = unpack_mask(meta, cols).reshape(meta.shape[0], cols // 4, 4).to(torch.int32)
-    first = mask.argmax(dim=-1)
-    second = 3 - mask.flip(-1).argmax(dim=-1)
-    codes = (first | (second << 2)).reshape(meta.shape[0], cols // 16, 4)
-    shifts = torch.arange(0, 16, 4, device=meta.device)
-    words = (codes << shifts).sum(dim=-1)
-    return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
 
 
 def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,

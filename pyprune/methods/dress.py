@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..conventions import kept_count, round_half_up
 from ..eval import model_cost
 from ..io import model_fingerprint
 from ..nn.compact import keep_hidden_channels_
@@ -86,13 +87,14 @@ class DReSS(Method):
     # -- which channels ------------------------------------------------------------------------
 
     def pruned_channels(self, config, ratio: float, energy: Optional[Tensor] = None) -> Tensor:
-        """The hidden channels P to remove for ``ratio``: round(ratio·d), then the kept width
-        rounded to the nearest multiple of the head count and of ``multiple``; ValueError when
+        """The hidden channels P to remove for ``ratio``: the kept width :func:`kept_count` (d, ratio)
+        rounded to the nearest multiple of the head count and of ``multiple`` (halves up, as every
+        count in pyprune); ValueError when
         that removes no channel or keeps none. ``channels="quiet"`` takes the channels of least
         ``energy`` (:meth:`channel_energy`), sorted; without ``energy`` it only checks the count."""
         d = config.hidden_size
         step = math.lcm(int(config.num_attention_heads), self.multiple)
-        kept = round((d - round(ratio * d)) / step) * step
+        kept = round_half_up(kept_count(d, ratio) / step) * step
         if kept >= d or kept <= 0:
             raise ValueError(f"ratio {ratio} of hidden size {d} rounds to {'zero' if kept >= d else 'all'} "
                              f"channels removed once the kept width is a multiple of {step} (the head count "

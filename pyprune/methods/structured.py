@@ -55,10 +55,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import engine
+from ..conventions import kept_count
 from ..nn import compact
 from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields, head_dim, layouts_uniform
 from ..patterns import Structured
-from ..reference import kept_count
 from .base import Method
 from .options import Option
 

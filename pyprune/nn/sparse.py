@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import backend as _backend
-from .. import ops, reference
+from .. import ops
+from ..conventions import pack_mask, sparse24_mma_meta, unpack_mask
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch
 
@@ -80,7 +81,7 @@ class SparseLinear(nn.Module):
         self.values = nn.Parameter(torch.zeros(out_features, in_features * n // m, **factory))
         mask = torch.zeros(out_features, in_features // m, m, dtype=torch.bool, device=device)
         mask[..., :n] = True
-        self.register_buffer("meta", reference.pack_mask(mask.reshape(out_features, in_features)))
+        self.register_buffer("meta", pack_mask(mask.reshape(out_features, in_features)))
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
         self._cusparselt_algorithms: Dict[int, int] = {}
@@ -100,7 +101,7 @@ class SparseLinear(nn.Module):
             self.set_extra_state(extra)  # a wrong pattern is named before its mask is checked
         meta = state_dict.get(prefix + "meta")
         if isinstance(meta, Tensor) and tuple(meta.shape) == tuple(self.meta.shape):
-            kept = reference.unpack_mask(meta, self.in_features).reshape(-1, self.m).sum(dim=1)
+            kept = unpack_mask(meta, self.in_features).reshape(-1, self.m).sum(dim=1)
             if not bool((kept == self.n).all()):
                 raise ValueError(f"{prefix}meta is not a {self.pattern} mask: a group keeps "
                                  f"{int(kept[kept != self.n][0])} of {self.m}")
@@ -227,7 +228,7 @@ class SparseLinear(nn.Module):
         if name == "dense":
             return F.linear(x, self.weight, self.bias)
         if name == "mma_sp":
-            meta = self._cached("mma_sp", lambda: reference.sparse24_mma_meta(self.meta, self.in_features))
+            meta = self._cached("mma_sp", lambda: sparse24_mma_meta(self.meta, self.in_features))
             out = _backend.native_module("cuda").sparse24_linear(
                 x.reshape(-1, self.in_features).contiguous(), self.values.detach(), meta, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import backend, reference
+from ..conventions import kept_count
 from . import _validate as check
 from ._dispatch import kernels, native, raise_on_nan_flag, run
 
@@ -19,7 +20,7 @@ _NAN_SUBJECT = "scores of v = x + u (and act_sqnorm)"
 
 
 def _kept_count(v: Tensor, sparsity: float, scope: str) -> int:
-    return reference.kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
+    return kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
 
 
 def _triton_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from .. import backend, reference
+from ..conventions import unpack_mask
 from . import _validate as check
 from ._dispatch import kernels, native, run
 from .nm_format import _nm_decompress, check_compressed
@@ -75,7 +76,7 @@ def _nm_linear_backward(ctx, grad):
         grad_x = grad @ dense
     if ctx.needs_input_grad[1]:
         grad_w = _flatten(grad).t() @ _flatten(x)
-        mask = reference.unpack_mask(meta, dense.shape[1])
+        mask = unpack_mask(meta, dense.shape[1])
         grad_values = grad_w[mask].reshape(values.shape)
     if ctx.has_bias and ctx.needs_input_grad[5]:
         grad_bias = _flatten(grad).sum(dim=0)

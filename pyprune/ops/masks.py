@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..conventions import kept_count
 from . import _validate as check
 from ._dispatch import kernels, native, raise_on_nan_flag, run
 
@@ -99,7 +100,7 @@ def _topk(src: Tensor, sparsity: float, scope: str, act_sqnorm: Optional[Tensor]
     count = src.shape[-1] if scope == "row" else src.numel()
     if count >= 2 ** 32:
         raise ValueError(f"scope={scope!r} selects among {count} elements; at most 2**32 - 1 are supported")
-    return _topk_mask(src, act_sqnorm, reference.kept_count(count, sparsity), scope == "row", kind)
+    return _topk_mask(src, act_sqnorm, kept_count(count, sparsity), scope == "row", kind)
 
 
 def topk_mask(scores: Tensor, sparsity: float, scope: str = "row") -> Tensor:
