@@ -126,13 +126,9 @@ def test_sparse_linear_model(local_tasks):
     from pyprune.nn import SparseLinear, sparsify_
     model, tokenizer = tiny_llama(vocab=len(WORDS) + 3), tiny_tokenizer()
     pyprune.prune(model, "magnitude", "2:4", progress=False)
-    dense = zeroshot.evaluate(model, tokenizer, local_tasks, limit=LIMIT, details=True)[TASK]
     assert len(sparsify_(model, "2:4")) == 14
     _evaluated_unchanged(model, tokenizer, local_tasks)
-    assert any(isinstance(m, SparseLinear) for m in model.modules())
-    sparse = zeroshot.evaluate(model, tokenizer, local_tasks, limit=LIMIT, details=True)[TASK]
-    np.testing.assert_allclose([i["loglikelihoods"] for i in sparse["items"]],
-                               [i["loglikelihoods"] for i in dense["items"]], rtol=1e-5, atol=1e-4)
+    assert sum(isinstance(m, SparseLinear) for m in model.modules()) == 14
 
 
 def test_compacted_structured_model(local_tasks):
@@ -142,20 +138,15 @@ def test_compacted_structured_model(local_tasks):
     _evaluated_unchanged(model, tokenizer, local_tasks)
 
 
-def test_hidden_sliced_models(local_tasks):
+@pytest.mark.parametrize("physically", [False, True])
+def test_hidden_sliced_models(local_tasks, physically):
+    """DReSS's slicing: through SlicedLinear/SlicedEmbedding/SlicedNorm wrappers (the LM head
+    included, which lm-eval's re-tying would break) and physically smaller."""
     from pyprune.nn import SlicedLinear, keep_hidden_channels_, slice_hidden_channels_
-    tokenizer, keep = tiny_tokenizer(), torch.arange(1, 48, 4)
-    wrapped = tiny_llama(vocab=len(WORDS) + 3)
-    slice_hidden_channels_(wrapped, keep)  # SlicedLinear/SlicedEmbedding/SlicedNorm, lm_head included
-    assert isinstance(wrapped.lm_head, SlicedLinear)
-    _evaluated_unchanged(wrapped, tokenizer, local_tasks)
-    sliced = tiny_llama(vocab=len(WORDS) + 3)
-    keep_hidden_channels_(sliced, keep)  # physically smaller
-    assert sliced.config.hidden_size == 12
-    a = zeroshot.evaluate(wrapped, tokenizer, local_tasks, limit=LIMIT, details=True)[TASK]
-    b = zeroshot.evaluate(sliced, tokenizer, local_tasks, limit=LIMIT, details=True)[TASK]
-    np.testing.assert_allclose([i["loglikelihoods"] for i in a["items"]],
-                               [i["loglikelihoods"] for i in b["items"]], rtol=1e-5, atol=1e-4)
+    model, keep = tiny_llama(vocab=len(WORDS) + 3), torch.arange(1, 48, 4)
+    (keep_hidden_channels_ if physically else slice_hidden_channels_)(model, keep)
+    assert model.config.hidden_size == 12 if physically else isinstance(model.lm_head, SlicedLinear)
+    _evaluated_unchanged(model, tiny_tokenizer(), local_tasks)
 
 
 def test_bad_arguments(local_tasks):
