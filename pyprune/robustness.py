@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, Iterator, Set, Tuple
+from typing import Dict, Iterator, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from . import pruning
 from .eval import perplexity
@@ -36,26 +37,30 @@ ARITHMETIC = ("fp32-accumulate", "native")
 Group = Tuple[int, str, int]
 
 
-def _fp32_accumulate_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    bias = None if self.bias is None else self.bias.float()
-    return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+def _fp32_accumulate_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear multiplied with fp32 accumulation and rounded once to ``x``'s dtype."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+class _Fp32Accumulate(TorchFunctionMode):
+    """Every ``F.linear`` called inside (every ``nn.Linear`` forward, also of the smaller layers
+    compaction creates) computes as :func:`_fp32_accumulate_linear`; everything else is untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            return _fp32_accumulate_linear(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def linear_arithmetic(arithmetic: str) -> Iterator[None]:
-    """Inside the block every ``nn.Linear`` of the process computes as ``arithmetic`` says (see
-    the module docstring), also the smaller layers compaction creates. Restored after."""
+    """Inside the block the linear layers compute as ``arithmetic`` says (see the module
+    docstring). Scoped to the block and to the calling thread: no class is patched (a torch
+    function mode), and everything is as before on exit, also after an exception."""
     if arithmetic not in ARITHMETIC:
         raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETIC)}; got {arithmetic!r}")
-    if arithmetic == "native":
+    with (_Fp32Accumulate() if arithmetic == "fp32-accumulate" else contextlib.nullcontext()):
         yield
-        return
-    original = nn.Linear.forward
-    nn.Linear.forward = _fp32_accumulate_forward
-    try:
-        yield
-    finally:
-        nn.Linear.forward = original
 
 
 def pruned_groups(report: Dict) -> Set[Group]:
