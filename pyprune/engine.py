@@ -7,18 +7,19 @@ embeddings, attention mask, ...). Then block by block: a method sees a :class:`B
 block, and the engine recomputes the block's outputs with the pruned weights as the next block's
 inputs. Memory stays at about one block of activations (inputs + outputs) plus the model.
 
-What the seed methods need from it:
+What the methods take from it:
 * Wanda / SparseGPT / COPAL: per-linear input and output captures -> :meth:`BlockContext.capture`;
   COPAL's dense propagation sets :attr:`BlockContext.next_inputs`.
-* SAFE: the dense block's outputs as targets and gradients through one block ->
-  :meth:`BlockContext.forward` (with ``grad=True``) before pruning.
-* Taylor / MoreauPruner: full-model gradients -> :func:`accumulate_gradients`.
+* SAFE: the dense block's outputs as targets -> :meth:`BlockContext.forward` (SAFE⁺: the same
+  outputs and its input statistics -> :meth:`BlockContext.capture`), before
+  :func:`pyprune.training.train_block` trains the block's weights on them.
+* Taylor / MoreauPruner / SmoothGrad: full-model gradients -> :func:`accumulate_gradients`.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -102,7 +103,6 @@ class BlockContext:
     inputs: Tensor
     block_kwargs: dict
     batch_size: int
-    state: dict = field(default_factory=dict)
     #: the next block's inputs when a method sets them (default: this block's outputs after it
     #: is processed)
     next_inputs: Optional[Tensor] = None
@@ -118,8 +118,7 @@ class BlockContext:
                        for s in range(0, inputs.shape[0], self.batch_size)]
         return torch.cat(outputs)
 
-    def capture(self, on_batch: Callable[[str, nn.Linear, Tensor, Tensor], None],
-                names: Optional[list] = None) -> Tensor:
+    def capture(self, on_batch: Callable[[str, nn.Linear, Tensor, Tensor], None]) -> Tensor:
         """Run the block once over the calibration inputs, calling ``on_batch(name, linear, x, y)``
         with each linear layer's input and output of every batch; returns the block outputs."""
         linears = self.linears()
@@ -129,8 +128,7 @@ class BlockContext:
                 on_batch(name, module, args[0].detach(), output.detach())
             return observe
 
-        handles = [module.register_forward_hook(hook(name))
-                   for name, module in linears.items() if names is None or name in names]
+        handles = [module.register_forward_hook(hook(name)) for name, module in linears.items()]
         try:
             return self.forward()
         finally:
