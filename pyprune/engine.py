@@ -141,11 +141,12 @@ class BlockCheckpoint:
     """Where layer-wise pruning saves every finished block (``block-<i>.safetensors``) and a
     manifest (the run's ``key``, the number of finished blocks, their details). A rerun with the
     same key loads the finished blocks and goes on from the next one; another key is refused
-    before anything changes. Blocks are resumed with pruned propagation (their outputs feed the
-    next block)."""
+    before anything changes. A restored block's outputs feed the next block: its pruned outputs,
+    or with ``dense_propagation`` its dense outputs (computed before its weights are restored)."""
 
     directory: str
     key: dict
+    dense_propagation: bool = False
 
     @property
     def manifest_path(self) -> str:
@@ -164,10 +165,15 @@ class BlockCheckpoint:
         storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key)
         return manifest["finished"], manifest["details"]
 
-    def restore(self, blocks: nn.ModuleList, finished: int) -> None:
+    def restore(self, block: nn.Module, index: int) -> None:
+        """Load the saved weights of finished block ``index`` into ``block``."""
         from safetensors.torch import load_file
-        for index in range(finished):
-            blocks[index].load_state_dict(load_file(self._block_path(index)))
+        try:
+            state = load_file(self._block_path(index))
+        except Exception as error:  # safetensors raises its own error type for a broken file
+            raise storage.StateError(f"checkpoint block {self._block_path(index)} is not readable ({error}); "
+                                     "remove the checkpoint directory") from None
+        block.load_state_dict(state)
 
     def save(self, index: int, block: nn.Module, details: List) -> None:
         from safetensors.torch import save_file
@@ -192,12 +198,14 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     was_training = model.training
     model.eval()
     try:
-        if finished:
-            checkpoint.restore(blocks, finished)
         inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
-            if index >= finished:
+            if index < finished:
+                if checkpoint.dense_propagation:
+                    ctx.next_inputs = ctx.forward()
+                checkpoint.restore(blocks[index], index)
+            else:
                 details.append(process_block(ctx))
                 if checkpoint is not None:
                     checkpoint.save(index, blocks[index], details)

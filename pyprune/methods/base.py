@@ -2,6 +2,7 @@
 and how it runs."""
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional, Tuple, Type
 
@@ -9,8 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import engine
+from ..io import model_fingerprint
 from ..patterns import NM, Pattern, Unstructured
-from .options import Option, resolve
+from .options import BLOCK_CHECKPOINT, Option, resolve
 
 
 class Method(ABC):
@@ -81,12 +83,24 @@ class Method(ABC):
                batch_size: int, progress: bool) -> Dict:
         """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
+    def block_checkpoint(self, model: nn.Module, pattern: Pattern, calib: Tensor) -> Optional[engine.BlockCheckpoint]:
+        """Where block-wise pruning saves its finished blocks (the ``checkpoint`` option; None
+        without it), keyed by this run's settings, pattern, model and calibration tokens."""
+        directory = getattr(self, "checkpoint", None)
+        if directory is None:
+            return None
+        key = {"method": self.name, "settings": {k: v for k, v in self.settings.items() if k != "checkpoint"},
+               "pattern": str(pattern), "scope": getattr(pattern, "scope", None), "model": model_fingerprint(model),
+               "calibration": hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]}
+        return engine.BlockCheckpoint(directory, key, dense_propagation=getattr(self, "propagate", None) == "dense")
+
 
 class LayerwiseMaskMethod(Method):
     """Unstructured / N:M methods that prune each linear layer of each block from statistics
     of that layer's calibration inputs (the layer-wise engine)."""
 
     patterns = (Unstructured, NM)
+    options = (BLOCK_CHECKPOINT,)
 
     @abstractmethod
     def new_stats(self, name: str, linear: nn.Linear):
@@ -122,6 +136,9 @@ class LayerwiseMaskMethod(Method):
         dense weights from the sum, so a weight pruned earlier can come back. Returns ``self``."""
         if not self.can_accumulate:
             raise ValueError(f"method {self.name!r} cannot accumulate its statistics across calls")
+        if self.checkpoint is not None:
+            raise ValueError(f"method {self.name!r}: a checkpoint restores finished blocks without their statistics, "
+                             "so it cannot accumulate them across calls")
         self.keeps_state = True
         self._kept_stats, self._dense_weights = {}, {}
         return self
@@ -146,7 +163,7 @@ class LayerwiseMaskMethod(Method):
                 ctx.next_inputs = outputs
 
         engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
-                             desc=self.name)
+                             desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
         return {"scope": getattr(pattern, "scope", None)}
 
 

@@ -36,7 +36,7 @@ from .. import engine, ops, storage
 from ..io import model_fingerprint
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights
-from .options import Option, positive
+from .options import BLOCK_CHECKPOINT, Option, positive
 
 STATE_FILE = "copal-state.safetensors"
 _KIND = "COPAL state"
@@ -69,6 +69,7 @@ class Copal(LayerwiseMaskMethod):
         Option("perturbation_seed", int, 0, "COPAL: seed of the gaussian perturbations"),
         Option("propagate", str, "pruned", "COPAL: the next block's calibration inputs come from this block "
                "pruned or dense", choices=("pruned", "dense")),
+        BLOCK_CHECKPOINT,
     )
 
     def __init__(self, **values):
@@ -80,6 +81,11 @@ class Copal(LayerwiseMaskMethod):
         self._fingerprint: Optional[str] = None
         self._incomplete = False
         self._loaded = False
+
+    def check_options(self, settings) -> None:
+        if settings["checkpoint"] is not None and settings["state"] is not None:
+            raise ValueError("COPAL: options checkpoint and state exclude each other (blocks restored from a "
+                             "checkpoint come without their accumulators, which the state keeps)")
 
     # -- the continual state -------------------------------------------------------------------
 
@@ -93,8 +99,9 @@ class Copal(LayerwiseMaskMethod):
         super().check(model, pattern)
         pattern = self.resolve(pattern)
         if self._incomplete:
-            raise RuntimeError("COPAL: an earlier step failed midway, so this method object's accumulators are "
-                               "incomplete; start from a new one (and its saved state, if any)")
+            raise RuntimeError("COPAL: an earlier step failed midway or resumed from a block checkpoint, so this "
+                               "method object's accumulators are incomplete; start from a new one (and its saved "
+                               "state, if any)")
         stored, fingerprint = self._stored_key()
         if stored is not None:
             storage.check_key(f"COPAL state {self.state or '(in memory)'}", {"settings": stored, "model": fingerprint},
@@ -153,7 +160,9 @@ class Copal(LayerwiseMaskMethod):
         self._incomplete = True
         details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
         self.steps.append({"calib_sha256": digest, "tokens": int(calib.numel())})
-        self._incomplete = False
+        # blocks restored from a block checkpoint come without their accumulators
+        self._incomplete = len(self.accumulators) < sum(len(engine.block_linears(block))
+                                                        for block in engine.decoder_blocks(model))
         if self.state is not None:
             self._save(self.state)
         return details | {"continual_step": len(self.steps), "state": self.state}

@@ -15,19 +15,16 @@ away.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 
 import torch
 
 from .. import engine, ops
-from ..io import model_fingerprint
 from ..optim import SafeOptimizer
 from ..patterns import NM, Unstructured
 from ..training import fp32_master_weights, linear_warmup_decay, train_block
 from .base import Method
-from .options import Option, at_least_one, nonnegative, positive
+from .options import BLOCK_CHECKPOINT, Option, at_least_one, nonnegative, positive
 
 
 def _below_one(value):
@@ -59,8 +56,7 @@ class Safe(Method):
                "SAFE: metric of the last projection: 'same' as the z-step, or 'euclidean' (|x|, Alg. 1 line 15)",
                choices=("same", "euclidean")),
         Option("train_seed", int, 0, "SAFE: seed of the minibatch order"),
-        Option("checkpoint", str, None, "SAFE: directory where every finished block is saved; a rerun with the "
-               "same settings, calibration and model resumes after the last one", optional=True),
+        BLOCK_CHECKPOINT,
     )
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
@@ -102,15 +98,8 @@ class Safe(Method):
             return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
                     "residuals": [round(r, 6) for r in optimizer.residuals]}
 
-        checkpoint = None
-        if self.checkpoint is not None:
-            settings = {k: v for k, v in self.settings.items() if k != "checkpoint"}
-            key = {"method": self.name, "settings": settings, "pattern": str(pattern),
-                   "model": model_fingerprint(model),
-                   "calibration": hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]}
-            checkpoint = engine.BlockCheckpoint(self.checkpoint, json.loads(json.dumps(key)))
         diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
-                                           desc=self.name, checkpoint=checkpoint)
+                                           desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
         return {"scope": getattr(pattern, "scope", None), "steps_per_block": steps,
                 "dual_updates_per_block": math.ceil(steps / self.dual_interval), "blocks": diagnostics}
 

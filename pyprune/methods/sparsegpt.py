@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
-from .options import Option, at_least_one, fraction
+from .options import BLOCK_CHECKPOINT, Option, at_least_one, fraction
 
 
 class _Hessian:
@@ -46,6 +46,7 @@ class SparseGPT(LayerwiseMaskMethod):
         Option("blocksize", int, 128, "SparseGPT: columns per lazy-update block", at_least_one),
         Option("percdamp", float, 0.01, "SparseGPT: Hessian dampening, a fraction of mean(diag H)",
                fraction),
+        BLOCK_CHECKPOINT,
     )
 
     def new_stats(self, name, linear):
