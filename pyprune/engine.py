@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -152,8 +152,9 @@ class BlockCheckpoint:
     def manifest_path(self) -> str:
         return os.path.join(self.directory, "blockwise.json")
 
-    def finished(self) -> Tuple[int, List]:
-        """(number of finished blocks, their details); ValueError for a checkpoint of another run."""
+    def finished(self, parts: Optional[Sequence[str]] = None) -> Tuple[int, List]:
+        """(number of finished blocks, their details); ValueError for a checkpoint of another run
+        (compared in ``parts`` of the key if given, e.g. before the model and calibration exist)."""
         if not os.path.exists(self.manifest_path):
             return 0, []
         try:
@@ -162,7 +163,7 @@ class BlockCheckpoint:
         except ValueError as error:
             raise storage.StateError(f"checkpoint manifest {self.manifest_path} is not valid JSON ({error}); "
                                      "remove it") from None
-        storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key)
+        storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key, parts)
         return manifest["finished"], manifest["details"]
 
     def restore(self, block: nn.Module, index: int) -> None:

@@ -50,6 +50,12 @@ def files(tmp_path_factory):
     dress = base / "dress-checkpoint"
     dress.mkdir()
     (dress / "dress-regularise.safetensors").write_bytes(b"\x80\x04K\x01.")  # a pickle, not a state
+    (base / "block-checkpoint").mkdir()
+    storage.write_json(str(base / "block-checkpoint" / "blockwise.json"), {
+        "key": {"method": "sparsegpt", "settings": {}, "pattern": "2:4", "scope": None, "model": "m",
+                "calibration": "c"}, "finished": 1, "details": [None]})
+    (base / "broken-checkpoint").mkdir()
+    (base / "broken-checkpoint" / "blockwise.json").write_text("{ not json")
     (base / "continual.json").write_text("{ not json")
     (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
     return base
@@ -106,6 +112,12 @@ CASES = [
     ("prune-dress-checkpoint-pickle", ["prune", "--model", "{tiny}", "--method", "dress", "--ratio", "0.25",
                                        "--calib", "{text.txt}", "--checkpoint", "{dress-checkpoint}"],
      r"dress-regularise.safetensors is not a readable safetensors state", {}),
+    ("prune-block-checkpoint-other-method", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}",
+                                             "--checkpoint", "{block-checkpoint}"],
+     r"checkpoint .*block-checkpoint was made with other settings: method 'sparsegpt' \(now 'wanda'\)", {}),
+    ("prune-block-checkpoint-invalid-json", ["prune", "--model", "{tiny}", "--method", "safe", "--pattern", "2:4",
+                                             "--calib", "{text.txt}", "--checkpoint", "{broken-checkpoint}"],
+     r"checkpoint manifest .*broken-checkpoint/blockwise.json is not valid JSON", {}),
     ("eval-seqlen-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "0"],
      r"--seqlen must be >= 1; got 0", {}),
     ("eval-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
@@ -153,6 +165,10 @@ CASES = [
     ("continual-garbage-config", ["continual", "--model", "{garbage-config}", "--method", "wanda", "--sparsity",
                                   "0.5", "--datasets", "emma", "persuasion", "--report", "{new}.json"],
      r"config.json is not a valid model config", {}),
+    ("compare-missing-report", ["compare", "{report.json}", "{nowhere.json}", "--output", "{new}"],
+     r"nowhere.json", {}),
+    ("compare-output-is-a-file", ["compare", "{report.json}", "--output", "{text.txt}"],
+     r"--output .*text.txt exists and is not a directory", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
 ]

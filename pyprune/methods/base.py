@@ -45,7 +45,11 @@ class Method(ABC):
         """Constraints between options (each option alone is checked by its declaration)."""
 
     def check_config(self, config, pattern: Pattern) -> None:
-        """Reject a pattern the model's config rules out, before its weights are loaded."""
+        """Reject a pattern the model's config rules out, or a block checkpoint of other settings,
+        before the model's weights are loaded."""
+        checkpoint = self.block_checkpoint(None, self.resolve(pattern), None)
+        if checkpoint is not None:
+            checkpoint.finished(parts=("method", "settings", "pattern", "scope"))
 
     def resolve(self, pattern: Pattern) -> Pattern:
         """Unstructured patterns without a scope get this method's default scope."""
@@ -83,16 +87,18 @@ class Method(ABC):
                batch_size: int, progress: bool) -> Dict:
         """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
-    def block_checkpoint(self, model: nn.Module, pattern: Pattern, calib: Tensor) -> Optional[engine.BlockCheckpoint]:
+    def block_checkpoint(self, model: Optional[nn.Module], pattern: Pattern,
+                         calib: Optional[Tensor]) -> Optional[engine.BlockCheckpoint]:
         """Where block-wise pruning saves its finished blocks (the ``checkpoint`` option; None
-        without it), keyed by this run's settings, pattern, model and calibration tokens."""
-        directory = getattr(self, "checkpoint", None)
-        if directory is None:
+        without it), keyed by this run's settings, pattern, model and calibration tokens (None
+        before they exist)."""
+        if BLOCK_CHECKPOINT not in self.options or self.checkpoint is None:
             return None
         key = {"method": self.name, "settings": {k: v for k, v in self.settings.items() if k != "checkpoint"},
-               "pattern": str(pattern), "scope": getattr(pattern, "scope", None), "model": model_fingerprint(model),
-               "calibration": hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]}
-        return engine.BlockCheckpoint(directory, key, dense_propagation=getattr(self, "propagate", None) == "dense")
+               "pattern": str(pattern), "scope": getattr(pattern, "scope", None),
+               "model": None if model is None else model_fingerprint(model),
+               "calibration": None if calib is None else hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]}
+        return engine.BlockCheckpoint(self.checkpoint, key, dense_propagation=getattr(self, "propagate", None) == "dense")
 
 
 class LayerwiseMaskMethod(Method):
