@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from pyprune import models
+from pyprune import models, storage
 from pyprune.models import MODEL_ALIASES, load_model, resolve_model_dir
 from tests.helpers import tiny_tokenizer
 
@@ -111,7 +111,7 @@ def test_download_failure_raises_runtime_error(tmp_path, monkeypatch):
     assert "local directory" in str(info.value)
     parent = tmp_path / "models"
     assert not (parent / "smollm2-135m").exists()
-    assert not [p for p in os.listdir(parent) if ".tmp-" in p]
+    assert not [p for p in os.listdir(parent) if "tmp-" in p]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,7 +153,8 @@ def test_incomplete_cache_entry_is_rebuilt(tmp_path, fake_build):
     # a half-written entry (no marker) and a leftover temp dir from a killed run
     target.mkdir(parents=True)
     (target / "config.json").write_text("{")
-    (parent / ".smollm2-135m.tmp-dead").mkdir()
+    dead = os.path.basename(storage.temp_path(str(target))).replace(f"-{os.getpid()}-", "-4194305-")  # > pid_max
+    (parent / dead).mkdir()
     assert resolve_model_dir("smollm2-135m", cache_dir=tmp_path) == str(target)
     assert fake_build == ["smollm2-135m"]
     assert (target / models._MARKER).is_file()
