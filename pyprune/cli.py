@@ -43,13 +43,20 @@ def _pattern(args):
         if args.sparsity is not None:
             return Unstructured(args.sparsity, args.scope)
         if args.ratio is not None:
-            return Structured(args.ratio, uniform=args.uniform)
+            return _structured(args)
         pattern = parse(args.pattern)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if not isinstance(pattern, NM):
         raise UsageError(f"--pattern takes N:M (e.g. 2:4, 4:8); got {args.pattern!r}")
     return pattern
+
+
+def _structured(args) -> Structured:
+    """--ratio R as a pattern; 0 (nothing removed) is refused: on the command line it is a mistake."""
+    if args.ratio == 0:
+        raise UsageError("--ratio must be in (0, 1): 0 removes nothing")
+    return Structured(args.ratio, uniform=args.uniform)
 
 
 def _check_output(path: Optional[str], flag: str) -> None:
@@ -323,14 +330,13 @@ def cmd_prune(args) -> int:
 def cmd_robustness(args) -> int:
     """Prune in bf16 and in fp16, compare the pruned groups and perplexities (MoreauPruner Table 1)."""
     from . import robustness
-    from .patterns import Structured as _Structured
     runner = _build_method(args.method, args)
     if not isinstance(runner, methods.StructuredMethod):
         structured = sorted(n for n, c in methods.METHODS.items() if issubclass(c, methods.StructuredMethod))
         raise UsageError(f"--method for robustness must be a structured method ({', '.join(structured)}); "
                          f"got {args.method!r}")
     try:
-        _Structured(args.ratio, uniform=args.uniform)
+        _structured(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
     args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
@@ -340,7 +346,7 @@ def cmd_robustness(args) -> int:
         data.check_source(source)
     _check_report(args.report)
     _check_device(args.device)
-    _check_method_config(runner, _check_model(args.model), _Structured(args.ratio, uniform=args.uniform))
+    _check_method_config(runner, _check_model(args.model), _structured(args))
     tokenizer = _tokenizer(args.model)
     calib = _calibration(tokenizer, args.calib, args)
     [(_, tokens)] = _eval_streams(tokenizer, [args.eval], args.eval_seqlen, args.eval_max_tokens, "--eval",

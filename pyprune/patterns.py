@@ -100,8 +100,8 @@ class Structured:
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
-                or not 0.0 < self.ratio < 1.0:
-            raise ValueError(f"structured ratio must be a number in (0, 1); got {self.ratio!r}")
+                or not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"structured ratio must be a number in [0, 1); got {self.ratio!r}")
 
     def __str__(self) -> str:
         return f"structured {self.ratio:g}" + (" uniform" if self.uniform else "")
