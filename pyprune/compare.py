@@ -124,7 +124,7 @@ def plot(table_rows: Sequence[Dict], stem: str, title: str = "") -> List[str]:
     series: Dict[str, List[Dict]] = {}
     for row in pruned:
         series.setdefault(_series_key(row), []).append(row)
-    ncols = min(3, len(cols))
+    ncols = math.ceil(math.sqrt(len(cols)))
     nrows = math.ceil(len(cols) / ncols)
     figure, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
     for index, column in enumerate(cols):
@@ -143,6 +143,9 @@ def plot(table_rows: Sequence[Dict], stem: str, title: str = "") -> List[str]:
             ax.axhline(chance, color="black", linestyle="--", linewidth=1, label="chance")
         if _lower_is_better(column):
             ax.set_yscale("log")
+            plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
             ax.set_ylabel("perplexity (log scale)")
             ax.set_title(column[len("ppl "):], fontsize=10)
         else:
