@@ -230,12 +230,6 @@ def test_cli_checks_before_the_model_loads(tiny_model_dir, capsys, argv, message
     assert message in err and len(err.splitlines()) == 1
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    from pyprune.models import load_model
-    return load_model("smollm2-135m")
-
-
 @pytest.mark.slow
 def test_smollm2_is_well_above_chance(smollm2, tmp_path):
     """40 Austen items: SmolLM2-135M picks the true next line far more often than 1 in 4."""
