@@ -13,6 +13,7 @@
 // slower).
 
 #include "ops.h"
+#include "parallel.h"
 #include "scores.h"
 
 #include <torch/extension.h>
@@ -25,9 +26,8 @@ namespace pyprune_cpu {
 namespace {
 
 constexpr int64_t kChunkTokens = 512;
-// Elements converted per OpenMP task, and the least work worth more than one thread.
+// Elements converted per OpenMP task.
 constexpr int64_t kSpan = 16384;
-constexpr int64_t kParallelMin = 65536;
 
 template <Dt D>
 void abs_to_float(const void* src, int64_t count, float* __restrict dst) {

@@ -162,15 +162,12 @@ int update_topk_rows(const State& s, int64_t keep_count, std::vector<double>* pa
   const T* x = reinterpret_cast<const T*>(s.x);
   const int64_t cols = s.cols;
   const topk::KeysFn keys_fn = topk::keys_for(Dt::F32, s.kind());
-  const int threads = s.numel() >= topk::kParallelMin ? topk::max_threads() : 1;
-  const int64_t per_thread = cols + topk::row_scratch_size(cols);  // keys, selection scratch
-  std::vector<uint32_t> scratch(static_cast<size_t>(threads * per_thread));
-  // About 64K elements per scheduling chunk.
-  const int64_t chunk = std::max<int64_t>(1, 65536 / cols);
+  topk::RowPass pass(s.rows, cols);
+  const int64_t chunk = pass.chunk;
   int nan_found = 0;
-#pragma omp parallel num_threads(threads) reduction(| : nan_found)
+#pragma omp parallel num_threads(pass.threads) reduction(| : nan_found)
   {
-    uint32_t* keys = scratch.data() + topk::thread_id() * per_thread;
+    uint32_t* keys = pass.scratch.mine();
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t r = 0; r < s.rows; ++r) {
       const T* xr = x + r * cols;
@@ -192,7 +189,7 @@ int update_topk_tensor(const State& s, int64_t keep_count, std::vector<double>* 
   const topk::Source v_keys{topk::keys_for(Dt::F32, s.kind()), reinterpret_cast<const char*>(s.v),
                             sizeof(float), s.colscale, s.cols, s.numel()};
   const int64_t blocks = v_keys.blocks();
-  const bool parallel = s.numel() >= topk::kParallelMin;
+  const bool parallel = s.numel() >= kParallelMin;
 #pragma omp parallel for schedule(dynamic, 8) if (parallel)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * topk::kBlock;

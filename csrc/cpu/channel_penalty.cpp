@@ -19,6 +19,7 @@
 // combined in double, then rounded to fp32.
 
 #include "ops.h"
+#include "parallel.h"
 
 #include <torch/extension.h>
 
@@ -37,8 +38,6 @@ namespace {
 constexpr int64_t kLanes = 64;
 // Rows per block of column sums.
 constexpr int64_t kRowBlock = 128;
-// Work below this many selected elements runs on one thread.
-constexpr int64_t kParallelMin = 32768;
 
 template <bool kL1>
 inline float norm_term(float w) {

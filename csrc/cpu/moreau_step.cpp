@@ -32,6 +32,7 @@
 // Partitions are fixed, never derived from the thread count, so results do not depend on it.
 
 #include "ops.h"
+#include "parallel.h"
 #include "scores.h"
 #include "staging.h"
 
@@ -59,8 +60,6 @@ namespace {
 constexpr int64_t kSpan = 512;
 // Rows per block of column sums (pass 1 of column groups).
 constexpr int64_t kRowBlock = 64;
-// Work below this many elements runs on one thread.
-constexpr int64_t kParallelMin = 32768;
 
 struct StepArgs {
   float* delta;

@@ -20,6 +20,7 @@
 
 #include "nm_select.h"
 #include "ops.h"
+#include "parallel.h"
 #include "scores.h"
 
 #include <torch/extension.h>
@@ -30,10 +31,6 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace pyprune_cpu {
 namespace {
@@ -112,12 +109,6 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
   return out;
 }
 
-int64_t openmp_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
+int64_t openmp_threads() { return max_threads(); }
 
 }  // namespace pyprune_cpu

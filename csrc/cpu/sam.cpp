@@ -20,6 +20,7 @@
 // partition never depends on the thread count, so neither does any result.
 
 #include "ops.h"
+#include "parallel.h"
 #include "scores.h"
 #include "staging.h"
 
@@ -38,8 +39,6 @@ namespace {
 constexpr int64_t kChunk = 32768;
 // Elements per span: 2 KB per fp32 staging buffer, so a span's buffers stay in L1.
 constexpr int64_t kSpan = 512;
-// Work below this many elements in all runs on one thread.
-constexpr int64_t kParallelMin = 32768;
 
 struct Chunk {
   int64_t tensor, start, length;

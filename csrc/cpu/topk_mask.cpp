@@ -269,15 +269,12 @@ namespace {
 
 int topk_rows(topk::KeysFn keys_fn, const char* src, int64_t esize, const float* colscale,
               int64_t rows, int64_t cols, int64_t keep, uint8_t* out) {
-  const int threads = rows * cols >= topk::kParallelMin ? topk::max_threads() : 1;
-  const int64_t per_thread = cols + topk::row_scratch_size(cols);  // keys, selection scratch
-  std::vector<uint32_t> scratch(static_cast<size_t>(threads * per_thread));
-  // About 64K elements per scheduling chunk.
-  const int64_t chunk = std::max<int64_t>(1, 65536 / cols);
+  topk::RowPass pass(rows, cols);
+  const int64_t chunk = pass.chunk;
   int nan_found = 0;
-#pragma omp parallel num_threads(threads) reduction(| : nan_found)
+#pragma omp parallel num_threads(pass.threads) reduction(| : nan_found)
   {
-    uint32_t* keys = scratch.data() + topk::thread_id() * per_thread;
+    uint32_t* keys = pass.scratch.mine();
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t r = 0; r < rows; ++r) {
       // A row with NaN is selected too (by the NaN's key); the call then raises.

@@ -3,42 +3,21 @@
 // topk_mask.cpp; the functions declared here are defined there.
 #pragma once
 
+#include "parallel.h"
 #include "scores.h"
 
 #include <algorithm>
 #include <cstdint>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 namespace pyprune_cpu {
 namespace topk {
 
-// Inputs smaller than this run on one thread (thread start-up would dominate).
-constexpr int64_t kParallelMin = 32768;
 // Elements per block of the per-tensor passes: 16 KB of keys, which stay in L1.
 constexpr int64_t kBlock = 4096;
 // First radix digit: the top 11 key bits.
 constexpr int kTopBits = 11;
 constexpr int kTopShift = 32 - kTopBits;
 constexpr int kTopBins = 1 << kTopBits;
-
-inline int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-inline int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 // Order keys of `len` consecutive elements of one row starting at `src`; colscale points at the
 // sqrt(act_sqnorm) of their first column (score_kind 2). Returns nonzero on a NaN score.
@@ -49,6 +28,19 @@ KeysFn keys_for(Dt d, int64_t kind);
 
 // uint32 scratch that select_row needs for rows of `len` keys.
 inline int64_t row_scratch_size(int64_t len) { return len + kTopBins; }
+
+// The set-up of a parallel pass that selects within each row of a [rows, cols] tensor: the
+// threads, the rows per scheduling chunk (about 64K elements) and each thread's scratch (the
+// row's keys, then select_row's scratch).
+struct RowPass {
+  RowPass(int64_t rows, int64_t cols)
+      : threads(rows * cols >= kParallelMin ? max_threads() : 1),
+        chunk(std::max<int64_t>(1, 65536 / cols)),
+        scratch(threads, cols + row_scratch_size(cols)) {}
+  int threads;
+  int64_t chunk;
+  PerThreadScratch<uint32_t> scratch;
+};
 
 // Keep bytes of the `keep` highest of `len` keys (0 <= keep <= len; lower index first among
 // equal keys) into out.
