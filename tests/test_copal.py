@@ -333,14 +333,19 @@ def _two_texts(directory):
     return text, other
 
 
-def test_cli_continual_end_to_end_and_resume(tiny_model_dir, tmp_path, capsys):
-    from pyprune.cli import main
+def _continual_argv(tiny_model_dir, tmp_path, *pattern):
+    """(argv of a tiny COPAL continual run over the two texts with ``pattern``, its report path)."""
     model_dir, _ = tiny_model_dir
     text, other = _two_texts(tmp_path)
     report_path = tmp_path / "continual.json"
-    argv = ["continual", "--model", str(model_dir), "--method", "copal", "--pattern", "2:4",
-            "--datasets", str(text), str(other), "--nsamples", "2", "--seqlen", "16", "--eval-seqlen", "16",
-            "--permutations", "all", "--report", str(report_path), "--quiet"]
+    return (["continual", "--model", str(model_dir), "--method", "copal", *pattern, "--datasets", str(text),
+             str(other), "--nsamples", "2", "--seqlen", "16", "--eval-seqlen", "16", "--report", str(report_path),
+             "--quiet"], report_path)
+
+
+def test_cli_continual_end_to_end_and_resume(tiny_model_dir, tmp_path, capsys):
+    from pyprune.cli import main
+    argv, report_path = _continual_argv(tiny_model_dir, tmp_path, "--pattern", "2:4", "--permutations", "all")
     assert main(argv) == 0
     report = json.loads(report_path.read_text())
     assert len(report["matrix"]) == 2 and {"a_ppl", "m_ppl", "a_bwt", "m_bwt"} <= set(report)
@@ -358,12 +363,7 @@ def test_cli_continual_end_to_end_and_resume(tiny_model_dir, tmp_path, capsys):
 def test_cli_continual_report_keys_the_selection_scope(tiny_model_dir, tmp_path, capsys):
     """A report made per matrix (COPAL's default) is not resumed per row."""
     from pyprune.cli import main
-    model_dir, _ = tiny_model_dir
-    text, other = _two_texts(tmp_path)
-    report_path = tmp_path / "continual.json"
-    argv = ["continual", "--model", str(model_dir), "--method", "copal", "--sparsity", "0.5",
-            "--datasets", str(text), str(other), "--nsamples", "2", "--seqlen", "16", "--eval-seqlen", "16",
-            "--report", str(report_path), "--quiet"]
+    argv, report_path = _continual_argv(tiny_model_dir, tmp_path, "--sparsity", "0.5")
     assert main(argv) == 0
     before = report_path.read_text()
     assert json.loads(before)["scope"] == "tensor"
