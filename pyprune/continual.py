@@ -25,6 +25,8 @@ step, dataset and order, ``m_ppl_steps`` its largest value.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import methods
+from . import methods, storage
 from .eval import perplexity
 from .patterns import parse
 from .pruning import prune
@@ -77,9 +79,7 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
                          f"(wanda, sparsegpt); got {method!r}")
     stateful = probe.keeps_state or init == "cumulative"
     scope = getattr(probe.resolve(parse(pattern)), "scope", None)
-    if stateful and method_options.get("state") is not None:
-        raise ValueError(f"the continual runner keeps {method}'s state in memory, one per order; drop the "
-                         "state option")
+    probe.check_continual()
     names = [task.name for task in tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"datasets must have distinct names; got {names}")
@@ -132,6 +132,28 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
               "time_s": round(time.perf_counter() - start, 1)}
     report.update(metrics(names, {order: matrix[order] for order in orders(names, permutations)}))
     return report
+
+
+def resume(path: str, settings: Dict) -> Dict[tuple, list]:
+    """The orders (with their steps) that an interrupted run of the same ``settings`` recorded in its
+    report at ``path``; {} when there is no report. A report of other settings, or not JSON, is a
+    ValueError naming the file: it is never overwritten by another run."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            previous = json.load(f)
+    except ValueError as error:
+        raise ValueError(f"continual report {path} is not valid JSON ({error}); remove it or choose another path") from None
+    if not isinstance(previous, dict) or previous.get("settings") != settings:
+        raise ValueError(f"continual report {path} holds a run with other settings; remove it or choose another path")
+    return {tuple(run["order"]): run["steps"] for run in previous["matrix"]}
+
+
+def write_partial(path: str, settings: Dict, done: Dict[tuple, list]) -> None:
+    """The report of an unfinished run: its settings and the orders done so far (see :func:`resume`)."""
+    storage.write_json(path, {"settings": settings, "partial": True,
+                              "matrix": [{"order": list(order), "steps": steps} for order, steps in done.items()]})
 
 
 def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:

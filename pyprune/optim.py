@@ -3,7 +3,8 @@ Algorithm 1; spec §1.4–1.9).
 
 ADMM on min_{x∈C} max_{‖ε‖≤ρ} f(x+ε) with the split x = z, z ∈ C (the sparsity pattern):
 
-* every ``dual_interval`` (K) steps, z-step and u-step: z = proj_C(x + u), u ← u + x − z
+* before the first step, z₀ = proj_C(x₀) and u₀ = 0 (Algorithm 1, lines 1–2; :meth:`SafeOptimizer.initialise`);
+* after steps K, 2K, … (K = ``dual_interval``), z-step and u-step: z = proj_C(x + u), u ← u + x − z
   (:func:`pyprune.ops.admm_dual_update_` on the compact state v = x + u, keep = support of z);
 * every step, the x-step of Eq. (5): x ← x − η(∇f(x + ρ∇f/‖∇f‖) + λ(x − z + u)), with Adam as the
   base optimiser (the penalty goes through the moments, spec §1.8) —
@@ -40,8 +41,9 @@ class SafeOptimizer(torch.optim.Optimizer):
     weights must be 2-D [out, in] (N:M groups and rows along the last dim). ``lr`` may be changed
     by any ``torch.optim.lr_scheduler``.
 
-    ``residuals`` holds ‖x − z‖ / ‖x‖ over the constrained weights at each dual update (it shrinks
-    as x reaches the constraint set); ``grad_norms`` the ‖∇f‖ of each step.
+    ``residuals`` holds ‖x − z‖ / ‖x‖ over the constrained weights at the initial projection, then
+    at each dual update (it shrinks as x reaches the constraint set); ``grad_norms`` the ‖∇f‖ of
+    each step.
     """
 
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -67,6 +69,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                         raise ValueError("the constrained parameters must be 2-D weights [out, in]; got shape "
                                          f"{tuple(p.shape)} (put it in a group with pattern=None)")
         self.steps_done = 0
+        self.initialised = False
         self.residuals: List[float] = []
         self.grad_norms: List[float] = []
 
@@ -99,13 +102,29 @@ class SafeOptimizer(torch.optim.Optimizer):
         self.residuals.append(relative)
         return relative
 
+    @torch.no_grad()
+    def initialise(self) -> float:
+        """z₀ = proj(x₀), u₀ = 0 (Algorithm 1, lines 1–2): the z-step alone on the current weights,
+        whatever the state held; returns (and records) ‖x − z₀‖ / ‖x‖. :meth:`step` calls it once
+        before the first step."""
+        for _, p in self._constrained():
+            state = self._state(p)
+            state["v"].zero_()
+            state["keep"].zero_()
+        residual = self.dual_update()  # u = 0: v = x, keep = the support of proj(x)
+        for _, p in self._constrained():
+            state = self.state[p]
+            state["v"].mul_(state["keep"])  # v = z₀, so u = v⊙¬keep = 0
+        self.initialised = True
+        return residual
+
     def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
-        """One SAFE iteration (dual update when due, SAM gradient, penalised Adam step); returns the
-        loss at the unperturbed weights."""
+        """One SAFE iteration (SAM gradient, penalised Adam step, then the dual update after every
+        K-th step); returns the loss at the unperturbed weights."""
         if closure is None:
             raise ValueError("SafeOptimizer.step needs a closure that computes the loss and calls backward()")
-        if self.steps_done % self.dual_interval == 0:
-            self.dual_update()
+        if not self.initialised:
+            self.initialise()
         self.zero_grad(set_to_none=True)
         with torch.enable_grad():
             loss = closure()
@@ -134,6 +153,8 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                    weight_decay=group["weight_decay"],
                                    lam=self.lam if group["pattern"] is not None else 0.0, step=self.steps_done)
+        if self.steps_done % self.dual_interval == 0:
+            self.dual_update()
         return loss
 
     def state_dict(self) -> Dict:
@@ -142,7 +163,8 @@ class SafeOptimizer(torch.optim.Optimizer):
         the diagnostics, so a loaded optimiser resumes exactly (the importance is given again)."""
         state = super().state_dict()
         state["safe"] = {"state": state.pop("state"), "steps_done": self.steps_done,
-                         "residuals": list(self.residuals), "grad_norms": list(self.grad_norms)}
+                         "initialised": self.initialised, "residuals": list(self.residuals),
+                         "grad_norms": list(self.grad_norms)}
         state["state"] = {}
         return state
 
@@ -155,7 +177,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         for i, p in zip(ids, params):
             if i in extra["state"]:
                 self.state[p] = {key: value.clone().to(p.device) for key, value in extra["state"][i].items()}
-        self.steps_done = extra["steps_done"]
+        self.steps_done, self.initialised = extra["steps_done"], extra["initialised"]
         self.residuals, self.grad_norms = list(extra["residuals"]), list(extra["grad_norms"])
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 
 import pyprune
 from pyprune import cli, storage
+from pyprune.cli import steps
 from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
 
 
@@ -231,7 +232,7 @@ def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, mo
 
     def broken(*args, **kwargs):
         raise ValueError("evaluation failed")
-    monkeypatch.setattr(cli, "_evaluate", broken)
+    monkeypatch.setattr(steps, "evaluate", broken)
     assert cli.main(["prune", "--model", str(model_dir), *WANDA, "--calib", str(text), "--nsamples", "2",
                      "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16", "--output", str(output),
                      "--quiet"]) == 2

@@ -73,7 +73,7 @@ def test_robustness_cli_report_keys(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--method", "wanda"], "--method for robustness must be a structured method"),
+    (["--method", "wanda"], "--method for robustness must be one of moreau, moreau-gs, smoothgrad, taylor; got .wanda."),
     (["--method", "moreau", "--ratio", "1.5"], "ratio"),
     (["--method", "moreau", "--gamma", "0.1"], "must be < rho"),
     (["--method", "moreau", "--rho", "-1"], "option rho of method 'moreau' must be > 0"),

@@ -136,6 +136,46 @@ def test_safe_optimizer_state_dict_resumes_exactly():
     assert second.residuals == optimizer.residuals and second.steps_done == 8
 
 
+def test_initialisation_is_z0_the_projection_u0_zero_and_the_first_dual_update_after_k_steps():
+    """Algorithm 1: z₀ = proj(x₀), u₀ = 0; the first z/u-step after K steps, then every K. On f ≡ 0
+    the x-step pulls the pruned entries to z₀'s zeros, not past them (u₀ = x₀⊙¬keep would pull them
+    toward −x₀)."""
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 16)
+    w = nn.Parameter(x0.clone())
+    K = 5
+    optimizer = SafeOptimizer([w], NM(2, 4), lr=1e-2, betas=(0.9, 0.999), rho=0.0, lam=1.0, dual_interval=K)
+
+    def no_loss():
+        loss = (w * 0).sum()
+        loss.backward()
+        return loss
+
+    projected = NM(2, 4).weight_mask(x0)
+    for step in range(1, K + 1):
+        before = w.detach().clone()
+        optimizer.step(no_loss)
+        state = optimizer.state[w]
+        if step == 1:
+            torch.testing.assert_close(w.detach()[projected], x0[projected])  # the kept entries feel nothing
+        if step < K:
+            assert torch.equal(state["keep"], projected)
+            assert torch.equal(state["v"], x0 * projected)  # z = proj(x₀), u = v⊙¬keep = 0
+            assert len(optimizer.residuals) == 1
+        else:  # after step K: v = x_K + u₀ = x_K, keep = the support of proj(x_K)
+            assert len(optimizer.residuals) == 2
+            torch.testing.assert_close(state["v"], w.detach())
+            assert not torch.equal(before, w.detach())
+    torch.testing.assert_close(optimizer.residuals[0], float((x0 * ~projected).norm() / x0.norm()))
+    pulled = SafeOptimizer([nn.Parameter(x0.clone())], NM(2, 4), lr=1e-2, betas=(0.9, 0.999), rho=0.0, lam=1.0,
+                           dual_interval=10 ** 6)
+    weight = pulled.param_groups[0]["params"][0]
+    for _ in range(300):
+        pulled.step(lambda: (weight * 0).sum().backward())
+    pruned = weight.detach()[~projected]
+    assert pruned.abs().max() < 0.1 * x0[~projected].abs().min() + 0.05  # at z₀'s zeros, not at −x₀
+
+
 def test_dual_update_keeps_the_scaled_dual_on_the_pruned_entries():
     """After a dual update u = (x + u_old)⊙¬keep is zero on the kept support, z + u = x + u_old, and
     the step's penalty target is x + v⊙(1 − 2·keep) (spec §1.8)."""
@@ -194,8 +234,8 @@ def test_safe_prunes_every_block_exactly_and_reconstructs_better_than_wanda(meth
             else:
                 assert ((w != 0).sum(dim=1) == w.shape[1] // 2).all()
             assert w.requires_grad and w.dtype == torch.float32
-    assert report["steps_per_block"] == 60 and report["dual_updates_per_block"] == 8
-    for block in report["blocks"]:
+    assert report["steps_per_block"] == 60 and report["dual_updates_per_block"] == 7  # after steps 8, 16, …, 56
+    for block in report["blocks"]:  # the initial projection, then every dual update
         assert len(block["residuals"]) == 8 and block["residuals"][-1] < block["residuals"][0]
     assert _block_error(model, dense, calib) < _block_error(wanda, dense, calib)
 

@@ -1,17 +1,16 @@
-"""Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method`."""
-from .base import Method
-from .copal import Copal
-from .dress import DReSS
-from .magnitude import Magnitude
-from .moreau import MoreauPruner, MoreauPrunerGS, SmoothGrad
-from .safe import Safe, SafePlus
-from .sparsegpt import SparseGPT
-from .structured import StructuredMethod
-from .taylor import Taylor
-from .wanda import Wanda
+"""Pruning methods, by name. Each is a :class:`~pyprune.methods.base.Method` subclass in a module of
+this package; every module is imported here, so a subclass that sets ``name`` is registered
+(:data:`~pyprune.methods.base.REGISTRY`) without an edit to this file."""
+import importlib
+import pkgutil
 
-METHODS = {cls.name: cls for cls in (Magnitude, Wanda, SparseGPT, Taylor, MoreauPruner, MoreauPrunerGS,
-                                     SmoothGrad, Copal, DReSS, Safe, SafePlus)}
+from .base import REGISTRY, Method
+from .structured import StructuredMethod
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+METHODS = REGISTRY
 
 
 def get(name: str, **options) -> Method:
@@ -22,4 +21,9 @@ def get(name: str, **options) -> Method:
     return METHODS[name](**options)
 
 
-__all__ = ["METHODS", "Method", "StructuredMethod", "get"]
+def serving(command: str) -> list:
+    """The names of the methods that serve the CLI subcommand ``command``, sorted."""
+    return sorted(name for name, cls in METHODS.items() if command in cls.commands)
+
+
+__all__ = ["METHODS", "Method", "StructuredMethod", "get", "serving"]

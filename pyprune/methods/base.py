@@ -14,16 +14,22 @@ from ..io import model_fingerprint
 from ..patterns import NM, Pattern, Unstructured
 from .options import BLOCK_CHECKPOINT, Option, resolve
 
+#: Every method class by name, filled as its module is imported (:meth:`Method.__init_subclass__`).
+REGISTRY: Dict[str, Type["Method"]] = {}
+
 
 class Method(ABC):
     """A pruning method. ``prune`` changes the model in place and returns report details.
 
     Its options are declared once in ``options``; ``Method(**values)`` converts and checks them
     (:func:`pyprune.methods.options.resolve`, then :meth:`check_options`) and sets each as an
-    attribute; ``settings`` holds them all for the report.
+    attribute; ``settings`` holds them all for the report. A subclass that sets ``name`` registers
+    itself: a new method is one module in this package.
     """
 
     name: str = ""
+    #: the CLI subcommands this method serves (``pyprune prune``, ``continual``, ``robustness``)
+    commands: Tuple[str, ...] = ("prune",)
     patterns: Tuple[Type, ...] = ()
     needs_calibration: bool = True
     default_scope = "row"
@@ -35,6 +41,15 @@ class Method(ABC):
     #: the dense model
     keeps_state: bool = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            return
+        known = REGISTRY.get(cls.name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"method name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}")
+        REGISTRY[cls.name] = cls
+
     def __init__(self, **values: Any):
         self.settings: Dict[str, Any] = resolve(self.options, values, self.name)
         self.check_options(self.settings)
@@ -43,6 +58,10 @@ class Method(ABC):
 
     def check_options(self, settings: Dict[str, Any]) -> None:
         """Constraints between options (each option alone is checked by its declaration)."""
+
+    def check_continual(self) -> None:
+        """Reject options that the continual runner (one method object per order, kept in memory)
+        cannot honour; nothing by default."""
 
     def check_config(self, config, pattern: Pattern) -> None:
         """Reject a pattern the model's config rules out, or a block checkpoint of other settings,

@@ -58,6 +58,7 @@ class Copal(LayerwiseMaskMethod):
     default_scope = "tensor"
     calibration = (16, 512)
     keeps_state = True
+    commands = ("prune", "continual")
 
     options = (
         Option("state", str, None, "COPAL: directory of the continual state; resumed when it holds one, "
@@ -86,6 +87,11 @@ class Copal(LayerwiseMaskMethod):
         if settings["checkpoint"] is not None and settings["state"] is not None:
             raise ValueError("COPAL: options checkpoint and state exclude each other (blocks restored from a "
                              "checkpoint come without their accumulators, which the state keeps)")
+
+    def check_continual(self) -> None:
+        if self.state is not None:
+            raise ValueError("the continual runner keeps COPAL's state in memory, one per order; drop the "
+                             "state option")
 
     # -- the continual state -------------------------------------------------------------------
 

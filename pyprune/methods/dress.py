@@ -62,8 +62,7 @@ class DReSS(Method):
         Option("lam", float, 1.0, "DReSS: penalty weight lambda (paper 1e-3; AdamW normalises the gradient, so "
                "from ~1 on each penalised weight moves ~lr per step toward 0, while 1e-3 hardly moves them "
                "in a CPU budget of steps)", nonnegative),
-        Option("steps", int, 150, "DReSS: regularisation steps (0 = slice without regularising); "
-               "MoreauPruner: inner steps T", nonnegative),
+        Option("steps", int, 150, "DReSS: regularisation steps (0 = slice without regularising)", nonnegative),
         Option("lr", float, 1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)",
                positive),
         Option("train_batch", int, 4, "DReSS: calibration windows per training step", at_least_one),

@@ -40,6 +40,7 @@ class Safe(Method):
     calibration = (16, 256)
     #: SAFE⁺ scores the projection with P = diag(AᵀA)
     weighted_projection = False
+    offload_refusal = None
 
     options = (
         Option("epochs", int, 10, "SAFE: passes over the calibration samples per block (paper: 30)", at_least_one),
@@ -58,6 +59,11 @@ class Safe(Method):
         Option("train_seed", int, 0, "SAFE: seed of the minibatch order"),
         BLOCK_CHECKPOINT,
     )
+
+    def working_bytes(self, block):
+        """fp32 master weights, their gradients, Adam's two moments and SAM's perturbation: 20
+        bytes per parameter of the block."""
+        return 20 * sum(p.numel() for p in block.parameters())
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         samples = calib.shape[0]
@@ -101,7 +107,7 @@ class Safe(Method):
         diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                                            desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
         return {"scope": getattr(pattern, "scope", None), "steps_per_block": steps,
-                "dual_updates_per_block": math.ceil(steps / self.dual_interval), "blocks": diagnostics}
+                "dual_updates_per_block": steps // self.dual_interval, "blocks": diagnostics}
 
 
 class SafePlus(Safe):

@@ -41,6 +41,7 @@ class SparseGPT(LayerwiseMaskMethod):
     name = "sparsegpt"
     default_scope = "tensor"
     can_accumulate = True  # H is the mean of 2·x xᵀ over every token seen, of every dataset
+    commands = ("prune", "continual")
 
     options = (
         Option("blocksize", int, 128, "SparseGPT: columns per lazy-update block", at_least_one),

@@ -190,6 +190,7 @@ class StructuredMethod(Method):
     :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters."""
 
     patterns = (Structured,)
+    commands = ("prune", "robustness")
     calibration = (10, 128)  # LLM-Pruner's and MoreauPruner's batch: 10 samples of 128 tokens
     options = (
         Option("first_layer", int, 0, "structured: first pruned decoder layer (negative: from the end)"),

@@ -11,6 +11,7 @@ from .base import LayerwiseMaskMethod, apply_mask
 class Wanda(LayerwiseMaskMethod):
     name = "wanda"
     can_accumulate = True  # Σ‖x_j‖² sums over datasets as over batches
+    commands = ("prune", "continual")
 
     def new_stats(self, name, linear):
         return torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)

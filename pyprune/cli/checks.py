@@ -1,0 +1,100 @@
+"""Checks of the command line's arguments and of the files they name, made before a model loads;
+each failure is a :class:`UsageError`: one line naming the argument or file, exit status 2."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Optional
+
+import torch
+
+from .. import data
+
+
+class UsageError(Exception):
+    """A bad argument: reported in one line with exit status 2."""
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def check_output(path: Optional[str], flag: str) -> None:
+    """``path`` can become a new output directory: absent or empty, under an existing parent."""
+    if path is None:
+        return
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UsageError(f"{flag} {path} already exists and is not an empty directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: the parent directory {parent} does not exist")
+
+
+def check_report(path: Optional[str]) -> None:
+    """``path`` can become a JSON report: not a directory, in an existing one."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"--report {path} is a directory; give the path of a JSON file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UsageError(f"--report {path}: its directory does not exist")
+
+
+def check_counts(args, flags: Iterable[str], optional: Iterable[str] = ()) -> None:
+    """Every integer flag in ``flags`` (and in ``optional`` when given) is >= 1."""
+    for flag in list(flags) + [f for f in optional if getattr(args, f) is not None]:
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+
+
+def check_sources(sources: Iterable[str]) -> None:
+    """Every text source names an embedded corpus, a file, a directory or a known dataset."""
+    for source in sources:
+        data.check_source(source)
+
+
+def check_device(device: str) -> None:
+    """A device this torch build has (``--device cuda`` on a CPU build is refused before loading)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    backend = getattr(torch, kind, None)
+    if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise UsageError(f"--device {device}: this torch build ({torch.__version__}) has no usable {kind} "
+                         "device; use --device cpu")
+    index = torch.device(device).index
+    if index is not None and hasattr(backend, "device_count") and index >= backend.device_count():
+        raise UsageError(f"--device {device}: there are {backend.device_count()} {kind} devices")
+
+
+def check_model(model: str):
+    """The model's config, read before its weights load, with its ``pyprune.json`` and the headers
+    of its safetensors files checked: a broken file is named in one line."""
+    from transformers import AutoConfig
+
+    from .. import io
+    from ..models import resolve_model_dir
+    directory = resolve_model_dir(model)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"--model {model}: {directory} has no config.json, so it is not a Hugging Face model "
+                         "directory")
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            json.load(handle)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {model}: {config_path} is not a valid model config ({first_line(error)})") from None
+    io.read_manifest(directory)
+    io.check_weights(directory)
+    return config
+
+
+def check_method_config(runner, config, pattern) -> None:
+    """The method's checks that need only the model's config and files on disk (e.g. DReSS's channel
+    rounding, a COPAL state's settings)."""
+    try:
+        runner.check_config(config, pattern)
+    except ValueError as error:
+        raise UsageError(str(error)) from None

@@ -1,0 +1,110 @@
+"""``pyprune continual``: COPAL's continual setting: prune on datasets one after another, evaluate
+all after each (:mod:`pyprune.continual`); the report is rewritten after every order and resumed."""
+from __future__ import annotations
+
+from .. import data
+from . import checks, options, steps
+from .checks import UsageError
+
+COMMAND = "continual"
+
+
+def register(sub, method) -> None:
+    parser = sub.add_parser(COMMAND, help="continual pruning over a sequence of datasets with backward "
+                            "transfer (COPAL)")
+    options.add_model_flags(parser)
+    options.add_method_flag(parser, COMMAND)
+    options.add_pattern_flags(parser, structured=False)
+    parser.add_argument("--datasets", nargs="+", required=True,
+                        help="the sequence of texts (as --calib of prune); without --eval the first half of each "
+                             "calibrates and the second half evaluates")
+    options.add_eval_flags(parser, nargs="+", eval_help="one evaluation text per dataset")
+    options.add_calibration_flags(parser, COMMAND, method, None,
+                                  nsamples_help="calibration samples per dataset")
+    parser.add_argument("--permutations", choices=["given", "all"], default="given",
+                        help="run the given order, or every order of the datasets")
+    parser.add_argument("--init", choices=["global", "sequential", "cumulative"], default="global",
+                        help="baselines: re-prune the dense model on each dataset (global), prune the "
+                             "already-pruned model (sequential), or prune the dense model from statistics summed "
+                             "over the datasets so far (cumulative: wanda, sparsegpt); COPAL keeps its own "
+                             "continual state")
+    parser.add_argument("--report", required=True, help="JSON report (rewritten after every order; an existing "
+                        "report of the same settings is resumed)")
+    options.add_method_flags(parser, COMMAND, method)
+    parser.set_defaults(run=run)
+
+
+def _sources(args):
+    """(calibration source, evaluation source) per dataset: --eval when given, else the second
+    half of each text (the first half calibrates); hub datasets use their own calib/eval splits."""
+    if args.eval is not None and len(args.eval) != len(args.datasets):
+        raise UsageError(f"--eval needs one text per dataset ({len(args.datasets)}); got {len(args.eval)}")
+    pairs = []
+    for index, source in enumerate(args.datasets):
+        if args.eval is not None:
+            pairs.append((source, args.eval[index]))
+        elif source.strip().lower() in data.KNOWN_DATASETS:
+            pairs.append((source, source))
+        elif source.endswith((":first_half", ":second_half")):
+            raise UsageError(f"--datasets {source} names a half already: give --eval texts for it")
+        else:
+            pairs.append((f"{source}:first_half", f"{source}:second_half"))
+    checks.check_sources(source for pair in pairs for source in pair)
+    return pairs
+
+
+def run(args) -> int:
+    from .. import continual
+    pattern = options.pattern_from(args)
+    runner = options.build_method(args)
+    if not isinstance(pattern, runner.patterns):
+        allowed = ", ".join(p.__name__ for p in runner.patterns)
+        raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
+    if args.init == "cumulative" and (runner.keeps_state or not getattr(runner, "can_accumulate", False)):
+        raise UsageError(f"--init cumulative needs a method whose statistics add up across datasets (wanda, "
+                         f"sparsegpt); got --method {args.method!r}")
+    try:
+        runner.check_continual()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if len(set(args.datasets)) != len(args.datasets) or len(args.datasets) < 2:
+        raise UsageError(f"--datasets needs two or more distinct texts; got {args.datasets}")
+    pairs = _sources(args)
+    options.apply_calibration_defaults(args, runner)
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_report(args.report)
+    checks.check_device(args.device)
+    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
+                "scope": getattr(runner.resolve(pattern), "scope", None), "init": args.init,
+                "permutations": args.permutations, "datasets": args.datasets,
+                "sources": [list(pair) for pair in pairs], "nsamples": args.nsamples, "seqlen": args.seqlen,
+                "seed": args.seed, "eval_seqlen": args.eval_seqlen, "eval_max_tokens": args.eval_max_tokens,
+                "options": runner.settings}
+    try:
+        done = continual.resume(args.report, settings)
+    except ValueError as error:
+        raise UsageError(f"--report: {error}") from None
+    if done:
+        print(f"resuming: {len(done)} order(s) already in {args.report}")
+
+    tok = steps.tokenizer(args.model)
+    tasks = [continual.Task(name, steps.calibration(tok, calib, args, "--datasets"),
+                            steps.eval_streams(tok, [evaluation], args.eval_seqlen, args.eval_max_tokens,
+                                               "--eval" if args.eval else "--datasets", "--eval-seqlen")[0][1])
+             for name, (calib, evaluation) in zip(args.datasets, pairs)]
+    model, _ = steps.load(args)
+
+    def record(order, order_steps):
+        done[order] = order_steps
+        continual.write_partial(args.report, settings, done)
+
+    report = continual.run(model, args.method, pattern, tasks, init=args.init, permutations=args.permutations,
+                           eval_seqlen=args.eval_seqlen, batch_size=args.batch_size, progress=not args.quiet,
+                           done=done, on_order=record, method_options=options.method_option_values(args))
+    report["settings"] = settings
+    report["run"] = steps.run_info(args)
+    print(f"{args.method} {pattern} ({report['init']}): A-PPL {report['a_ppl']:.3f}, M-PPL {report['m_ppl']:.3f}, "
+          f"A-BWT {report['a_bwt']:.3f}, M-BWT {report['m_bwt']:.3f} over {len(report['matrix'])} order(s)")
+    steps.write_report(args, report)
+    return 0

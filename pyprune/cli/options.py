@@ -1,0 +1,202 @@
+"""The flags that several subcommands share (model, device, dtype, batch size, quiet; calibration;
+evaluation; pattern; zero-shot tasks) and the method's own options.
+
+A method's options are flags of the subcommand only when ``--method NAME`` names a method that
+serves it: :func:`method_named_in` reads the name before the parser is built, and
+:func:`add_method_flags` adds that method's declared options (``pyprune.methods.options``) alone.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .. import data, methods
+from ..patterns import NM, Structured, Unstructured, parse
+from .checks import UsageError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def method_named_in(argv: Sequence[str]) -> Optional[str]:
+    """The value of ``--method`` in ``argv`` (``--method X`` or ``--method=X``), or None."""
+    for index, arg in enumerate(argv):
+        if arg == "--method" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--method="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, dtype: bool = True, batch_size: int = 8,
+                    batch_help: str = "calibration/evaluation batch size", model_help: str = "") -> None:
+    """--model, --device, --dtype (unless ``dtype`` is False), --batch-size, --quiet."""
+    parser.add_argument("--model", required=True, help=model_help or "a Hugging Face model directory, a pyprune "
+                        "output directory, or the alias smollm2-135m")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    if dtype:
+        parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"{batch_help} (default {batch_size})")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_method_flag(parser: argparse.ArgumentParser, command: str, required: bool = True) -> None:
+    names = methods.serving(command)
+    parser.add_argument("--method", required=required,
+                        help=f"one of {', '.join(names)}; `pyprune {command} --method NAME --help` lists its options")
+
+
+def add_calibration_flags(parser: argparse.ArgumentParser, command: str, method: Optional[str],
+                          calib_help: Optional[str], nsamples_help: str = "calibration samples",
+                          calib_required: bool = False) -> None:
+    """--calib (unless ``calib_help`` is None), --nsamples, --seqlen, --seed. The sample count and
+    length default to the method's (:attr:`Method.calibration`): the help gives ``method``'s, or
+    every serving method's."""
+    if calib_help is not None:
+        parser.add_argument("--calib", required=calib_required, help=calib_help)
+    parser.add_argument("--nsamples", type=int, default=None,
+                        help=f"{nsamples_help} (default: {_calibration_defaults(command, method, 0)})")
+    parser.add_argument("--seqlen", type=int, default=None,
+                        help=f"calibration sample length (default: {_calibration_defaults(command, method, 1)})")
+    parser.add_argument("--seed", type=int, default=0, help="calibration sampling seed (default 0)")
+
+
+def _calibration_defaults(command: str, method: Optional[str], which: int) -> str:
+    if method in methods.serving(command):
+        return f"{methods.METHODS[method].calibration[which]} for {method}"
+    by_value: Dict[int, List[str]] = {}
+    for name in methods.serving(command):
+        by_value.setdefault(methods.METHODS[name].calibration[which], []).append(name)
+    return "the method's: " + "; ".join(f"{value} for {', '.join(names)}" for value, names in by_value.items())
+
+
+def apply_calibration_defaults(args, runner) -> None:
+    """--nsamples / --seqlen not given: the method's calibration defaults."""
+    args.nsamples = runner.calibration[0] if args.nsamples is None else args.nsamples
+    args.seqlen = runner.calibration[1] if args.seqlen is None else args.seqlen
+
+
+def source_help(what: str) -> str:
+    return (f"{what}: an embedded corpus ({', '.join(data.EMBEDDED)}), a .txt file, a directory, "
+            "wikitext2/c4/ptb; any of them with :first_half or :second_half")
+
+
+def add_eval_flags(parser: argparse.ArgumentParser, *, nargs: str = "*", required: bool = False,
+                   seqlen: int = 512, eval_help: str = "evaluation texts (same forms as --calib)") -> None:
+    """--eval, --eval-seqlen, --eval-max-tokens."""
+    parser.add_argument("--eval", nargs=nargs, required=required, help=eval_help)
+    parser.add_argument("--eval-seqlen", type=int, default=seqlen, help=f"perplexity window (default {seqlen})")
+    parser.add_argument("--eval-max-tokens", type=int, default=None, help="evaluate the first N tokens only")
+
+
+def add_pattern_flags(parser: argparse.ArgumentParser, structured: bool = True) -> None:
+    """--sparsity / --scope / --pattern, and with ``structured`` --ratio / --uniform."""
+    parser.add_argument("--sparsity", type=float, help="unstructured sparsity in [0, 1)")
+    parser.add_argument("--scope", choices=["row", "tensor"], default=None,
+                        help="unstructured selection per output row or per layer (default: the method's)")
+    parser.add_argument("--pattern", help="N:M semi-structured pattern, e.g. 2:4 or 4:8")
+    if structured:
+        add_ratio_flags(parser)
+    else:
+        parser.set_defaults(ratio=None, uniform=False)
+
+
+def add_ratio_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--ratio", type=float, required=required, help="structured ratio of heads/channels removed")
+    parser.add_argument("--uniform", action="store_true",
+                        help="structured: same sizes in every layer, so plain transformers can load it")
+
+
+def pattern_from(args):
+    """The one pattern given by --sparsity, --pattern or --ratio."""
+    given = [name for name in ("sparsity", "pattern", "ratio") if getattr(args, name) is not None]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --sparsity S, --pattern N:M, --ratio R")
+    try:
+        if args.sparsity is not None:
+            return Unstructured(args.sparsity, args.scope)
+        if args.ratio is not None:
+            return structured_from(args)
+        pattern = parse(args.pattern)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not isinstance(pattern, NM):
+        raise UsageError(f"--pattern takes N:M (e.g. 2:4, 4:8); got {args.pattern!r}")
+    return pattern
+
+
+def structured_from(args) -> Structured:
+    """--ratio R as a pattern; 0 (nothing removed) is refused: on the command line it is a mistake."""
+    if args.ratio == 0:
+        raise UsageError("--ratio must be in (0, 1): 0 removes nothing")
+    try:
+        return Structured(args.ratio, uniform=args.uniform)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def add_zero_shot_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", help="zero-shot accuracy (lm-evaluation-harness, extra pyprune[eval]) on "
+                        "these comma-separated tasks: austen_continuation, moby_dick_continuation, "
+                        "python_continuation (local, no download) or lm-eval names (piqa, arc_easy, ...)")
+    parser.add_argument("--limit", type=int, default=None, help="with --tasks: the first N items of each task")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false; got {text!r}")
+
+
+def add_method_flags(parser: argparse.ArgumentParser, command: str, method: Optional[str]) -> None:
+    """One flag per declared option of ``method``, when it names a method serving ``command``."""
+    if method not in methods.serving(command):
+        return
+    cls = methods.METHODS[method]
+    group = parser.add_argument_group(f"options of method {method}")
+    for option in cls.options:
+        kwargs = {"choices": option.choices} if option.choices else {}
+        group.add_argument(option.flag, dest=f"option_{option.name}", default=None, metavar=option.name.upper(),
+                           type=_parse_bool if option.type is bool else option.type,
+                           help=f"{option.help} (default {option.default!r})", **kwargs)
+
+
+def check_method(command: str, name: str) -> None:
+    """``name`` is a method that serves ``command``."""
+    if name not in methods.METHODS:
+        raise UsageError(f"--method must be one of {', '.join(sorted(methods.METHODS))}; got {name!r}")
+    if name not in methods.serving(command):
+        raise UsageError(f"--method for {command} must be one of {', '.join(methods.serving(command))}; "
+                         f"got {name!r}")
+
+
+def unrecognised(args, extras: Sequence[str]) -> str:
+    """The error for arguments the parser did not take: an option of another method is named as such."""
+    method = getattr(args, "method", None)
+    flags = [arg for arg in extras if arg.startswith("--")]
+    if method in methods.METHODS and flags:
+        declared = [option.name for option in methods.METHODS[method].options]
+        others = {option.name for cls in methods.METHODS.values() for option in cls.options}
+        name = flags[0][2:].split("=", 1)[0].replace("-", "_")
+        if name in others:
+            return (f"method {method!r} has no option {name}; its options: "
+                    f"{', '.join(declared) if declared else 'none'}")
+    return f"unrecognized arguments: {' '.join(extras)}"
+
+
+def method_option_values(args) -> dict:
+    """The options of ``args.method`` given on the command line."""
+    cls = methods.METHODS[args.method]
+    return {option.name: getattr(args, f"option_{option.name}") for option in cls.options
+            if getattr(args, f"option_{option.name}", None) is not None}
+
+
+def build_method(args):
+    """``args.method`` built with its options from the command line; a bad value is a UsageError."""
+    try:
+        return methods.get(args.method, **method_option_values(args))
+    except ValueError as error:
+        raise UsageError(str(error)) from None

@@ -1,0 +1,71 @@
+"""``pyprune prune``: one method, one pattern, one model; saved, evaluated, reported."""
+from __future__ import annotations
+
+from . import checks, options, steps
+from .checks import UsageError
+from ..patterns import NM
+
+COMMAND = "prune"
+
+
+def register(sub, method) -> None:
+    parser = sub.add_parser(COMMAND, help="prune a model with one method and pattern")
+    options.add_model_flags(parser)
+    options.add_method_flag(parser, COMMAND)
+    options.add_pattern_flags(parser)
+    options.add_calibration_flags(parser, COMMAND, method,
+                                  options.source_help("calibration text (every method but magnitude)"))
+    options.add_eval_flags(parser)
+    parser.add_argument("--output", help="directory for the pruned model (written atomically)")
+    parser.add_argument("--sparse-layers", action="store_true",
+                        help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
+                             "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
+    parser.add_argument("--report", help="JSON report path")
+    options.add_zero_shot_flags(parser)
+    options.add_method_flags(parser, COMMAND, method)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    pattern = options.pattern_from(args)
+    runner = options.build_method(args)
+    options.apply_calibration_defaults(args, runner)
+    if not isinstance(pattern, runner.patterns):
+        allowed = ", ".join(p.__name__ for p in runner.patterns)
+        raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
+    if runner.needs_calibration and args.calib is None:
+        raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
+    checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))
+    checks.check_output(args.output, "--output")
+    checks.check_report(args.report)
+    if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
+        raise UsageError("--sparse-layers needs --pattern N:M and --output")
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_device(args.device)
+    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    tok = steps.tokenizer(args.model)
+    calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
+    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+                                 "--eval-seqlen")
+    tasks = steps.zero_shot_tasks(args)
+
+    from .. import pruning
+    model, tok = steps.load(args)
+    report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
+                           progress=not args.quiet, **options.method_option_values(args))
+    print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
+    report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
+                   "seqlen": args.seqlen, "seed": args.seed, **steps.run_info(args)})
+    if args.sparse_layers:
+        from ..nn import sparsify_
+        report["sparse_layers"] = len(sparsify_(model, pattern))
+        print(f"stored {report['sparse_layers']} layers as SparseLinear {pattern}")
+
+    def evaluate_into(report: dict) -> bool:
+        report["eval"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+        if tasks is not None:
+            report["tasks"] = steps.zero_shot(model, tok, tasks, args)
+        return bool(report["eval"]) or tasks is not None
+
+    steps.save_evaluate_report(model, tok, args, report, evaluate_into, "pruned model")
+    return 0

@@ -1,0 +1,69 @@
+"""``pyprune recover``: LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
+from __future__ import annotations
+
+from . import checks, options, steps
+from .checks import UsageError
+
+COMMAND = "recover"
+
+
+def register(sub, method) -> None:
+    parser = sub.add_parser(COMMAND, help="LoRA recovery fine-tuning (RFT) of a pruned model, merged back into "
+                            "dense weights")
+    options.add_model_flags(parser, batch_size=4, batch_help="training samples per step, also the evaluation "
+                            "batch (DReSS: 64)")
+    parser.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")
+    parser.add_argument("--nsamples", type=int, default=64, help="training samples (default 64)")
+    parser.add_argument("--seqlen", type=int, default=512, help="training sample length (default 512; DReSS: 2048)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the samples, the adapters' initialisation and "
+                        "the batch order")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps (0: no training)")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32, as DReSS)")
+    parser.add_argument("--alpha", type=float, default=10.0, help="LoRA alpha; the scale is alpha/rank "
+                        "(default 10, as DReSS)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, constant (default 1e-4; "
+                        "DReSS: 2e-5)")
+    parser.add_argument("--target-modules", nargs="+", default=None, help="linears of the decoder blocks to adapt "
+                        "(default all: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; PEFT's llama "
+                        "default: q_proj v_proj)")
+    options.add_eval_flags(parser, eval_help="evaluation texts, measured before and after")
+    parser.add_argument("--output", required=True, help="directory for the recovered model (written atomically)")
+    parser.add_argument("--report", help="JSON report path")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from .. import recovery
+    recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
+                            batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
+    checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_max_tokens",))
+    if args.seqlen < 2:
+        raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
+    if args.batch_size > args.nsamples:
+        raise UsageError(f"--batch-size {args.batch_size} is larger than --nsamples {args.nsamples}")
+    checks.check_sources([args.calib] + list(args.eval or []))
+    checks.check_output(args.output, "--output")
+    checks.check_report(args.report)
+    checks.check_device(args.device)
+    checks.check_model(args.model)
+    tok = steps.tokenizer(args.model)
+    calib = steps.calibration(tok, args.calib, args)
+    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+                                 "--eval-seqlen")
+
+    model, tok = steps.load(args)
+    report = {"model": args.model, "calib": args.calib, **steps.run_info(args)}
+    report["eval_before"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+    report["recovery"] = done = recovery.lora_finetune(
+        model, calib, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
+        target_modules=args.target_modules, seed=args.seed, progress=not args.quiet)
+    if args.steps:
+        print(f"LoRA rank {args.rank} on {done['lora_layers']} layers, {args.steps} steps in {done['time_s']:.1f} s: "
+              f"training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
+
+    def evaluate_into(report: dict) -> bool:
+        report["eval_after"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+        return bool(report["eval_after"])
+
+    steps.save_evaluate_report(model, tok, args, report, evaluate_into, "recovered model")
+    return 0

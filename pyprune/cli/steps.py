@@ -1,0 +1,125 @@
+"""The steps the subcommands share once their arguments are checked: tokenizer and texts (read
+before the model loads), the model, perplexity and zero-shot evaluation, the run's description,
+and the tail of every command that writes a model: save, then evaluate, then report."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+from .. import data, storage
+from .checks import UsageError, first_line
+from .options import DTYPES
+
+
+def tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from ..models import resolve_model_dir
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise UsageError(f"--model {model}: could not load its tokenizer ({first_line(error)})") from None
+
+
+def _read(flag: str, source: str, read):
+    """``read()`` of a text source; a dataset that cannot be loaded now becomes a UsageError."""
+    try:
+        return read()
+    except RuntimeError as error:
+        raise UsageError(f"{flag} {source}: {error}") from None
+
+
+def calibration(tok, source: str, args, flag: str = "--calib"):
+    """--nsamples windows of --seqlen tokens of ``source`` (seeded by --seed)."""
+    return _read(flag, source, lambda: data.calibration_samples(tok, source, nsamples=args.nsamples,
+                                                                seqlen=args.seqlen, seed=args.seed))
+
+
+def eval_streams(tok, sources: List[str], seqlen: int, max_tokens: Optional[int], flag: str,
+                 seqlen_flag: str) -> list:
+    """(source, token stream) of every evaluation text, each checked to hold one window at least,
+    before the model loads."""
+    streams = []
+    for source in sources:
+        tokens = _read(flag, source, lambda: data.eval_tokens(tok, source, max_tokens=max_tokens))
+        if tokens.numel() < seqlen:
+            raise UsageError(f"{flag} {source} has {tokens.numel()} tokens, fewer than one window of "
+                             f"{seqlen_flag} {seqlen}")
+        streams.append((source, tokens))
+    return streams
+
+
+def evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool) -> list:
+    """Perplexity of ``model`` on every stream, printed and returned as report entries."""
+    from ..eval import perplexity
+    results = []
+    for source, tokens in streams:
+        ppl = perplexity(model, tokens, seqlen, batch_size=batch_size, progress=progress)
+        used = tokens.numel() // seqlen * seqlen
+        results.append({"data": source, "perplexity": round(ppl, 4), "tokens": used, "seqlen": seqlen})
+        print(f"perplexity {ppl:.3f} on {source} ({used} tokens, seqlen {seqlen})")
+    return results
+
+
+def zero_shot_tasks(args):
+    """Check --tasks / --limit and load the tasks with their data (lm-eval), before any model work:
+    an unknown task, a missing extra or data that cannot be downloaded is a one-line error."""
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1; got {args.limit}")
+    if args.tasks is None:
+        if args.limit is not None:
+            raise UsageError("--limit needs --tasks")
+        return None
+    from .. import zeroshot
+    names = [name.strip() for name in args.tasks.split(",")]
+    try:
+        return zeroshot.load_tasks(names)
+    except (ImportError, zeroshot.TaskDataError, ValueError) as error:
+        raise UsageError(f"--tasks: {error}") from None
+
+
+def zero_shot(model, tok, tasks, args) -> dict:
+    """Zero-shot accuracy of ``model`` on the loaded ``tasks``, printed and returned."""
+    from .. import zeroshot
+    results = zeroshot.evaluate(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
+    for name, result in results.items():
+        norm = "" if result["acc_norm"] is None else f", acc_norm {result['acc_norm']:.4f}"
+        print(f"{name}: acc {result['acc']:.4f} ± {result['stderr']['acc']:.4f}{norm} ({result['n']} items, "
+              f"{result['num_fewshot']}-shot)")
+    return results
+
+
+def load(args, dtype: Optional[torch.dtype] = None):
+    """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype."""
+    from ..models import load_model
+    return load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device)
+
+
+def run_info(args) -> dict:
+    """What a report records of the run itself."""
+    from .. import __version__
+    return {"device": args.device, "dtype": getattr(args, "dtype", "float32"), "batch_size": args.batch_size,
+            "threads": torch.get_num_threads(), "pyprune": __version__, "torch": torch.__version__}
+
+
+def write_report(args, report: dict) -> None:
+    """``report`` to --report (atomically), when given."""
+    if args.report:
+        storage.write_json(args.report, report)
+        print(f"wrote {args.report}")
+
+
+def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable[[dict], bool],
+                         what: str) -> None:
+    """Save the model to --output (when given) before anything can fail in evaluation, so a
+    finished prune or training is never lost; then ``evaluate_into(report)``, which adds its
+    results and says whether it evaluated anything; then the report, into the saved directory too."""
+    from ..io import save
+    from ..io import write_report as write_saved_report
+    if args.output:
+        save(model, tok, args.output, report=report)
+        print(f"saved the {what} to {args.output}")
+    if evaluate_into(report) and args.output:
+        write_saved_report(args.output, report)
+    write_report(args, report)
