@@ -145,14 +145,21 @@ def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], 
 
 
 def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.optim.Optimizer, *, steps: int,
-                batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True) -> List[float]:
+                batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True,
+                relative: bool = False) -> List[float]:
     """``steps`` optimiser steps on the block's reconstruction error: the mean squared error between
     the block's outputs for a minibatch of ``ctx.inputs`` and the same rows of ``targets`` (e.g. the
     dense block's outputs), minibatches drawn by :func:`minibatches` (one graph per minibatch, never
-    one over the calibration set). The minibatches and the block's keyword arguments are cast to the
-    block's dtype (fp32 inside :func:`fp32_master_weights`). ``optimizer.step`` gets a closure (SAM
-    evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step."""
+    one over the calibration set); with ``relative``, divided by the mean square of all ``targets``
+    (a minibatch estimate of ‖Y − Ŷ‖² / ‖Y‖², 1 for Ŷ = 0, unchanged when inputs and targets scale
+    together through a linear block). The minibatches and the block's keyword arguments are cast to
+    the block's dtype (fp32 inside :func:`fp32_master_weights`). ``optimizer.step`` gets a closure
+    (SAM evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step."""
     dtype = next(ctx.block.parameters()).dtype
+    scale = float(targets.float().square().mean()) if relative else 1.0
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{desc}: relative reconstruction error needs targets with a finite, positive mean "
+                         f"square; got {scale}")
     kwargs = _cast_floating(ctx.block_kwargs, dtype)
     batches = minibatches(ctx.inputs.shape[0], min(batch_size, ctx.inputs.shape[0]),
                           torch.Generator().manual_seed(seed))
@@ -163,7 +170,7 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
 
         def closure() -> Tensor:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.mse_loss(engine.first_tensor(ctx.block(inputs, **kwargs)), wanted)
+            loss = F.mse_loss(engine.first_tensor(ctx.block(inputs, **kwargs)), wanted) / scale
             loss.backward()
             return loss
 

@@ -176,6 +176,43 @@ def test_initialisation_is_z0_the_projection_u0_zero_and_the_first_dual_update_a
     assert pruned.abs().max() < 0.1 * x0[~projected].abs().min() + 0.05  # at z₀'s zeros, not at −x₀
 
 
+def test_relative_block_loss_is_the_error_over_the_targets_mean_square_and_scale_free():
+    """f = ‖Y − Ŷ‖² / ‖Y‖² (``loss="relative"``): on a linear block the first loss is that ratio
+    computed by hand (the minibatch's squared error over the mean square of all targets), and SAFE on
+    (100·X, 100·Y) trains the same weights as on (X, Y); with the plain MSE (the paper's literal f)
+    the gradient grows 10⁴-fold against the same λ and the weights come out different."""
+    from types import SimpleNamespace
+
+    from pyprune.training import minibatches, train_block
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 16, generator=g)
+    y = x @ torch.randn(16, 16, generator=g).T
+    w0 = torch.randn(16, 16, generator=g) * 0.5
+
+    def run(scale, relative):
+        block = nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            block.weight.copy_(w0)
+        ctx = SimpleNamespace(block=block, inputs=x * scale, block_kwargs={})
+        optimizer = SafeOptimizer([block.weight], NM(2, 4), lr=1e-2, rho=1e-3, lam=0.1, dual_interval=4)
+        losses = train_block(ctx, y * scale, optimizer, steps=24, batch_size=3, seed=0, progress=False,
+                             relative=relative)
+        optimizer.project_()
+        return losses, block.weight.detach()
+
+    first = next(minibatches(6, 3, torch.Generator().manual_seed(0)))
+    expected = float((x[first] @ w0.T - y[first]).square().mean() / y.square().mean())
+    losses, weight = run(1.0, relative=True)
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    scaled_losses, scaled_weight = run(100.0, relative=True)
+    assert scaled_losses == pytest.approx(losses, rel=1e-4)
+    torch.testing.assert_close(scaled_weight, weight, rtol=1e-4, atol=1e-5)
+    _, mse_weight = run(1.0, relative=False)
+    _, scaled_mse_weight = run(100.0, relative=False)
+    assert (scaled_mse_weight - mse_weight).norm() > 0.05 * mse_weight.norm()
+
+
 def test_dual_update_keeps_the_scaled_dual_on_the_pruned_entries():
     """After a dual update u = (x + u_old)⊙¬keep is zero on the kept support, z + u = x + u_old, and
     the step's penalty target is x + v⊙(1 − 2·keep) (spec §1.8)."""
@@ -238,6 +275,19 @@ def test_safe_prunes_every_block_exactly_and_reconstructs_better_than_wanda(meth
     for block in report["blocks"]:  # the initial projection, then every dual update
         assert len(block["residuals"]) == 8 and block["residuals"][-1] < block["residuals"][0]
     assert _block_error(model, dense, calib) < _block_error(wanda, dense, calib)
+
+
+def test_safe_train_norms_trains_the_rmsnorm_gains_unconstrained():
+    dense = tiny_llama(seed=0)
+    calib = random_tokens((4, 16), seed=1)
+    for train_norms in (False, True):
+        model = copy.deepcopy(dense)
+        pyprune.prune(model, "safe", "2:4", calib, progress=False, epochs=2, train_norms=train_norms)
+        for block, dense_block in zip(engine.decoder_blocks(model), engine.decoder_blocks(dense)):
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                gain, dense_gain = getattr(block, name).weight, getattr(dense_block, name).weight
+                assert gain.requires_grad and (gain != 0).all()
+                assert torch.equal(gain, dense_gain) != train_norms
 
 
 def test_safe_on_a_bf16_model_trains_fp32_masters_and_returns_bf16():

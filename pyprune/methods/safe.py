@@ -3,11 +3,22 @@ and block by block on the reconstruction error (spec §1.11, Algorithm 1).
 
 For each decoder block, on its calibration inputs X (the outputs of the blocks already pruned):
 targets Y = dense block(X); the 7 linear weights train on fp32 masters with
-:class:`pyprune.optim.SafeOptimizer` on f = mean ‖block(X) − Y‖² over seeded minibatches
-(:func:`pyprune.training.train_block`; norms frozen), Adam β = (0.9, 0.95), linear LR schedule
-with warm-up; every ``dual_interval`` steps the z/u-step projects onto the pattern by |v| (SAFE)
-or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA) from the block's calibration inputs, §1.6.2); the block
-ends projected (Algorithm 1, line 15) and in the model's dtype.
+:class:`pyprune.optim.SafeOptimizer` on the reconstruction error f over seeded minibatches
+(:func:`pyprune.training.train_block`), Adam β = (0.9, 0.95), linear LR schedule with warm-up;
+z₀ = proj(x₀), u₀ = 0, then after every ``dual_interval`` steps the z/u-step projects onto the
+pattern by |v| (SAFE) or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA) from the block's calibration inputs,
+§1.6.2); the block ends projected (Algorithm 1, line 15) and in the model's dtype. With
+``train_norms`` the block's other parameters (RMSNorm gains) train with the same SAM-Adam,
+unconstrained (as in the authors' code).
+
+The scale of f (option ``loss``): under Adam only the per-coordinate ratio of the penalty
+λ(x − z + u) to ∇f in the x-step (Eq. 4–5) matters, and the gradient of the mean squared error
+grows with the square of the block's hidden-state scale (SmolLM2's grows with depth and carries
+massive-activation channels) while the penalty does not, so one λ is strong in one block and
+negligible in another. ``loss="relative"`` divides the error by the dense targets' mean square,
+f = ‖Y − Ŷ‖² / ‖Y‖² (1 for Ŷ = 0): unchanged when inputs and targets scale together, so λ has one
+meaning in every block and model (the paper leaves f's normalisation open; its λ = 1e-3 was set on
+LLaMA-2's plain mean). ``loss="mse"`` is that literal form, f = mean ‖Y − Ŷ‖².
 
 Paper settings (LLaMA, GPU): 30 epochs, batch 8, lr 2e-4, ρ = 2e-4, λ = 1e-3, K = 32, 128 × 2048
 C4 tokens. The defaults here are for a CPU (see ``options``); every paper value is one option
@@ -50,7 +61,12 @@ class Safe(Method):
                "for LLaMA weights ~8x smaller than SmolLM2's)", positive),
         Option("warmup_epochs", float, 1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative),
         Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
-        Option("lam", float, 1e-3, "SAFE: augmented-Lagrangian penalty λ (paper: 1e-3)", nonnegative),
+        Option("lam", float, 1e-3, "SAFE: augmented-Lagrangian penalty λ (paper: 1e-3, on the 'mse' loss)",
+               nonnegative),
+        Option("loss", str, "relative", "SAFE: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (λ means the same in "
+               "every block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse")),
+        Option("train_norms", bool, False, "SAFE: also train the block's other parameters (RMSNorm gains) with "
+               "the same SAM-Adam, unconstrained"),
         Option("dual_interval", int, 16, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
         Option("beta2", float, 0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one),
         Option("final_projection", str, "same",
@@ -87,17 +103,23 @@ class Safe(Method):
             try:
                 with fp32_master_weights(ctx.block):
                     weights = [linear.weight for linear in linears.values()]
-                    for weight in weights:
-                        weight.requires_grad_(True)
-                    optimizer = SafeOptimizer(weights, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
+                    groups = [{"params": weights}]
+                    if self.train_norms:
+                        groups.append({"params": [p for p in frozen if all(p is not w for w in weights)],
+                                       "pattern": None})
+                    trained = [p for group in groups for p in group["params"]]
+                    for p in trained:
+                        p.requires_grad_(True)
+                    optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
                                               lam=self.lam, dual_interval=self.dual_interval, importance=importance)
                     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
                     losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
                                          seed=self.train_seed + ctx.index, scheduler=schedule,
-                                         desc=f"{self.name} block {ctx.index}", progress=progress)
+                                         desc=f"{self.name} block {ctx.index}", progress=progress,
+                                         relative=self.loss == "relative")
                     optimizer.project_(self.final_projection)
-                    for weight in weights:
-                        weight.requires_grad_(False)
+                    for p in trained:
+                        p.requires_grad_(False)
             finally:
                 for p in frozen:
                     p.requires_grad_(True)
