@@ -5,7 +5,8 @@ block are captured with the keyword arguments the model passes to its blocks (po
 embeddings, attention mask, ...). Then block by block: a method sees a :class:`BlockContext`
 (the block, its current inputs, helpers to run it and to hook its linear layers), prunes the
 block, and the engine recomputes the block's outputs with the pruned weights as the next block's
-inputs. Memory stays at about one block of activations (inputs + outputs) plus the model.
+inputs. Memory stays at about one block of activations (inputs + outputs) plus the model, or plus
+one block and the weights outside the blocks when the model is offloaded (:mod:`pyprune.offload`).
 
 What the methods take from it:
 * Wanda / SparseGPT / COPAL: per-linear input and output captures -> :meth:`BlockContext.capture`;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,28 @@ def block_prefix(model: nn.Module) -> str:
     """Qualified name of the block list, e.g. 'model.layers'."""
     blocks = decoder_blocks(model)
     return next(name for name, module in model.named_modules() if module is blocks)
+
+
+#: the attribute of a model whose decoder blocks live on disk (:class:`pyprune.offload.OffloadedBlocks`)
+BLOCK_STORE = "pyprune_block_store"
+
+
+def block_store(model: nn.Module):
+    """The :class:`~pyprune.offload.OffloadedBlocks` of an offloaded model; None when its blocks
+    are in memory."""
+    return getattr(model, BLOCK_STORE, None)
+
+
+def resident_blocks(model: nn.Module, write: bool = False) -> Iterator[Tuple[int, nn.Module]]:
+    """(index, block) of every decoder block with its weights in memory: an offloaded model's
+    block is read before it is yielded and freed after (written back first with ``write``)."""
+    store = block_store(model)
+    for index, block in enumerate(decoder_blocks(model)):
+        if store is not None:
+            store.fetch(index, block)
+        yield index, block
+        if store is not None:
+            (store.store if write else store.release)(index, block)
 
 
 def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
@@ -192,8 +215,11 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
                   checkpoint: Optional[BlockCheckpoint] = None) -> List:
     """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn (and may return
     details, JSON-serialisable); the next block sees the outputs of the pruned blocks before it.
-    With ``checkpoint``, finished blocks are saved and a rerun resumes. Returns every block's details."""
+    With ``checkpoint``, finished blocks are saved and a rerun resumes. An offloaded model's blocks
+    (:mod:`pyprune.offload`) are read one at a time and written back when done. Returns every
+    block's details."""
     blocks = decoder_blocks(model)
+    store = block_store(model)
     prefix = block_prefix(model)
     finished, details = checkpoint.finished() if checkpoint is not None else (0, [])
     was_training = model.training
@@ -201,6 +227,8 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     try:
         inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
+            if store is not None:
+                store.fetch(index, blocks[index])
             ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
             if index < finished:
                 if checkpoint.dense_propagation:
@@ -211,6 +239,8 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
                 if checkpoint is not None:
                     checkpoint.save(index, blocks[index], details)
             inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
+            if store is not None:
+                store.store(index, blocks[index])
     finally:
         model.train(was_training)
     return details

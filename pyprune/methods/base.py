@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
-from .. import engine
+from .. import engine, memory
 from ..io import model_fingerprint
 from ..patterns import NM, Pattern, Unstructured
 from .options import BLOCK_CHECKPOINT, Option, resolve
@@ -40,6 +40,8 @@ class Method(ABC):
     #: ``accumulate_across_calls``): a continual run keeps one per order instead of re-pruning from
     #: the dense model
     keeps_state: bool = False
+    #: why this method cannot prune an offloaded model (:mod:`pyprune.offload`); None when it can
+    offload_refusal: Optional[str] = "it computes gradients through the whole model at once"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -82,6 +84,9 @@ class Method(ABC):
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
             raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
+        if engine.block_store(model) is not None and self.offload_refusal is not None:
+            raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
+                             "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")
         if isinstance(pattern, NM):
             prefix = engine.block_prefix(model)
             for index, block in enumerate(engine.decoder_blocks(model)):
@@ -99,7 +104,25 @@ class Method(ABC):
         (:meth:`check`, :meth:`check_calibration`), then runs :meth:`_prune` on the resolved pattern."""
         self.check(model, pattern)
         self.check_calibration(calib)
+        self.check_memory(model, calib, batch_size)
         return self._prune(model, self.resolve(pattern), calib, batch_size=batch_size, progress=progress)
+
+    def working_bytes(self, block: nn.Module) -> int:
+        """Estimated memory this method needs for ``block`` beyond its weights and the calibration
+        activations (:func:`pyprune.memory.prune_need`): an fp32 score and a mask of its largest
+        linear layer."""
+        return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
+
+    def check_memory(self, model: nn.Module, calib: Optional[Tensor], batch_size: int) -> None:
+        """NotEnoughMemory (a ValueError) when the estimated peak of this prune exceeds the
+        memory available, with what offloading would need (:mod:`pyprune.memory`)."""
+        nsamples, seqlen = calib.shape if calib is not None else (0, 0)
+        need = memory.prune_need(model, self, nsamples, seqlen, batch_size)
+        offload_need = None
+        if engine.block_store(model) is None and self.offload_refusal is None:
+            offload_need = memory.prune_need(model, self, nsamples, seqlen, batch_size, offloaded=True)
+        memory.check(need, f"pruning with {self.name}", resident=memory.resident_bytes(model),
+                     offload_need=offload_need, offload_hint="load_model(..., offload_dir=DIR)")
 
     @abstractmethod
     def _prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
@@ -126,6 +149,7 @@ class LayerwiseMaskMethod(Method):
 
     patterns = (Unstructured, NM)
     options = (BLOCK_CHECKPOINT,)
+    offload_refusal = None
 
     @abstractmethod
     def new_stats(self, name: str, linear: nn.Linear):
@@ -165,6 +189,7 @@ class LayerwiseMaskMethod(Method):
             raise ValueError(f"method {self.name!r}: a checkpoint restores finished blocks without their statistics, "
                              "so it cannot accumulate them across calls")
         self.keeps_state = True
+        self.offload_refusal = "it keeps every layer's dense weights across calls (accumulate_across_calls)"
         self._kept_stats, self._dense_weights = {}, {}
         return self
 

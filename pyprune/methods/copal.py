@@ -58,6 +58,7 @@ class Copal(LayerwiseMaskMethod):
     default_scope = "tensor"
     calibration = (16, 512)
     keeps_state = True
+    offload_refusal = "it keeps every layer's dense weights across calls"
     commands = ("prune", "continual")
 
     options = (

@@ -10,9 +10,10 @@ class Magnitude(Method):
     name = "magnitude"
     patterns = (Unstructured, NM)
     needs_calibration = False
+    offload_refusal = None
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        for block in engine.decoder_blocks(model):
+        for _, block in engine.resident_blocks(model, write=True):
             for linear in engine.block_linears(block).values():
                 apply_mask(linear, pattern.weight_mask(linear.weight))
         return {"scope": getattr(pattern, "scope", None)}

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
 from .options import BLOCK_CHECKPOINT, Option, at_least_one, fraction
@@ -49,6 +50,13 @@ class SparseGPT(LayerwiseMaskMethod):
                fraction),
         BLOCK_CHECKPOINT,
     )
+
+    def working_bytes(self, block):
+        """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
+        largest layer an fp32 copy of W with its swept block and H⁻¹ with its Cholesky factor."""
+        linears = engine.block_linears(block).values()
+        hessians = sum(4 * linear.in_features ** 2 for linear in linears)
+        return hessians + max(8 * linear.weight.numel() + 8 * linear.in_features ** 2 for linear in linears)
 
     def new_stats(self, name, linear):
         return _Hessian(linear.in_features, linear.weight.device)
