@@ -14,7 +14,8 @@ What the methods take from it:
 * SAFE: the dense block's outputs as targets -> :meth:`BlockContext.forward` (SAFE⁺: the same
   outputs and its input statistics -> :meth:`BlockContext.capture`), before
   :func:`pyprune.training.train_block` trains the block's weights on them.
-* Taylor / MoreauPruner / SmoothGrad: full-model gradients -> :func:`accumulate_gradients`.
+* Taylor / MoreauPruner / SmoothGrad: full-model gradients -> :func:`loss_gradients` (with
+  :class:`LossScaler` for 16-bit models).
 """
 from __future__ import annotations
 
@@ -259,3 +260,85 @@ def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 
         batch = tokens[start:start + batch_size].to(device)
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         (loss * batch.shape[0] / total).backward()
+
+
+class LossScaler:
+    """Dynamic loss scaling of gradient passes in 16-bit formats, as ``torch.amp.GradScaler`` does:
+    the loss is multiplied by ``scale`` before backward, so that small gradients stay normal
+    numbers in fp16 instead of flushing to zero; after a pass with an inf or NaN gradient the scale
+    is multiplied by ``backoff_factor`` (the pass is redone), after ``growth_interval`` finite passes
+    in a row by ``growth_factor``. With the default factors the scale stays a power of two, so
+    scaling and unscaling are exact."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0; got {init_scale!r}")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.backoffs = 0
+        self._finite_in_a_row = 0
+
+    def update(self, finite: bool) -> None:
+        """Back off after a pass with non-finite gradients, grow after ``growth_interval`` finite ones."""
+        if finite:
+            self._finite_in_a_row += 1
+            if self._finite_in_a_row == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._finite_in_a_row = 0
+        else:
+            self.scale *= self.backoff_factor
+            self.backoffs += 1
+            self._finite_in_a_row = 0
+
+
+_MIN_LOSS_SCALE = 2.0 ** -24  # fp16's smallest subnormal: below it every scaled gradient is 0
+
+
+def loss_gradients(model: nn.Module, params: Sequence[nn.Parameter], tokens: Tensor, *, batch_size: int = 4,
+                   scaler: Optional[LossScaler] = None, progress: bool = False,
+                   desc: str = "gradients") -> List[Tensor]:
+    """∇ of the mean next-token loss over ``tokens`` for each of ``params`` (which require grad).
+
+    Without ``scaler``: :func:`accumulate_gradients`, and the ``.grad`` tensors themselves are
+    returned (the parameters' dtype; zeros for a parameter the loss does not reach). With a
+    :class:`LossScaler`: each batch's backward runs on the loss times ``scaler.scale``; a batch
+    with an inf or NaN gradient is redone at the backed-off scale, and the finite gradients are
+    unscaled into fp32 sums, which are returned (fp32), so a 16-bit gradient is rounded once, at
+    scale. A loss that is itself not finite raises FloatingPointError (no scale can help)."""
+    if scaler is None:
+        accumulate_gradients(model, tokens, batch_size=batch_size, progress=progress, desc=desc)
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    device = next(model.parameters()).device
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    total = tokens.shape[0]
+    try:
+        for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
+            batch = tokens[start:start + batch_size].to(device)
+            while True:
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"the loss of calibration batch {start // batch_size} is "
+                                             f"{loss.item()}; loss scaling cannot help")
+                scale = scaler.scale
+                (loss * (batch.shape[0] / total * scale)).backward()
+                finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+                scaler.update(finite)
+                if finite:
+                    break
+                if scaler.scale < _MIN_LOSS_SCALE:
+                    raise FloatingPointError(f"gradients of calibration batch {start // batch_size} are not "
+                                             f"finite even at loss scale {scale}")
+            for acc, p in zip(sums, params):
+                if p.grad is not None:
+                    acc.add_(p.grad, alpha=1.0 / scale)
+    finally:
+        model.zero_grad(set_to_none=True)
+    return sums

@@ -13,7 +13,7 @@ from tests.helpers import random_tokens, tiny_llama
 
 
 class Quadratic:
-    """L(v) = ½·a·‖v − c‖² for one parameter; gradient() adds a·(v − c) to .grad and records v."""
+    """L(v) = ½·a·‖v − c‖² for one parameter; gradient() returns [a·(v − c)] and records v."""
 
     def __init__(self, param: nn.Parameter, a: float, seed: int = 1):
         gen = torch.Generator().manual_seed(seed)
@@ -24,8 +24,7 @@ class Quadratic:
     def __call__(self):
         v = self.param.detach().double()
         self.seen.append(v.clone())
-        grad = (self.a * (v - self.c)).to(self.param.dtype)
-        self.param.grad = grad if self.param.grad is None else self.param.grad + grad
+        return [(self.a * (v - self.c)).to(self.param.dtype)]
 
 
 def _param(shape=(6, 9), dtype=torch.float32, seed=0):
@@ -130,7 +129,7 @@ def test_weights_restored_after_an_error():
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("boom")
-        Quadratic(p, 1.0)()
+        return Quadratic(p, 1.0)()
 
     with pytest.raises(RuntimeError, match="boom"):
         moreau_displacements([p], failing, rho=0.05, gamma=1e-3, steps=5, noise_std=0.05)
@@ -183,8 +182,7 @@ def test_moreau_method_selects_by_delta_times_weight():
                   for p in lin.parameters()]
     with gradients_for(reference, all_params):
         deltas = moreau_displacements(
-            all_params, lambda: engine.accumulate_gradients(reference, calib, batch_size=8, progress=False,
-                                                            zero_first=False),
+            all_params, lambda: engine.loss_gradients(reference, all_params, calib, batch_size=8),
             rho=0.05, gamma=1e-3, steps=10, seed=5)
     by_param = {id(p): d for p, d in zip(all_params, deltas)}
     s = [(by_param[id(p)] * p.detach()).abs() / 0.05 for p in params]

@@ -83,8 +83,10 @@ def _class_patch():
 def test_study_equals_the_former_class_patch(monkeypatch):
     model = tiny_llama(hidden=64, heads=4, kv_heads=2)
     calib, tokens = random_tokens((4, 16)), random_tokens((256,), seed=3)
-    scoped = robustness.study(model, "taylor", 0.5, calib, tokens, eval_seqlen=32, progress=False)
+    scoped = robustness.study(model, "taylor", 0.5, calib, tokens, eval_seqlen=32, progress=False,
+                              arithmetic="fp32-accumulate")
     monkeypatch.setattr(robustness, "linear_arithmetic", lambda arithmetic: _class_patch())
-    patched = robustness.study(model, "taylor", 0.5, calib, tokens, eval_seqlen=32, progress=False)
+    patched = robustness.study(model, "taylor", 0.5, calib, tokens, eval_seqlen=32, progress=False,
+                               arithmetic="fp32-accumulate")
     for key in ("ppl_bf16", "ppl_fp16", "ppl_diff", "agreement"):
         assert scoped[key] == patched[key], key

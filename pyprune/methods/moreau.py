@@ -25,13 +25,13 @@ SmoothGrad (spec §1.11): K noisy passes with the same noise, averaging either t
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .. import engine, ops
+from .. import ops
 from .options import Option, at_least_one, nonnegative, positive
 from .structured import StructuredMethod, gradients_for
 
@@ -57,9 +57,10 @@ def moreau_displacements(params: Sequence[nn.Parameter], gradient: Callable[[], 
                          progress: bool = False, desc: str = "moreau") -> List[Tensor]:
     """δ_T of Algorithm 1 for each of ``params`` (fp32, the parameter's shape).
 
-    ``gradient()`` must add ∇L at the parameters' current values to their ``.grad`` (it is called
-    ``steps·draws`` times, with the noisy weights in place). The parameters hold their original
-    values again on return, with ``.grad`` cleared, also after an error.
+    ``gradient()`` must return ∇L at the parameters' current values, one tensor per parameter (it
+    is called ``steps·draws`` times, with the noisy weights in place; the tensors it returns are
+    summed over the draws in place). The parameters hold their original values again on return,
+    with ``.grad`` cleared, also after an error.
     """
     originals = [_matrix(p.detach()).clone() for p in params]
     deltas = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in originals]
@@ -73,15 +74,13 @@ def moreau_displacements(params: Sequence[nn.Parameter], gradient: Callable[[], 
     try:
         perturb(0)
         for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress):
-            for p in params:
-                p.grad = None
-            for draw in range(draws):
-                if draw > 0:
-                    perturb(step * draws + draw)
-                gradient()  # the m draws' gradients add up in .grad; γ/m averages them
+            grads = gradient()
+            for draw in range(1, draws):
+                perturb(step * draws + draw)
+                for total, grad in zip(grads, gradient()):
+                    total.add_(grad)  # the m draws' gradients add up; γ/m averages them
             last = step == steps - 1
-            for i, (p, w, d) in enumerate(zip(params, originals, deltas)):
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            for i, (p, w, d, grad) in enumerate(zip(params, originals, deltas, grads)):
                 ops.moreau_step_(d, _matrix(grad), w, None if last else _matrix(p.data),
                                  decay=1.0 - gamma / rho, step_size=gamma / draws,
                                  threshold=gamma * eta, group_dim=group_dim, noise_ratio=noise_std,
@@ -111,10 +110,8 @@ def smoothed_scores(params: Sequence[nn.Parameter], gradient: Callable[[], None]
             for i, (p, w, z) in enumerate(zip(params, originals, zeros)):
                 ops.moreau_perturb_(_matrix(p.data), w, z, noise_ratio=noise_std,
                                     seed=_noise_seed(seed, k, i, count))
-                p.grad = None
-            gradient()
-            for p, w, total in zip(params, originals, sums):
-                grad = _matrix(p.grad) if p.grad is not None else torch.zeros_like(w)
+            for w, total, grad in zip(originals, sums, gradient()):
+                grad = _matrix(grad)
                 total.add_(grad.float() if average == "gradients" else ops.taylor_score(w, grad))
     finally:
         with torch.no_grad():
@@ -146,16 +143,35 @@ def _moreau_options(rho: float, gamma: float) -> tuple:
     ) + _noise_options()
 
 
-class _CalibrationGradient:
-    """``gradient()`` for the noisy loops: adds ∇ of the mean next-token loss over the calibration
-    tokens to ``.grad``."""
+def moreau_diagnostics(weights: Sequence[Tensor], deltas: Sequence[Tensor], *, rho: float, gamma: float,
+                       steps: int, eta: float, group_dim: int, noise_std: float) -> Dict[str, Optional[float]]:
+    """Whether the Moreau part of Algorithm 1 acts, from δ_T and the original weights:
 
-    def __init__(self, model: nn.Module, calib: Tensor, batch_size: int):
-        self.model, self.calib, self.batch_size = model, calib, batch_size
-
-    def __call__(self) -> None:
-        engine.accumulate_gradients(self.model, self.calib, batch_size=self.batch_size, progress=False,
-                                    zero_first=False)
+    * ``delta_to_noise``: ‖δ_T‖ / ‖σ|w|‖ over all pruned parameters (None without noise);
+    * ``decay_per_step`` 1 − γ/ρ and ``decay`` (1 − γ/ρ)^T: near 1, δ_T ≈ −γ Σ_t g_t, a plain sum of
+      the noisy gradients (the envelope's pull back to w barely acts);
+    * with a group threshold γη > 0 (MoreauPruner-GS), over all groups (rows or columns) of the
+      last step's GST: ``gs_zeroed``, the fraction set to zero; ``gs_shrunk_1pct``, the fraction
+      shrunk by more than 1% (γη > 0.01·‖pre-threshold row‖, zeroed included); ``gs_shrink_median``,
+      the median of γη / ‖pre-threshold row‖ (rows with ‖δ_g‖ > 0 had ‖δ_g‖ + γη before GST).
+    """
+    delta_sq = sum(float(d.double().square().sum()) for d in deltas)
+    weight_sq = sum(float(w.double().square().sum()) for w in weights)
+    decay = 1.0 - gamma / rho
+    report: Dict[str, Optional[float]] = {
+        "delta_to_noise": delta_sq ** 0.5 / (noise_std * weight_sq ** 0.5) if noise_std > 0 and weight_sq > 0
+        else None,
+        "decay_per_step": decay,
+        "decay": decay ** steps,
+    }
+    threshold = gamma * eta
+    if threshold > 0:
+        norms = torch.cat([_matrix(d).double().norm(dim=1 - group_dim) for d in deltas])
+        shrink = torch.where(norms > 0, threshold / (norms + threshold), torch.ones_like(norms))
+        report.update(gs_zeroed=float((norms == 0).double().mean()),
+                      gs_shrunk_1pct=float((shrink > 0.01).double().mean()),
+                      gs_shrink_median=float(shrink[norms > 0].quantile(0.5)) if bool((norms > 0).any()) else None)
+    return report
 
 
 class MoreauPruner(StructuredMethod):
@@ -173,10 +189,21 @@ class MoreauPruner(StructuredMethod):
     def element_scores(self, model, params, calib, *, batch_size, progress) -> Dict[int, Tensor]:
         with gradients_for(model, params):
             deltas = moreau_displacements(
-                params, _CalibrationGradient(model, calib, batch_size), rho=self.rho, gamma=self.gamma,
-                steps=self.steps, eta=self.eta, group_dim=_GROUPS[self.group], noise_std=self.noise_std,
-                draws=self.noise_draws, seed=self.noise_seed, progress=progress, desc=self.name)
+                params, lambda: self.calibration_gradients(model, params, calib, batch_size=batch_size),
+                rho=self.rho, gamma=self.gamma, steps=self.steps, eta=self.eta, group_dim=_GROUPS[self.group],
+                noise_std=self.noise_std, draws=self.noise_draws, seed=self.noise_seed, progress=progress,
+                desc=self.name)
+        self.diagnostics = moreau_diagnostics(
+            [p.detach() for p in params], deltas, rho=self.rho, gamma=self.gamma, steps=self.steps, eta=self.eta,
+            group_dim=_GROUPS[self.group], noise_std=self.noise_std)
         return {id(p): (d * p.detach().float()).abs_().div_(self.rho) for p, d in zip(params, deltas)}
+
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        self.diagnostics = None
+        details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        if self.diagnostics is not None:
+            details["moreau"] = self.diagnostics  # see moreau_diagnostics
+        return details
 
 
 class MoreauPrunerGS(MoreauPruner):
@@ -203,7 +230,8 @@ class SmoothGrad(StructuredMethod):
 
     def element_scores(self, model, params, calib, *, batch_size, progress) -> Dict[int, Tensor]:
         with gradients_for(model, params):
-            scores = smoothed_scores(params, _CalibrationGradient(model, calib, batch_size),
+            scores = smoothed_scores(params,
+                                     lambda: self.calibration_gradients(model, params, calib, batch_size=batch_size),
                                      passes=self.passes, noise_std=self.noise_std, average=self.average,
                                      seed=self.noise_seed, progress=progress, desc=self.name)
         return {id(p): s for p, s in zip(params, scores)}

@@ -187,7 +187,8 @@ def gradients_for(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterator[
 
 class StructuredMethod(Method):
     """Structured pruning of heads and MLP channels (see the module docstring). A subclass gives
-    :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters."""
+    :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters.
+    After a prune, ``layer_scores`` holds each pruned layer's :func:`group_scores`."""
 
     patterns = (Structured,)
     commands = ("prune", "robustness")
@@ -198,6 +199,8 @@ class StructuredMethod(Method):
                "last; negative: from the end)", optional=True),
         Option("heads", bool, True, "structured: prune attention heads"),
         Option("channels", bool, True, "structured: prune MLP channels"),
+        Option("loss_scaling", bool, False, "structured: dynamic loss scaling of the gradient passes (scale, "
+               "back off on inf, as torch.amp.GradScaler), for fp16 models"),
     )
 
     @abstractmethod
@@ -205,6 +208,13 @@ class StructuredMethod(Method):
                        batch_size: int, progress: bool) -> Dict[int, Tensor]:
         """Per-element fp32 importance of each of ``params`` (the pruned layers' weights and
         biases), keyed by ``id(param)``, computed with the model as it is (restore it after)."""
+
+    def calibration_gradients(self, model: nn.Module, params: Sequence[nn.Parameter], calib: Tensor, *,
+                              batch_size: int, progress: bool = False) -> List[Tensor]:
+        """∇ of the mean calibration loss for each of ``params`` (:func:`pyprune.engine.loss_gradients`;
+        with the ``loss_scaling`` option through this prune's :class:`~pyprune.engine.LossScaler`)."""
+        return engine.loss_gradients(model, params, calib, batch_size=batch_size, scaler=self.scaler,
+                                     progress=progress, desc=self.name)
 
     def layer_range(self, n_layers: int) -> Tuple[int, int]:
         """The pruned layers as (first, last), inclusive, after resolving negative indices."""
@@ -251,11 +261,13 @@ class StructuredMethod(Method):
         """Kept (query heads, KV heads, channels) of each pruned layer, from the element scores."""
         params = [p for block in blocks[first:last + 1]
                   for linear in engine.block_linears(block).values() for p in linear.parameters()]
+        self.scaler = engine.LossScaler() if self.loss_scaling else None
         scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
         n_groups = self._uniform_kv_groups(model, blocks, ratio) if uniform else None
         selections = {}
         for index in range(first, last + 1):
             grouped = group_scores(blocks[index], lambda p: scores.get(id(p)))
+            self.layer_scores[index] = grouped
             n_q, n_kv, n_ch = (grouped[k].numel() for k in ("heads", "kv_heads", "channels"))
             q_kept, kv_kept = keep_heads(grouped["heads"], grouped["kv_heads"], ratio, uniform, n_groups) \
                 if self.heads else (torch.arange(n_q), torch.arange(n_kv))
@@ -267,7 +279,7 @@ class StructuredMethod(Method):
         blocks = engine.decoder_blocks(model)
         first, last = self.layer_range(len(blocks))
         ratio, uniform = float(pattern.ratio), bool(pattern.uniform)
-        selections = {}
+        selections, self.layer_scores, self.scaler = {}, {}, None
         if ratio > 0 and (self.heads or self.channels):
             selections = self._select(model, blocks, first, last, ratio, uniform, calib, batch_size, progress)
         for index, (q_kept, kv_kept, ch_kept, _, _) in selections.items():
@@ -292,8 +304,11 @@ class StructuredMethod(Method):
         if fields is not None and config is not None:
             for key, value in fields.items():
                 setattr(config, key, value)
-        return {"uniform": uniform, "first_layer": first, "last_layer": last,
-                "config_compatible": fields is not None, "structure": structure}
+        details = {"uniform": uniform, "first_layer": first, "last_layer": last,
+                   "config_compatible": fields is not None, "structure": structure}
+        if self.scaler is not None:
+            details["loss_scale"] = {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}
+        return details
 
 
 def _complement(kept: Tensor, total: int) -> List[int]:

@@ -1,7 +1,7 @@
 """LLM-Pruner-style Taylor structured pruning (Ma et al., 2023) of LLaMA-family decoder blocks.
 
 Importance is first order (LLM-Pruner / MoreauPruner Eq. 3): the gradient of the mean next-token
-loss over the calibration tokens (:func:`pyprune.engine.accumulate_gradients`) times the weights,
+loss over the calibration tokens (:func:`pyprune.engine.loss_gradients`) times the weights,
 ``|W ⊙ ∇W|`` per element (:func:`pyprune.ops.taylor_score`). Grouping, the GQA rule, the layer
 range and compaction are :mod:`pyprune.methods.structured`'s, shared with MoreauPruner.
 """
@@ -11,7 +11,7 @@ from typing import Dict, Optional
 
 from torch import Tensor, nn
 
-from .. import engine, ops
+from .. import ops
 from .structured import StructuredMethod, gradients_for
 from .structured import group_scores as _group_scores
 
@@ -36,6 +36,5 @@ class Taylor(StructuredMethod):
 
     def element_scores(self, model, params, calib, *, batch_size, progress):
         with gradients_for(model, params):
-            engine.accumulate_gradients(model, calib, batch_size=batch_size, progress=progress,
-                                        desc=self.name)
-            return {id(p): score for p in params if (score := gradient_taylor_score(p)) is not None}
+            grads = self.calibration_gradients(model, params, calib, batch_size=batch_size, progress=progress)
+            return {id(p): ops.taylor_score(p.detach(), grad) for p, grad in zip(params, grads)}
