@@ -1,25 +1,41 @@
-"""MoreauPruner's robustness table (Table 1) and 20% structured comparison on SmolLM2-135M.
+"""MoreauPruner's robustness claim (Table 1) on SmolLM2-135M, with its controls.
 
-For every method and calibration seed: prune SmolLM2-135M at ``--ratio`` (default 0.2) with its
-weights in bf16 and in fp16 (:func:`pyprune.robustness.study`), and record both perplexities,
-``ppl_diff`` and ``agreement``. Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma
-(default 10 x 128, the paper's batch size), one draw per seed; evaluation: the first
-``--eval-tokens`` tokens of Pride and Prejudice in 128-token windows (the paper's window).
-The paper's hyperparameters are every method's defaults.
+For every method, arithmetic, layer protocol, ratio and calibration seed: prune SmolLM2-135M with
+its weights in bf16 and in fp16 (:func:`pyprune.robustness.study`) and record the bf16/fp16
+agreement of the pruned groups, the rank correlation of all group scores per layer (Spearman), both
+pruned models' perplexities in fp32 (the common format) and the 2 x 2 pruned-in x evaluated-in.
+Controls: the Monte-Carlo floor (a second noise seed in bf16, for the methods with noise) and the
+calibration floor (agreement and rank correlation between the bf16 runs of two calibration seeds).
+MoreauPruner's diagnostics (‖δ_T‖/‖σ|w|‖, decay, -GS shrinkage) are in each run; ``--eta-sweep``
+adds a MoreauPruner-GS η sweep (bf16, rounding, first seed) against η = 0.
+
+Layers: ``all`` prunes every layer at the ratio; ``middle`` is the v2 paper's protocol (App. E.2:
+layers 4..29 of LLaMA-7B's 32, 25% of them for 20% overall) scaled to the model: the same
+proportion of the first and last layers stays dense (SmolLM2's 30: layers 4..27) and the layers
+in between lose ratio · layers / pruned layers each, so the ratio is the share of all blocks.
+
+Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (default 10 x 128, the paper's
+batch), one draw per seed; evaluation: the first ``--eval-tokens`` tokens of Pride and Prejudice
+in 128-token windows. The paper's hyperparameters are every method's defaults.
 
 Results go to benchmarks/results/robustness-smollm2-135m.{json,md}, rewritten atomically after
-every run; a rerun skips the (method, seed) runs already there, so a stopped run resumes.
+every run; the per-run group scores (for the calibration floor) go to the ``.scores`` directory
+beside them (safetensors, not committed). A rerun skips the runs already there, so a stopped run
+resumes; seeds are the outer loop, so every setting gets its first seed before any its second.
 
-    python benchmarks/robustness_smollm2.py                       # the README table
-    python benchmarks/robustness_smollm2.py --methods taylor moreau --seeds 0
+    python benchmarks/robustness_smollm2.py                                   # the README table
+    python benchmarks/robustness_smollm2.py --methods moreau-gs smoothgrad --seeds 0 --layers middle \\
+        --ratios 0.1 0.2                                                      # the second stage
 """
 import argparse
+import itertools
 import os
 import statistics
 import sys
 import time
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from _common import environment, previous_result, write_atomic, write_json
 from pyprune import data, robustness
@@ -27,84 +43,212 @@ from pyprune.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("taylor", "smoothgrad", "moreau", "moreau-gs")
+PAPER_LAYERS, PAPER_FIRST, PAPER_END = 32, 4, 30  # LLaMA-7B: layers 4..29 pruned (range(4, 30))
 
 
-def _summary(values):
-    mean = statistics.fmean(values)
+def layer_protocol(layers: str, ratio: float, n_layers: int):
+    """(first_layer, last_layer, per-layer ratio) of protocol ``layers`` at overall ``ratio``."""
+    if layers == "all":
+        return 0, n_layers - 1, ratio
+    first = round(PAPER_FIRST * n_layers / PAPER_LAYERS)
+    last = round(PAPER_END * n_layers / PAPER_LAYERS) - 1
+    return first, last, ratio * n_layers / (last - first + 1)
+
+
+def _key(run):
+    return (run["method"], run["arithmetic"], run["layers"], run["overall_ratio"])
+
+
+def _scores_path(directory, run, seed):
+    method, arithmetic, layers, ratio = _key(run)
+    return os.path.join(directory, f"{method}-{arithmetic}-{layers}-{ratio}-seed{seed}.safetensors")
+
+
+def save_scores(path, report):
+    """The bf16 run's group scores and pruned groups (safetensors, atomically)."""
+    tensors = {}
+    for layer, scores in report["scores"]["bfloat16"].items():
+        for kind, values in scores.items():
+            tensors[f"{layer}.{kind}"] = values.float().contiguous()
+    for layer, kind, index in report["groups"]["bfloat16"]:
+        tensors.setdefault(f"{layer}.pruned_{kind}s", [])
+        tensors[f"{layer}.pruned_{kind}s"].append(index)
+    tensors = {k: (torch.tensor(sorted(v)) if isinstance(v, list) else v) for k, v in tensors.items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    save_file(tensors, temporary)
+    os.replace(temporary, path)
+
+
+def load_scores(path):
+    """(layer scores, pruned groups) of a file :func:`save_scores` wrote."""
+    tensors = load_file(path)
+    scores, groups = {}, set()
+    for name, values in tensors.items():
+        layer, kind = name.split(".", 1)
+        if kind.startswith("pruned_"):
+            groups.update((int(layer), kind[len("pruned_"):-1], int(i)) for i in values.tolist())
+        else:
+            scores.setdefault(int(layer), {})[kind] = values
+    return scores, groups
+
+
+def calibration_floor(runs, directory):
+    """Per setting: mean agreement and rank correlation of the bf16 runs over pairs of seeds."""
+    floors = {}
+    for key in {_key(r) for r in runs}:
+        seeds = sorted(r["seed"] for r in runs if _key(r) == key)
+        paths = {s: _scores_path(directory, next(r for r in runs if _key(r) == key), s) for s in seeds}
+        if len(seeds) < 2 or not all(os.path.exists(p) for p in paths.values()):
+            continue
+        loaded = {s: load_scores(p) for s, p in paths.items()}
+        pairs = list(itertools.combinations(seeds, 2))
+        agreements = [robustness.agreement(loaded[a][1], loaded[b][1]) for a, b in pairs]
+        correlations = [robustness.rank_correlation(loaded[a][0], loaded[b][0]) for a, b in pairs]
+        floors["|".join(map(str, key))] = {
+            "pairs": [list(p) for p in pairs], "agreement": statistics.fmean(agreements),
+            "spearman": {kind: statistics.fmean(c[kind] for c in correlations) for kind in ("heads", "channels")}}
+    return floors
+
+
+def _mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
     std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return mean, std
+    return f"{statistics.fmean(values):.4f} ± {std:.4f}" if len(values) > 1 else f"{values[0]:.4f}"
 
 
 def markdown(result) -> str:
-    runs = result["runs"]
-    lines = [f"SmolLM2-135M, structured ratio {result['settings']['ratio']} (layers "
-             f"{result['settings']['layers']}), calibration {result['settings']['calibration']}, "
-             f"evaluation {result['settings']['evaluation']}, arithmetic {result['settings']['arithmetic']}; "
+    settings, runs = result["settings"], result["runs"]
+    lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
-             f"{result['environment']['torch']}. Mean ± std over calibration seeds "
-             f"{sorted({r['seed'] for r in runs})}.", "",
-             "| method | seeds | ppl bf16 | ppl fp16 | ppl_diff | agreement | prune time per format (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for method in [m for m in METHODS if any(r["method"] == m for r in runs)]:
-        rows = [r for r in runs if r["method"] == method]
-        cells = []
-        for key in ("ppl_bf16", "ppl_fp16", "ppl_diff", "agreement"):
-            mean, std = _summary([r[key] for r in rows])
-            cells.append(f"{mean:.4f} ± {std:.4f}" if key == "agreement" else f"{mean:.2f} ± {std:.2f}")
-        seconds = statistics.fmean(r["runs"][f]["time_s"] for r in rows for f in ("bfloat16", "float16"))
-        lines.append(f"| {method} | {len(rows)} | " + " | ".join(cells) + f" | {seconds:.0f} |")
-    lines += ["", "Per seed:", "", "| method | seed | ppl bf16 | ppl fp16 | ppl_diff | agreement |",
-              "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['method']} | {r['seed']} | {r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | "
-              f"{r['ppl_diff']:.2f} | {r['agreement']:.4f} |" for r in runs]
+             f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
+             "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
+             "calibration floor: bf16 runs of two calibration seeds (mean over pairs).", "",
+             "| method | arithmetic | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
+             "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
+             "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted({_key(r) for r in runs}, key=lambda k: (k[2], k[3], METHODS.index(k[0]), k[1])):
+        rows = [r for r in runs if _key(r) == key]
+        floor = result["calibration_floor"].get("|".join(map(str, key)))
+        noise = [r["noise_floor"] for r in rows if r["noise_floor"]]
+        moreau = [r["runs"]["bfloat16"].get("moreau") or {} for r in rows]
+        ppl = [_mean_std([r[k] for r in rows]).replace(" ± ", " ± ") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
+        cells = [key[0], key[1], key[2], f"{key[3]:g}", str(len(rows)),
+                 _mean_std([r["agreement"] for r in rows]),
+                 _mean_std([r["spearman"]["channels"] for r in rows]),
+                 _mean_std([r["spearman"]["heads"] for r in rows]),
+                 _mean_std([n["agreement"] for n in noise]),
+                 _mean_std([n["spearman"]["channels"] for n in noise]),
+                 f"{floor['agreement']:.4f}" if floor else "–",
+                 f"{floor['spearman']['channels']:.4f}" if floor else "–",
+                 *ppl,
+                 _mean_std([m.get("delta_to_noise") for m in moreau]),
+                 _mean_std([m.get("decay") for m in moreau]),
+                 _mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
+              "| method | arithmetic | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
+              "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "
+              "prune s (bf16, fp16) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        cross = r["ppl_cross"]
+        backoffs = [r["runs"][f].get("loss_scale", {}).get("backoffs") for f in ("bfloat16", "float16")]
+        lines.append(
+            f"| {r['method']} | {r['arithmetic']} | {r['layers']} | {r['overall_ratio']:g} | {r['seed']} | "
+            f"{r['agreement']:.4f} | {r['spearman']['channels']:.4f} | {r['spearman']['heads']:.4f} | "
+            f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
+            f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
+            f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
+            f"{r['runs']['bfloat16']['time_s']:.0f}, {r['runs']['float16']['time_s']:.0f} |")
+    sweep = result.get("eta_sweep")
+    if sweep:
+        lines += ["", f"MoreauPruner-GS η sweep ({sweep['format']}, {sweep['arithmetic']}, ratio {sweep['ratio']:g}, "
+                  f"calibration seed {sweep['seed']}): selection against η = 0 (same ρ = {sweep['options']['rho']}, "
+                  f"γ = {sweep['options']['gamma']}, noise).", "",
+                  "| η | threshold γη | agreement with η = 0 | ρ channels | rows zeroed | rows shrunk >1% | "
+                  "median shrink |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in sweep["rows"]:
+            m = row["moreau"]
+            lines.append(f"| {row['eta']:g} | {row['threshold']:.3g} | {row['agreement']:.4f} | "
+                         f"{row['spearman']['channels']:.4f} | {m['gs_zeroed']:.4f} | {m['gs_shrunk_1pct']:.4f} | "
+                         f"{'–' if m['gs_shrink_median'] is None else format(m['gs_shrink_median'], '.3g')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=["taylor", "moreau"], choices=METHODS)
+    parser.add_argument("--arithmetic", nargs="+", default=["rounding", "fp32-accumulate"],
+                        choices=robustness.ARITHMETIC)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="calibration seeds")
-    parser.add_argument("--ratio", type=float, default=0.2)
-    parser.add_argument("--first-layer", type=int, default=0, help="first pruned layer (paper on LLaMA-7B: 4)")
-    parser.add_argument("--last-layer", type=int, default=-1, help="last pruned layer, inclusive")
+    parser.add_argument("--layers", choices=("all", "middle"), default="all")
+    parser.add_argument("--ratios", nargs="+", type=float, default=[0.2], help="share of all blocks' groups")
     parser.add_argument("--nsamples", type=int, default=10)
     parser.add_argument("--seqlen", type=int, default=128)
-    parser.add_argument("--eval-tokens", type=int, default=16384)
+    parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=128)
-    parser.add_argument("--arithmetic", choices=robustness.ARITHMETIC, default="fp32-accumulate")
-    parser.add_argument("--smoothgrad-passes", type=int, default=100, help="SmoothGrad's K (paper: 100)")
+    parser.add_argument("--smoothgrad-passes", type=int, default=10, help="SmoothGrad's K (paper: 100)")
+    parser.add_argument("--eta-sweep", nargs="*", type=float, default=None,
+                        help="MoreauPruner-GS η values to compare with η = 0 (bf16, rounding, first seed)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "robustness-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model("smollm2-135m")
+    n_layers = model.config.num_hidden_layers
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=args.eval_tokens)
-    settings = {"ratio": args.ratio, "layers": f"{args.first_layer}..{args.last_layer}",
-                "calibration": f"{args.nsamples} x {args.seqlen} tokens of emma",
+    settings = {"calibration": f"{args.nsamples} x {args.seqlen} tokens of emma",
                 "evaluation": f"first {tokens.numel() // args.eval_seqlen * args.eval_seqlen} tokens of "
                               f"pride_and_prejudice, {args.eval_seqlen}-token windows",
-                "arithmetic": args.arithmetic, "smoothgrad_passes": args.smoothgrad_passes}
+                "smoothgrad_passes": args.smoothgrad_passes}
+    scores_dir = os.path.splitext(args.output)[0] + ".scores"
+    os.makedirs(scores_dir, exist_ok=True)
+    write_atomic(os.path.join(scores_dir, ".gitignore"), "*\n")
     previous = previous_result(args.output, settings)
-    runs = previous["runs"] if previous else []
+    result = previous or {"settings": settings, "runs": []}
+    runs = result["runs"]
+
+    def save():
+        result["environment"] = environment(torch.device("cpu"))
+        result["calibration_floor"] = calibration_floor(runs, scores_dir)
+        write_json(args.output, result)
+        write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+
     for seed in args.seeds:
         calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
-        for method in args.methods:
-            if any(r["method"] == method and r["seed"] == seed for r in runs):
+        for ratio, arithmetic, method in itertools.product(args.ratios, args.arithmetic, args.methods):
+            run = {"method": method, "arithmetic": arithmetic, "layers": args.layers, "overall_ratio": ratio,
+                   "seed": seed}
+            if any(_key(r) == _key(run) and r["seed"] == seed for r in runs):
                 continue
-            options = {"first_layer": args.first_layer, "last_layer": args.last_layer}
+            first, last, layer_ratio = layer_protocol(args.layers, ratio, n_layers)
+            options = {"first_layer": first, "last_layer": last}
             if method == "smoothgrad":
                 options["passes"] = args.smoothgrad_passes
             start = time.perf_counter()
-            report = robustness.study(model, method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
-                                      arithmetic=args.arithmetic, progress=False, **options)
-            report["seed"] = seed
-            report["wall_s"] = round(time.perf_counter() - start, 1)
-            runs.append(report)
-            print(f"{method} seed {seed}: bf16 {report['ppl_bf16']:.2f}, fp16 {report['ppl_fp16']:.2f}, "
-                  f"diff {report['ppl_diff']:.2f}, agreement {report['agreement']:.4f} ({report['wall_s']} s)",
-                  flush=True)
-            result = {"settings": settings, "environment": environment(torch.device("cpu")), "runs": runs}
-            write_json(args.output, result)
-            write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+            report = robustness.study(model, method, layer_ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
+                                      arithmetic=arithmetic, keep_scores=True, progress=False, **options)
+            save_scores(_scores_path(scores_dir, run, seed), report)
+            del report["scores"], report["groups"]
+            run.update(report, wall_s=round(time.perf_counter() - start, 1))
+            runs.append(run)
+            floor = run["noise_floor"]
+            print(f"{method} {arithmetic} {args.layers} {ratio:g} seed {seed}: agreement {run['agreement']:.4f} "
+                  f"(noise floor {floor['agreement']:.4f}) " if floor else
+                  f"{method} {arithmetic} {args.layers} {ratio:g} seed {seed}: agreement {run['agreement']:.4f} ",
+                  f"rho {run['spearman']['channels']:.4f}, ppl {run['ppl_bf16']:.2f} / {run['ppl_fp16']:.2f} "
+                  f"({run['wall_s']} s)", flush=True)
+            save()
+    if args.eta_sweep is not None and not result.get("eta_sweep"):
+        seed = args.seeds[0]
+        calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
+        first, last, layer_ratio = layer_protocol(args.layers, args.ratios[0], n_layers)
+        sweep = robustness.eta_sweep(model, args.eta_sweep, layer_ratio, calib, first_layer=first, last_layer=last)
+        result["eta_sweep"] = {**sweep, "seed": seed, "layers": args.layers}
+        print("eta sweep:", [(row["eta"], row["agreement"]) for row in sweep["rows"]], flush=True)
+        save()
     return 0
 
 

@@ -189,8 +189,12 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
         pruned, report, scores[name] = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
                                                    progress, options)
         groups[name] = pruned_groups(report)
-        ppl = {fmt: _perplexity_in(pruned, fmt, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
-               for fmt in evaluated_in}
+        ppl = {}
+        for fmt in evaluated_in:
+            if arithmetic == "rounding" and fmt == name and eval_format == "float32":
+                ppl[fmt] = ppl[eval_format]  # its weights are already exactly the rounded ones: the same run
+            else:
+                ppl[fmt] = _perplexity_in(pruned, fmt, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
         del pruned
         runs[name] = {"perplexity": ppl[eval_format], "perplexity_in": ppl, "sparsity": report["sparsity"],
                       "time_s": report["time_s"], "pruned_groups": len(groups[name]),
