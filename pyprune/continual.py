@@ -134,19 +134,19 @@ def run(model: nn.Module, method: str, pattern, tasks: Sequence[Task], *, init: 
     return report
 
 
-def resume(path: str, settings: Dict) -> Dict[tuple, list]:
+def resume(path: str, settings: Dict, label: str = "continual report") -> Dict[tuple, list]:
     """The orders (with their steps) that an interrupted run of the same ``settings`` recorded in its
     report at ``path``; {} when there is no report. A report of other settings, or not JSON, is a
-    ValueError naming the file: it is never overwritten by another run."""
+    ValueError naming the file (as ``label``): it is never overwritten by another run."""
     if not os.path.exists(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
     except ValueError as error:
-        raise ValueError(f"continual report {path} is not valid JSON ({error}); remove it or choose another path") from None
+        raise ValueError(f"{label} {path} is not valid JSON ({error}); remove it or choose another path") from None
     if not isinstance(previous, dict) or previous.get("settings") != settings:
-        raise ValueError(f"continual report {path} holds a run with other settings; remove it or choose another path")
+        raise ValueError(f"{label} {path} holds a run with other settings; remove it or choose another path")
     return {tuple(run["order"]): run["steps"] for run in previous["matrix"]}
 
 

@@ -183,3 +183,78 @@ def test_prune_can_store_sparse_layers(tiny_model_dir, tmp_path):
     evaluated = json.loads(eval_path.read_text())
     ppl = evaluated["eval"][0]["perplexity"]
     assert abs(ppl - report["eval"][0]["perplexity"]) < 1e-3 * ppl
+
+
+def _help(*argv) -> str:
+    out = subprocess.run([sys.executable, "-m", "pyprune.cli", *argv, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    return " ".join(out.split())
+
+
+def test_a_subcommand_offers_only_the_named_methods_options():
+    """Options belong to a method: none without --method, that method's alone with it."""
+    assert "--rho" not in _help("prune") and "--channels" not in _help("prune")
+    taylor = _help("prune", "--method", "taylor")
+    assert "--channels" in taylor and "--rho" not in taylor and "DReSS" not in taylor
+    dress = _help("prune", "--method", "dress")
+    assert "--channels" in dress and "--heads" not in dress
+    continual = _help("continual", "--method", "copal")
+    assert "--epsilon" in continual and "--calib CALIB" not in continual and "--ratio" not in continual
+    assert "--nsamples" in continual and "16 for copal" in continual
+
+
+def test_calibration_defaults_are_listed_per_method():
+    text = _help("prune")
+    for name, cls in __import__("pyprune").methods.METHODS.items():
+        assert f"{cls.calibration[0]} for" in text and name in text
+
+
+def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path, capsys):
+    """--channels true|false of the structured methods is no longer taken by DReSS's choices."""
+    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA]
+    assert cli.main(base + ["--method", "taylor", "--ratio", "0.2", "--channels", "false"]) == 2
+    assert "never-loaded" in capsys.readouterr().err  # got past parsing, to the model check
+    assert cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "last"]) == 2
+    assert "never-loaded" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "false"])
+    assert "invalid choice: 'false'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["continual", "--method", "safe", "--sparsity", "0.5", "--datasets", "emma", "persuasion"],
+     "--method for continual must be one of copal, sparsegpt, wanda; got 'safe'"),
+    (["robustness", "--method", "dress", "--ratio", "0.2", "--calib", "emma", "--eval", "emma"],
+     "--method for robustness must be one of moreau, moreau-gs, smoothgrad, taylor; got 'dress'"),
+    (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--lam", "1"],
+     "method 'wanda' has no option lam; its options: checkpoint"),
+    (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--no-such-flag"],
+     "unrecognized arguments: --no-such-flag"),
+    (["continual", "--method", "copal", "--sparsity", "0.5", "--datasets", "emma", "persuasion", "--state", "s"],
+     "the continual runner keeps COPAL's state in memory"),
+])
+def test_method_and_option_errors_name_what_is_allowed(tmp_path, capsys, argv, message):
+    argv = argv + ["--model", str(tmp_path / "never-loaded")]
+    if argv[0] != "prune":
+        argv += ["--report", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_method_is_registered_by_defining_it():
+    """A new method is one module: subclassing Method with a name registers it for every entry point."""
+    from pyprune import methods
+    from pyprune.methods.magnitude import Magnitude
+
+    class Halved(Magnitude):
+        name = "test-halved"
+        commands = ("prune", "continual")
+    try:
+        assert methods.get("test-halved").name == "test-halved"
+        assert "test-halved" in methods.serving("continual") and "test-halved" not in methods.serving("robustness")
+        with pytest.raises(ValueError, match="method name 'wanda' is taken by pyprune.methods.wanda.Wanda"):
+            type("Clash", (Magnitude,), {"name": "wanda"})
+    finally:
+        methods.METHODS.pop("test-halved")

@@ -82,9 +82,9 @@ def run(args) -> int:
                 "seed": args.seed, "eval_seqlen": args.eval_seqlen, "eval_max_tokens": args.eval_max_tokens,
                 "options": runner.settings}
     try:
-        done = continual.resume(args.report, settings)
+        done = continual.resume(args.report, settings, label="--report")
     except ValueError as error:
-        raise UsageError(f"--report: {error}") from None
+        raise UsageError(str(error)) from None
     if done:
         print(f"resuming: {len(done)} order(s) already in {args.report}")
 
