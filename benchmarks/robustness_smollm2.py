@@ -6,8 +6,9 @@ agreement of the pruned groups, the rank correlation of all group scores per lay
 pruned models' perplexities in fp32 (the common format) and the 2 x 2 pruned-in x evaluated-in.
 Controls: the Monte-Carlo floor (a second noise seed in bf16, for the methods with noise) and the
 calibration floor (agreement and rank correlation between the bf16 runs of two calibration seeds).
-MoreauPruner's diagnostics (‖δ_T‖/‖σ|w|‖, decay, -GS shrinkage) are in each run; ``--eta-sweep``
-adds a MoreauPruner-GS η sweep (bf16, rounding, first seed) against η = 0.
+MoreauPruner's diagnostics (‖δ_T‖/‖σ|w|‖, decay, -GS shrinkage) are in each run. ``--eta-sweep``
+runs instead a MoreauPruner-GS η sweep against η = 0 (bf16, rounding, the first seed and ratio;
+results in ``-eta-sweep.{json,md}`` beside the output).
 
 Layers: ``all`` prunes every layer at the ratio; ``middle`` is the v2 paper's protocol (App. E.2:
 layers 4..29 of LLaMA-7B's 32, 25% of them for 20% overall) scaled to the model: the same
@@ -26,6 +27,7 @@ resumes; seeds are the outer loop, so every setting gets its first seed before a
     python benchmarks/robustness_smollm2.py                                   # the README table
     python benchmarks/robustness_smollm2.py --methods moreau-gs smoothgrad --seeds 0 --layers middle \\
         --ratios 0.1 0.2                                                      # the second stage
+    python benchmarks/robustness_smollm2.py --eta-sweep 1e-3 1e-2 1e-1      # where -GS starts to act
 """
 import argparse
 import itertools
@@ -163,6 +165,8 @@ def markdown(result) -> str:
             f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
             f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
             f"{r['runs']['bfloat16']['time_s']:.0f}, {r['runs']['float16']['time_s']:.0f} |")
+    if not runs:
+        lines = lines[:1]
     sweep = result.get("eta_sweep")
     if sweep:
         lines += ["", f"MoreauPruner-GS η sweep ({sweep['format']}, {sweep['arithmetic']}, ratio {sweep['ratio']:g}, "
@@ -192,7 +196,7 @@ def main(argv=None):
     parser.add_argument("--eval-seqlen", type=int, default=128)
     parser.add_argument("--smoothgrad-passes", type=int, default=10, help="SmoothGrad's K (paper: 100)")
     parser.add_argument("--eta-sweep", nargs="*", type=float, default=None,
-                        help="MoreauPruner-GS η values to compare with η = 0 (bf16, rounding, first seed)")
+                        help="only a MoreauPruner-GS η sweep: these η against η = 0 (bf16, rounding, first seed)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "robustness-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
@@ -206,6 +210,9 @@ def main(argv=None):
     scores_dir = os.path.splitext(args.output)[0] + ".scores"
     os.makedirs(scores_dir, exist_ok=True)
     write_atomic(os.path.join(scores_dir, ".gitignore"), "*\n")
+    if args.eta_sweep is not None:
+        args.output = os.path.splitext(args.output)[0] + "-eta-sweep.json"
+        settings.update(eta_sweep=args.eta_sweep, seed=args.seeds[0], layers=args.layers, ratio=args.ratios[0])
     previous = previous_result(args.output, settings)
     result = previous or {"settings": settings, "runs": []}
     runs = result["runs"]
@@ -216,7 +223,7 @@ def main(argv=None):
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
-    for seed in args.seeds:
+    for seed in ([] if args.eta_sweep is not None else args.seeds):
         calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
         for ratio, arithmetic, method in itertools.product(args.ratios, args.arithmetic, args.methods):
             run = {"method": method, "arithmetic": arithmetic, "layers": args.layers, "overall_ratio": ratio,
@@ -241,7 +248,7 @@ def main(argv=None):
                   f"rho {run['spearman']['channels']:.4f}, ppl {run['ppl_bf16']:.2f} / {run['ppl_fp16']:.2f} "
                   f"({run['wall_s']} s)", flush=True)
             save()
-    if args.eta_sweep is not None and not result.get("eta_sweep"):
+    if args.eta_sweep is not None and not result.get("eta_sweep"):  # one run, not resumed
         seed = args.seeds[0]
         calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
         first, last, layer_ratio = layer_protocol(args.layers, args.ratios[0], n_layers)
