@@ -6,9 +6,14 @@ ADMM on min_{x∈C} max_{‖ε‖≤ρ} f(x+ε) with the split x = z, z ∈ C (t
 * before the first step, z₀ = proj_C(x₀) and u₀ = 0 (Algorithm 1, lines 1–2; :meth:`SafeOptimizer.initialise`);
 * after steps K, 2K, … (K = ``dual_interval``), z-step and u-step: z = proj_C(x + u), u ← u + x − z
   (:func:`pyprune.ops.admm_dual_update_` on the compact state v = x + u, keep = support of z);
-* every step, the x-step of Eq. (5): x ← x − η(∇f(x + ρ∇f/‖∇f‖) + λ(x − z + u)), with Adam as the
-  base optimiser (the penalty goes through the moments, spec §1.8) —
-  :func:`~pyprune.ops.sam_perturb_` then :func:`~pyprune.ops.sam_adam_step_`;
+* every step, the x-step of Eq. (5) with Adam as the base optimiser (:func:`~pyprune.ops.sam_perturb_`
+  then :func:`~pyprune.ops.sam_adam_step_`), the penalty λ(x − z + u) taken at the unperturbed x
+  either as Algorithm 1 writes it, a gradient step of its own after the base optimiser's step on
+  ∇f(x + ρ∇f/‖∇f‖) (lines 12–13; ``penalty="decoupled"``: x ← x_Adam − ηλ(x − z + u), which closes
+  the fraction ηλ of the distance to z − u every step whatever the scale of f or of the weights),
+  or added to the gradient before Adam's moments (``penalty="adam"``, the authors' code: only the
+  ratio λ|x − z + u| : |∇f| matters, and once the penalty dominates Adam moves a weight by about η
+  per step whatever λ is, spec §1.8);
 * at the end, :meth:`SafeOptimizer.project_` (Algorithm 1, line 15) makes the weights sparse.
 
 SAFE projects by |v|; SAFE⁺ by sqrt(P)·|v| with a diagonal P given per weight as
@@ -24,6 +29,9 @@ from torch import Tensor
 
 from . import ops
 from .patterns import NM, Pattern, Unstructured, parse
+
+
+_PENALTIES = ("adam", "decoupled")
 
 
 def _selection(pattern: Pattern) -> Dict:
@@ -48,13 +56,18 @@ class SafeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, rho: float = 2e-4, lam: float = 1e-3, dual_interval: int = 32,
-                 importance: Optional[Dict[Tensor, Tensor]] = None):
+                 importance: Optional[Dict[Tensor, Tensor]] = None, penalty: str = "adam"):
+        if penalty not in _PENALTIES:
+            raise ValueError(f"penalty must be one of {', '.join(_PENALTIES)}; got {penalty!r}")
         if not (isinstance(dual_interval, int) and dual_interval >= 1):
             raise ValueError(f"dual_interval must be an integer >= 1; got {dual_interval!r}")
         for name, value in (("lr", lr), ("rho", rho), ("lam", lam), ("weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                       and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
+        if penalty == "decoupled" and lr * lam > 1:
+            raise ValueError(f"lr * lam must be <= 1 with penalty='decoupled' (each step moves x by that fraction "
+                             f"of its distance to z - u); got lr={lr!r}, lam={lam!r}")
         pattern = None if pattern is None else parse(pattern)
         if pattern is not None and not isinstance(pattern, (Unstructured, NM)):
             raise ValueError(f"pattern must be an unstructured sparsity or N:M; got {pattern}")
@@ -68,6 +81,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                     if p.dim() != 2:
                         raise ValueError("the constrained parameters must be 2-D weights [out, in]; got shape "
                                          f"{tuple(p.shape)} (put it in a group with pattern=None)")
+        self.decoupled = penalty == "decoupled"
         self.steps_done = 0
         self.initialised = False
         self.residuals: List[float] = []
@@ -152,7 +166,12 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    [s["exp_avg"] for _, s in members], [s["exp_avg_sq"] for _, s in members],
                                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                    weight_decay=group["weight_decay"],
-                                   lam=self.lam if group["pattern"] is not None else 0.0, step=self.steps_done)
+                                   lam=self.lam if group["pattern"] is not None and not self.decoupled else 0.0,
+                                   step=self.steps_done)
+                if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
+                    for p, state in members:
+                        gap = state["anchor"].float() + state["v"] * (1.0 - 2.0 * state["keep"].float())
+                        p.sub_((group["lr"] * self.lam * gap).to(p.dtype))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()
         return loss

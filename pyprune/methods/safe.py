@@ -63,6 +63,9 @@ class Safe(Method):
         Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
         Option("lam", float, 1e-3, "SAFE: augmented-Lagrangian penalty λ (paper: 1e-3, on the 'mse' loss)",
                nonnegative),
+        Option("penalty", str, "decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step "
+               "x -= lr·λ(x − z + u) after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before "
+               "Adam's moments (the authors' code)", choices=("decoupled", "adam")),
         Option("loss", str, "relative", "SAFE: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (λ means the same in "
                "every block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse")),
         Option("train_norms", bool, False, "SAFE: also train the block's other parameters (RMSNorm gains) with "
@@ -76,55 +79,69 @@ class Safe(Method):
         BLOCK_CHECKPOINT,
     )
 
+    def check_options(self, settings):
+        if settings["penalty"] == "decoupled" and settings["lr"] * settings["lam"] > 1:
+            raise ValueError(f"options lr and lam of method {self.name!r} must have lr * lam <= 1 with penalty "
+                             "'decoupled' (each step moves x by that fraction of its distance to z - u); got "
+                             f"lr={settings['lr']}, lam={settings['lam']}")
+
     def working_bytes(self, block):
         """fp32 master weights, their gradients, Adam's two moments and SAM's perturbation: 20
         bytes per parameter of the block."""
         return 20 * sum(p.numel() for p in block.parameters())
 
-    def _prune(self, model, pattern, calib, *, batch_size, progress):
-        samples = calib.shape[0]
+    def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
+        """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first
+        and last loss and ‖x − z‖/‖x‖ at the initial projection and every dual update."""
+        linears = ctx.linears()
+        importance = None
+        if self.weighted_projection:
+            sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
+                       for name, linear in linears.items()}
+            targets = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
+            importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
+        else:
+            targets = ctx.forward()
+        frozen = [p for p in ctx.block.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            with fp32_master_weights(ctx.block):
+                weights = [linear.weight for linear in linears.values()]
+                groups = [{"params": weights}]
+                if self.train_norms:
+                    groups.append({"params": [p for p in frozen if all(p is not w for w in weights)],
+                                   "pattern": None})
+                trained = [p for group in groups for p in group["params"]]
+                for p in trained:
+                    p.requires_grad_(True)
+                optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
+                                          lam=self.lam, dual_interval=self.dual_interval, importance=importance,
+                                          penalty=self.penalty)
+                schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
+                losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
+                                     seed=self.train_seed + ctx.index, scheduler=schedule,
+                                     desc=f"{self.name} block {ctx.index}", progress=progress,
+                                     relative=self.loss == "relative")
+                optimizer.project_(self.final_projection)
+                for p in trained:
+                    p.requires_grad_(False)
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
+                "residuals": [round(r, 6) for r in optimizer.residuals]}
+
+    def schedule(self, samples: int):
+        """(steps, warm-up steps) per block for ``samples`` calibration samples."""
         steps_per_epoch = math.ceil(samples / min(self.train_batch, samples))
-        steps = self.epochs * steps_per_epoch
-        warmup = round(self.warmup_epochs * steps_per_epoch)
+        return self.epochs * steps_per_epoch, round(self.warmup_epochs * steps_per_epoch)
+
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        steps, warmup = self.schedule(calib.shape[0])
 
         def process(ctx: engine.BlockContext) -> dict:
-            linears = ctx.linears()
-            importance = None
-            if self.weighted_projection:
-                sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
-                           for name, linear in linears.items()}
-                targets = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
-                importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
-            else:
-                targets = ctx.forward()
-            frozen = [p for p in ctx.block.parameters() if p.requires_grad]
-            for p in frozen:
-                p.requires_grad_(False)
-            try:
-                with fp32_master_weights(ctx.block):
-                    weights = [linear.weight for linear in linears.values()]
-                    groups = [{"params": weights}]
-                    if self.train_norms:
-                        groups.append({"params": [p for p in frozen if all(p is not w for w in weights)],
-                                       "pattern": None})
-                    trained = [p for group in groups for p in group["params"]]
-                    for p in trained:
-                        p.requires_grad_(True)
-                    optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
-                                              lam=self.lam, dual_interval=self.dual_interval, importance=importance)
-                    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
-                    losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
-                                         seed=self.train_seed + ctx.index, scheduler=schedule,
-                                         desc=f"{self.name} block {ctx.index}", progress=progress,
-                                         relative=self.loss == "relative")
-                    optimizer.project_(self.final_projection)
-                    for p in trained:
-                        p.requires_grad_(False)
-            finally:
-                for p in frozen:
-                    p.requires_grad_(True)
-            return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
-                    "residuals": [round(r, 6) for r in optimizer.residuals]}
+            return self.prune_block(ctx, pattern, steps=steps, warmup=warmup, progress=progress)
 
         diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                                            desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
