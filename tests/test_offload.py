@@ -2,16 +2,17 @@
 memory, to the bit; a run whose estimated memory exceeds what is available is refused before it
 starts (pyprune.memory); bad offload arguments are refused naming them."""
 import os
+import re
 
 import pytest
 import torch
 
 import pyprune
-from pyprune import memory, offload
+from pyprune import cli, memory, offload
 from pyprune.eval import perplexity
 from pyprune.models import load_model
 from pyprune.patterns import Structured
-from tests.helpers import random_tokens, tiny_llama, tiny_tokenizer
+from tests.helpers import WORDS, random_tokens, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,32 @@ def test_bad_offload_arguments_are_refused(source, tmp_path):
     model, _ = load_model(source, offload_dir=tmp_path / "offload")
     with pytest.raises(ValueError, match="perplexity needs the whole model in memory"):
         perplexity(model, random_tokens((64,), vocab=27), 32, progress=False)
+
+
+def test_the_cli_offloaded_prune_is_the_in_memory_prune(source, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(400)))
+    argv = ["prune", "--model", str(source), "--method", "sparsegpt", "--pattern", "2:4", "--calib", str(text),
+            "--nsamples", "4", "--seqlen", "16", "--quiet", "--output"]
+    assert cli.main(argv + [str(tmp_path / "in-memory")]) == 0
+    assert cli.main(argv + [str(tmp_path / "offloaded"), "--offload"]) == 0
+    expected, got = _state(pyprune.load(tmp_path / "in-memory")[0]), _state(pyprune.load(tmp_path / "offloaded")[0])
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+    assert pyprune.io.read_manifest(tmp_path / "offloaded")["report"]["offload"] is True
+    assert sorted(os.listdir(tmp_path)) == ["in-memory", "offloaded", "text.txt"]  # the offload directory is gone
+
+
+def test_the_cli_refuses_a_prune_that_does_not_fit_before_loading(source, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(memory, "available_bytes", lambda: memory.RUNTIME // 2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr("pyprune.models.load_model", refuse)
+    assert cli.main(["prune", "--model", str(source), "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.match(rf"pyprune prune: error: --model {re.escape(str(source))} with magnitude needs about "
+                    r"[0-9.]+ GiB of memory \(weights .*\), 0\.3 GiB available; with --offload \(weights on "
+                    r"disk, one block in memory\) it needs about [0-9.]+ GiB$", err), err
+    assert os.listdir(tmp_path) == []

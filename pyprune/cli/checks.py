@@ -91,6 +91,44 @@ def check_model(model: str):
     return config
 
 
+def check_offload(args, runner) -> None:
+    """--offload's requirements: a method that prunes block by block, --output (the blocks are
+    written there), the CPU, and no evaluation (it needs the whole model in memory)."""
+    if runner.offload_refusal is not None:
+        raise UsageError(f"--offload: method {args.method!r} cannot prune an offloaded model: {runner.offload_refusal}")
+    if not args.output:
+        raise UsageError("--offload needs --output (the pruned blocks are written there)")
+    if args.eval or args.tasks:
+        raise UsageError("--offload evaluates nothing (evaluation needs the whole model in memory); evaluate the "
+                         "saved model with pyprune eval")
+    if args.sparse_layers:
+        raise UsageError("--offload cannot store --sparse-layers (offload writes dense blocks)")
+    if torch.device(args.device).type != "cpu":
+        raise UsageError(f"--offload works on the CPU; got --device {args.device}")
+
+
+def check_memory(args, runner, offload: bool) -> None:
+    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.memory.prune_need`, from
+    the config alone) exceeds the memory available, saying what --offload would need."""
+    from .. import memory
+    from ..models import resolve_model_dir
+    from ..offload import skeleton
+    from .options import DTYPES
+    if torch.device(args.device).type != "cpu":
+        return
+    model = skeleton(resolve_model_dir(args.model), DTYPES[args.dtype])
+    nsamples, seqlen = (args.nsamples, args.seqlen) if runner.needs_calibration else (0, 0)
+    need = memory.prune_need(model, runner, nsamples, seqlen, args.batch_size, offloaded=offload)
+    offload_need = None
+    if not offload and runner.offload_refusal is None:
+        offload_need = memory.prune_need(model, runner, nsamples, seqlen, args.batch_size, offloaded=True)
+    try:
+        memory.check(need, f"--model {args.model} with {args.method}", offload_need=offload_need,
+                     offload_hint="--offload")
+    except memory.NotEnoughMemory as error:
+        raise UsageError(str(error)) from None
+
+
 def check_method_config(runner, config, pattern) -> None:
     """The method's checks that need only the model's config and files on disk (e.g. DReSS's channel
     rounding, a COPAL state's settings)."""

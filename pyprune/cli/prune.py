@@ -1,6 +1,8 @@
 """``pyprune prune``: one method, one pattern, one model; saved, evaluated, reported."""
 from __future__ import annotations
 
+import shutil
+
 from . import checks, options, steps
 from .checks import UsageError
 from ..patterns import NM
@@ -20,6 +22,10 @@ def register(sub, method) -> None:
     parser.add_argument("--sparse-layers", action="store_true",
                         help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                              "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the weights on disk and prune one decoder block at a time (magnitude, wanda, "
+                             "sparsegpt, safe, safe+): peak memory about one block plus the calibration "
+                             "activations; needs --output, evaluates nothing")
     parser.add_argument("--report", help="JSON report path")
     options.add_zero_shot_flags(parser)
     options.add_method_flags(parser, COMMAND, method)
@@ -42,20 +48,35 @@ def run(args) -> int:
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
     checks.check_device(args.device)
+    if args.offload:
+        checks.check_offload(args, runner)
     checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    checks.check_memory(args, runner, args.offload)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
     streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
                                  "--eval-seqlen")
     tasks = steps.zero_shot_tasks(args)
 
+    from .. import storage
+    offload_dir = storage.make_temp_dir(args.output) if args.offload else None
+    try:
+        _prune(args, pattern, calib, streams, tasks, offload_dir)
+    finally:
+        if offload_dir is not None:
+            shutil.rmtree(offload_dir, ignore_errors=True)
+    return 0
+
+
+def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
+    """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
     from .. import pruning
-    model, tok = steps.load(args)
+    model, tok = steps.load(args, offload_dir=offload_dir)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet, **options.method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
-                   "seqlen": args.seqlen, "seed": args.seed, **steps.run_info(args)})
+                   "seqlen": args.seqlen, "seed": args.seed, "offload": args.offload, **steps.run_info(args)})
     if args.sparse_layers:
         from ..nn import sparsify_
         report["sparse_layers"] = len(sparsify_(model, pattern))
@@ -68,4 +89,3 @@ def run(args) -> int:
         return bool(report["eval"]) or tasks is not None
 
     steps.save_evaluate_report(model, tok, args, report, evaluate_into, "pruned model")
-    return 0

@@ -90,10 +90,11 @@ def zero_shot(model, tok, tasks, args) -> dict:
     return results
 
 
-def load(args, dtype: Optional[torch.dtype] = None):
-    """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype."""
+def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] = None):
+    """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype; with ``offload_dir`` its
+    decoder blocks stay on disk (:mod:`pyprune.offload`)."""
     from ..models import load_model
-    return load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device)
+    return load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device, offload_dir=offload_dir)
 
 
 def run_info(args) -> dict:
