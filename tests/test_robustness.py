@@ -73,7 +73,9 @@ def test_robustness_cli_report_keys(tiny_model_dir, tmp_path):
             "--steps", "2", "--report", str(report_path), "--quiet"]
     assert cli.main(argv) == 0
     report = json.loads(report_path.read_text())
-    assert {"ppl_bf16", "ppl_fp16", "ppl_diff", "agreement"} <= set(report)
+    assert {"ppl_bf16", "ppl_fp16", "ppl_diff", "agreement", "spearman", "ppl_cross"} <= set(report)
+    assert report["arithmetic"] == "rounding" and report["eval_format"] == "float32"
+    assert 0.0 <= report["noise_floor"]["agreement"] <= 1.0 and report["noise_floor"]["noise_seeds"] == [0, 1]
     assert report["method"] == "moreau" and report["options"]["steps"] == 2
     assert report["options"]["rho"] == 0.05 and report["nsamples"] == 4
 

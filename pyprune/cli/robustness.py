@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import robustness
 from . import checks, options, steps
 
 COMMAND = "robustness"
@@ -16,16 +17,20 @@ def register(sub, method) -> None:
     options.add_calibration_flags(parser, COMMAND, method, "calibration text (as for prune)", calib_required=True)
     options.add_eval_flags(parser, nargs=None, required=True, seqlen=128,
                            eval_help="evaluation text (as for prune); perplexity windows of 128 as the paper")
-    parser.add_argument("--arithmetic", choices=["fp32-accumulate", "native"], default="fp32-accumulate",
-                        help="16-bit weights with fp32-accumulated linear layers (default, as tensor cores do), "
-                             "or torch's native 16-bit kernels throughout (slow for fp16 on CPU)")
+    parser.add_argument("--arithmetic", choices=robustness.ARITHMETIC, default="rounding",
+                        help="rounding (default): weights rounded to each format, held in fp32, fp32 arithmetic "
+                             "(the papers vary the weights' bit format); fp32-accumulate: 16-bit weights and "
+                             "activations, linear layers accumulating in fp32 (as tensor cores do); native: torch's "
+                             "16-bit kernels (slow for fp16 on CPU). The 16-bit ones use dynamic loss scaling")
+    parser.add_argument("--eval-format", choices=tuple(robustness.EVAL_FORMATS), default="float32",
+                        help="the one format both pruned models are evaluated in (default float32); the 2 x 2 of "
+                             "pruned in x evaluated in bf16/fp16 is in the report too")
     parser.add_argument("--report", required=True, help="JSON report path (written atomically)")
     options.add_method_flags(parser, COMMAND, method)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from .. import robustness
     runner = options.build_method(args)
     pattern = options.structured_from(args)
     options.apply_calibration_defaults(args, runner)
@@ -41,13 +46,15 @@ def run(args) -> int:
 
     model, _ = steps.load(args, dtype=torch.float32)
     report = robustness.study(model, args.method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
-                              arithmetic=args.arithmetic, uniform=args.uniform, batch_size=args.batch_size,
+                              arithmetic=args.arithmetic, eval_format=args.eval_format, uniform=args.uniform, batch_size=args.batch_size,
                               progress=not args.quiet, **options.method_option_values(args))
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
                    "seed": args.seed, "eval": args.eval, "eval_tokens": tokens.numel() // args.eval_seqlen
                    * args.eval_seqlen, "eval_seqlen": args.eval_seqlen, **steps.run_info(args)})
-    print(f"{args.method} at {args.ratio}: perplexity bf16 {report['ppl_bf16']:.3f}, fp16 "
-          f"{report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement {report['agreement']:.4f} "
-          f"({args.arithmetic})")
+    floor = report["noise_floor"]
+    print(f"{args.method} at {args.ratio}: perplexity in {args.eval_format} of the bf16 run {report['ppl_bf16']:.3f}, "
+          f"of the fp16 run {report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement "
+          f"{report['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
+          + f", channel rank correlation {report['spearman']['channels']:.4f} ({args.arithmetic})")
     steps.write_report(args, report)
     return 0
