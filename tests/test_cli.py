@@ -118,6 +118,7 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "safe+", "--pattern", "2:4", "--lam", "-1"], "lam of method 'safe+' must be >= 0"),
     (["--method", "safe", "--pattern", "2:4", "--lr", "0"], "lr of method 'safe' must be > 0"),
     (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
+    (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
     (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports Unstructured, NM patterns"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):

@@ -11,14 +11,20 @@ pattern by |v| (SAFE) or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA) from the bl
 ``train_norms`` the block's other parameters (RMSNorm gains) train with the same SAM-Adam,
 unconstrained (as in the authors' code).
 
-The scale of f (option ``loss``): under Adam only the per-coordinate ratio of the penalty
-λ(x − z + u) to ∇f in the x-step (Eq. 4–5) matters, and the gradient of the mean squared error
-grows with the square of the block's hidden-state scale (SmolLM2's grows with depth and carries
-massive-activation channels) while the penalty does not, so one λ is strong in one block and
-negligible in another. ``loss="relative"`` divides the error by the dense targets' mean square,
-f = ‖Y − Ŷ‖² / ‖Y‖² (1 for Ŷ = 0): unchanged when inputs and targets scale together, so λ has one
-meaning in every block and model (the paper leaves f's normalisation open; its λ = 1e-3 was set on
-LLaMA-2's plain mean). ``loss="mse"`` is that literal form, f = mean ‖Y − Ŷ‖².
+A scale-free penalty. Under Adam only the per-coordinate ratio of the penalty λ(x − z + u) to
+∇f in the x-step (Eq. 4–5) matters when the penalty enters the moments (the authors' code,
+``penalty="adam"``), and the gradient of the mean squared error grows with the square of the
+block's hidden-state scale (SmolLM2's grows with depth and carries massive-activation channels),
+so one λ is strong in one block and negligible in another; and once the penalty dominates, Adam
+moves each weight by about the learning rate per step whatever λ is, so x reaches z only if
+K·lr is of the order of the weights (measured in benchmarks/safe_sweep_smollm2.py). The default,
+``penalty="decoupled"``, is Algorithm 1's lines 12–13 with Adam in line 12 only: after Adam's step
+on ∇f(x + ε), x ← x − ηλ(x − z + u), which closes the fraction ηλ of the distance to z − u every
+step whatever the scale of f or of the weights, so λ (with the learning rate) means the same in
+every block and model. ``loss="relative"`` divides the block's error by the dense targets' mean
+square, f = ‖Y − Ŷ‖² / ‖Y‖² (1 for Ŷ = 0; the paper leaves f's normalisation open): unchanged
+when inputs and targets scale together, it gives the "adam" penalty one meaning across blocks and
+makes the reported losses comparable; ``loss="mse"`` is the paper's literal mean.
 
 Paper settings (LLaMA, GPU): 30 epochs, batch 8, lr 2e-4, ρ = 2e-4, λ = 1e-3, K = 32, 128 × 2048
 C4 tokens. The defaults here are for a CPU (see ``options``); every paper value is one option
@@ -61,8 +67,8 @@ class Safe(Method):
                "for LLaMA weights ~8x smaller than SmolLM2's)", positive),
         Option("warmup_epochs", float, 1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative),
         Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
-        Option("lam", float, 1e-3, "SAFE: augmented-Lagrangian penalty λ (paper: 1e-3, on the 'mse' loss)",
-               nonnegative),
+        Option("lam", float, 100.0, "SAFE: augmented-Lagrangian penalty λ; with penalty 'decoupled' each step "
+               "closes lr·λ of the distance to z − u (paper: 1e-3, inside Adam on the 'mse' loss)", nonnegative),
         Option("penalty", str, "decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step "
                "x -= lr·λ(x − z + u) after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before "
                "Adam's moments (the authors' code)", choices=("decoupled", "adam")),
@@ -70,7 +76,7 @@ class Safe(Method):
                "every block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse")),
         Option("train_norms", bool, False, "SAFE: also train the block's other parameters (RMSNorm gains) with "
                "the same SAM-Adam, unconstrained"),
-        Option("dual_interval", int, 16, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
+        Option("dual_interval", int, 8, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
         Option("beta2", float, 0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one),
         Option("final_projection", str, "same",
                "SAFE: metric of the last projection: 'same' as the z-step, or 'euclidean' (|x|, Alg. 1 line 15)",
