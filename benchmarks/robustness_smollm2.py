@@ -113,12 +113,13 @@ def calibration_floor(runs, directory):
     return floors
 
 
-def _mean_std(values):
+def _mean_std(values, spec=".4f"):
     values = [v for v in values if v is not None]
     if not values:
         return "–"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.4f} ± {std:.4f}" if len(values) > 1 else f"{values[0]:.4f}"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{format(statistics.fmean(values), spec)} ± {format(statistics.stdev(values), spec)}"
 
 
 def markdown(result) -> str:
@@ -137,18 +138,18 @@ def markdown(result) -> str:
         floor = result["calibration_floor"].get("|".join(map(str, key)))
         noise = [r["noise_floor"] for r in rows if r["noise_floor"]]
         moreau = [r["runs"]["bfloat16"].get("moreau") or {} for r in rows]
-        ppl = [_mean_std([r[k] for r in rows]).replace(" ± ", " ± ") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
+        ppl = [_mean_std([r[k] for r in rows], ".2f") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
         cells = [key[0], key[1], key[2], f"{key[3]:g}", str(len(rows)),
                  _mean_std([r["agreement"] for r in rows]),
-                 _mean_std([r["spearman"]["channels"] for r in rows]),
+                 _mean_std([r["spearman"]["channels"] for r in rows], ".5f"),
                  _mean_std([r["spearman"]["heads"] for r in rows]),
                  _mean_std([n["agreement"] for n in noise]),
-                 _mean_std([n["spearman"]["channels"] for n in noise]),
+                 _mean_std([n["spearman"]["channels"] for n in noise], ".5f"),
                  f"{floor['agreement']:.4f}" if floor else "–",
-                 f"{floor['spearman']['channels']:.4f}" if floor else "–",
+                 f"{floor['spearman']['channels']:.5f}" if floor else "–",
                  *ppl,
-                 _mean_std([m.get("delta_to_noise") for m in moreau]),
-                 _mean_std([m.get("decay") for m in moreau]),
+                 _mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
+                 _mean_std([m.get("decay") for m in moreau], ".3f"),
                  _mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
@@ -160,7 +161,7 @@ def markdown(result) -> str:
         backoffs = [r["runs"][f].get("loss_scale", {}).get("backoffs") for f in ("bfloat16", "float16")]
         lines.append(
             f"| {r['method']} | {r['arithmetic']} | {r['layers']} | {r['overall_ratio']:g} | {r['seed']} | "
-            f"{r['agreement']:.4f} | {r['spearman']['channels']:.4f} | {r['spearman']['heads']:.4f} | "
+            f"{r['agreement']:.4f} | {r['spearman']['channels']:.5f} | {r['spearman']['heads']:.4f} | "
             f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
             f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
             f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
