@@ -94,6 +94,16 @@ def eager_moreau_step(delta, grad, weight, perturbed, decay, step_size, threshol
     perturbed.copy_(w + delta + noise)
 
 
+def eager_decompress(values, meta, n, m):
+    """Dense W ⊙ mask from the compressed form: unpack the mask bits, scatter the kept values."""
+    rows, cols = values.shape[0], meta.shape[1] * 8
+    bits = (meta.unsqueeze(-1) >> torch.arange(8, device=meta.device, dtype=torch.uint8)) & 1
+    mask = bits.reshape(rows, -1)[:, :cols].bool()
+    out = torch.zeros(rows, cols, dtype=values.dtype, device=values.device)
+    out[mask] = values.reshape(-1)
+    return out
+
+
 def eager_abs_outer(acc, dy, x):
     """COPAL's G += 2·|DY|ᵀ|X| as eager PyTorch: fp32 copies of |DY| and |X|, then one addmm_."""
     return acc.addmm_(dy.abs().float().T, x.abs().float(), alpha=2)
@@ -219,6 +229,8 @@ def cases(shape, dtype, device, quick):
         ("score_topk_mask wanda row 50%", "eager score + torch.topk + scatter_",
          lambda: ops.score_topk_mask(w, 0.5, "row", sqnorm), lambda: eager_wanda_topk_row_mask(w, sqnorm, 0.5),
          w.numel() * (el + 1)),
+        ("soft_threshold", "eager sign·clamp in fp32", lambda: ops.soft_threshold(w, 0.5),
+         lambda: (w.float().sign() * (w.float().abs() - 0.5).clamp_min(0)).to(w.dtype), w.numel() * el * 2),
         ("group_soft_threshold rows", "eager norm/clamp/mul",
          lambda: ops.group_soft_threshold(w, 1.0, 0), lambda: eager_group_soft_threshold(w, 1.0),
          w.numel() * el * 3),
@@ -229,6 +241,10 @@ def cases(shape, dtype, device, quick):
         ("nm_linear 2:4 M=16", "dense F.linear", lambda: ops.nm_linear(x[:16], values, meta, 2, 4),
          lambda: F.linear(x[:16], w), values.numel() * el + meta.numel()),
     ]
+    out += score_cases(w, sqnorm)
+    out.append(("nm_decompress 2:4", "unpack bits + boolean scatter",
+                lambda: ops.nm_decompress(values, meta, 2, 4), lambda: eager_decompress(values, meta, 2, 4),
+                w.numel() * el + values.numel() * el + meta.numel()))
     out += moreau_cases(w, g)
     in_index = torch.arange(0, cols, 2, device=device)
     out.append(("sliced_linear half inputs M=16", "index_select + F.linear",
@@ -247,6 +263,19 @@ def eager_admm_dual_update(v, keep, x, n=None, m=None, sparsity=None, act_sqnorm
     scores = v.abs() if act_sqnorm is None else v.abs() * act_sqnorm.sqrt()
     keep.copy_(vectorised_topk_nm_mask(scores, n, m) if m else eager_topk_row_mask(scores, sparsity))
     return (x.float() - v * keep).square().sum()
+
+
+def score_cases(w, sqnorm):
+    """The per-element scores in fp32 (magnitude, Wanda, Taylor with a gradient of w's dtype).
+    Bytes: the operands read once, the fp32 score written once."""
+    grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)).to(w.dtype).to(w.device)
+    el = w.element_size()
+    return [("magnitude_score", "w.float().abs()", lambda: ops.magnitude_score(w), lambda: w.float().abs(),
+             w.numel() * (el + 4)),
+            ("wanda_score", "eager |w|·sqrt(sqnorm)", lambda: ops.wanda_score(w, sqnorm),
+             lambda: w.float().abs() * sqnorm.sqrt(), w.numel() * (el + 4)),
+            ("taylor_score", "eager (w·grad).abs() in fp32", lambda: ops.taylor_score(w, grad),
+             lambda: (w.float() * grad.float()).abs(), w.numel() * (2 * el + 4))]
 
 
 def admm_cases(w, sqnorm, g):
@@ -300,7 +329,10 @@ def moreau_cases(w, g):
     delta = torch.zeros(w.shape, device=w.device)
     grad = torch.randn(w.shape, generator=g).to(w.dtype).to(w.device)
     perturbed = torch.empty_like(w)
-    out = []
+    out = [("moreau_perturb_", "eager W + δ + r·|W|·randn_like",
+            lambda: ops.moreau_perturb_(perturbed, w, delta, noise_ratio=0.05, seed=1),
+            lambda: perturbed.copy_(w.float() + delta + 0.05 * w.float().abs() * torch.randn_like(delta)),
+            w.numel() * (4 + 2 * w.element_size()))]
     for label, group_dim, threshold in (("", 0, 0.0),
                                         (" GS rows", 0, step_size * w.shape[1] ** 0.5),
                                         (" GS columns", 1, step_size * w.shape[0] ** 0.5)):

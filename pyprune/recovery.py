@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -28,7 +29,22 @@ from .nn.layout import ATTENTION_LINEARS, MLP_LINEARS
 from .nn.sliced import SlicedLinear
 from .nn.sparse import SparseLinear
 
-__all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES"]
+__all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
+
+
+@dataclass(frozen=True)
+class LoraDefaults:
+    """The LoRA recovery defaults of :func:`lora_finetune`, ``pyprune recover`` and DReSS's
+    ``lora_*`` options: rank and alpha as DReSS (Table 6); lr and batch sized for a CPU (the paper:
+    2e-5 at batch 64)."""
+
+    rank: int = 32
+    alpha: float = 10.0
+    lr: float = 1e-4
+    batch_size: int = 4
+
+
+DEFAULTS = LoraDefaults()
 
 #: Every linear layer of a LLaMA-style decoder block. The papers do not name their LoRA targets;
 #: LLM-Pruner's post_training.py adapts these seven, PEFT's own default for llama is q_proj, v_proj.
@@ -113,8 +129,9 @@ def _check_model(model: nn.Module) -> None:
                          "pyprune.nn.unslice_)")
 
 
-def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = 32, alpha: float = 10.0,
-                  lr: float = 1e-4, batch_size: int = 4, target_modules: Optional[Sequence[str]] = None,
+def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
+                  alpha: float = DEFAULTS.alpha, lr: float = DEFAULTS.lr, batch_size: int = DEFAULTS.batch_size,
+                  target_modules: Optional[Sequence[str]] = None,
                   seed: int = 0, progress: bool = True) -> Dict:
     """Recover a (pruned) causal LM with LoRA, in place, and merge the adapters into its weights.
 

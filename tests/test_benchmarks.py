@@ -4,6 +4,7 @@ SparseLinear reads."""
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,21 @@ def test_dress_speed_benchmark_rejects_a_non_positive_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_dress_speed.main(["--batch", "0"])
     assert exit_info.value.code == 2 and "--batch: must be a positive integer; got 0" in capsys.readouterr().err
+
+
+def test_every_op_has_a_benchmark_row(tmp_path):
+    """Each public op of pyprune.ops (the backend switch aside) is timed by bench_ops against its
+    eager PyTorch baseline, and the two agree where the op is a pure function of its inputs."""
+    import pyprune.ops as ops
+    out = tmp_path / "ops.json"
+    assert bench_ops.main(["--quick", "--only", "magnitude_score", "wanda_score", "taylor_score", "soft_threshold",
+                           "nm_decompress", "moreau_perturb_", "--repeat", "1", "--output", str(out)]) == 0
+    timed = {r["op"].split(" ")[0] for r in json.loads(out.read_text())["results"]}
+    assert {"magnitude_score", "wanda_score", "taylor_score", "soft_threshold", "nm_decompress",
+            "moreau_perturb_"} <= timed
+    source = Path(bench_ops.__file__).read_text()
+    public_ops = [name for name in ops.__all__ if callable(getattr(ops, name)) and name != "use_backend"]
+    assert [name for name in public_ops if f"ops.{name}(" not in source] == []
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    values, meta = ops.nm_compress(w, ops.score_nm_mask(w, 2, 4), 2, 4)
+    assert torch.equal(bench_ops.eager_decompress(values, meta, 2, 4), ops.nm_decompress(values, meta, 2, 4))

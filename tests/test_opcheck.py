@@ -13,8 +13,8 @@ from tests.helpers import randn
 
 # Cases of the ops that have no opcheck in their own test file; the others name where theirs is.
 CHECKED_ELSEWHERE = {
-    "accumulate_abs_outer_": "test_abs_outer.py", "admm_dual_update_": "test_admm_ops.py",
-    "channel_penalty_": "test_channel_penalty.py", "moreau_perturb_": "test_moreau_ops.py",
+    "accumulate_abs_outer_": "test_scores_ops.py", "admm_dual_update_": "test_admm_ops.py",
+    "channel_penalty_": "test_penalty_ops.py", "moreau_perturb_": "test_moreau_ops.py",
     "moreau_step_": "test_moreau_ops.py", "sam_adam_step_": "test_sam_ops.py", "sam_perturb_": "test_sam_ops.py",
 }
 

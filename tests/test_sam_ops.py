@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pyprune import backend, ops
-from pyprune.ops import admm
+from pyprune.ops import sam
 from tests.helpers import BACKENDS, DTYPES, HAS_CUDA, NATIVE_BACKENDS, assert_close
 
 #: One element (1-D, 2-D and 0-d), sizes off every block, and 210,000 elements: several chunks
@@ -351,7 +351,7 @@ def test_cpu_kernel_does_not_depend_on_the_thread_count(name):
 
 
 def test_cpu_tensors_run_the_native_kernels():
-    for op, impls in (("sam_perturb_", admm._PERTURB_IMPLS), ("sam_adam_step_", admm._STEP_IMPLS)):
+    for op, impls in (("sam_perturb_", sam._PERTURB_IMPLS), ("sam_adam_step_", sam._STEP_IMPLS)):
         assert backend.select(op, impls, torch.device("cpu")) is impls["cpu"], op
 
 

@@ -134,13 +134,10 @@ State check_state(const torch::Tensor& v, const torch::Tensor& keep, const torch
                   torch::Tensor* scale) {
   *dtype = source_dtype(x, op, "x");
   TORCH_CHECK(x.numel() > 0, op, ": x must not be empty");
-  TORCH_CHECK(v.device().is_cpu() && v.scalar_type() == at::kFloat && v.is_contiguous(), op,
-              ": v must be a contiguous float32 CPU tensor");
-  TORCH_CHECK(keep.device().is_cpu() && keep.scalar_type() == at::kBool && keep.is_contiguous(), op,
-              ": keep must be a contiguous bool CPU tensor");
-  TORCH_CHECK(v.sizes() == x.sizes() && keep.sizes() == x.sizes(), op,
-              ": v and keep must have the shape of x ", x.sizes(), ", got ", v.sizes(), " and ",
-              keep.sizes());
+  check::tensor(op, "v", v, 2, {at::kFloat});
+  check::tensor(op, "keep", keep, 2, {at::kBool});
+  check::same_shape(op, "v", v, "x", x);
+  check::same_shape(op, "keep", keep, "x", x);
   const bool wanda = act_sqnorm.has_value() && act_sqnorm->defined();
   *scale = wanda_column_scale(act_sqnorm, x.size(1), wanda ? 2 : 1, op);
   return {static_cast<const char*>(x.data_ptr()), v.data_ptr<float>(),
@@ -220,9 +217,7 @@ torch::Tensor admm_dual_update_nm(const torch::Tensor& v, const torch::Tensor& k
   Dt d;
   torch::Tensor scale;
   const State s = check_state(v, keep, x, act_sqnorm, op, &d, &scale);
-  TORCH_CHECK(m >= 2 && m <= 32, op, ": m must be in [2, 32], got ", m);
-  TORCH_CHECK(n >= 1 && n < m, op, ": n must be in [1, m), got n=", n, ", m=", m);
-  TORCH_CHECK(s.cols % m == 0, op, ": cols (", s.cols, ") must be a multiple of m (", m, ")");
+  check::nm(op, n, m, s.cols);
 
   const auto fn = nm::Dispatch<DualBlock>::pick(d, s.kind(), static_cast<int>(m));
   const int64_t esize = x.element_size();

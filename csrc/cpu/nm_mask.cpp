@@ -71,11 +71,9 @@ struct MaskBlock {
 torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
                       int64_t n, int64_t m, int64_t score_kind) {
   const Dt d = source_dtype(src, "nm_mask");
-  TORCH_CHECK(m >= 2 && m <= 32, "nm_mask: m must be in [2, 32], got ", m);
-  TORCH_CHECK(n >= 1 && n < m, "nm_mask: n must be in [1, m), got n=", n, ", m=", m);
   const int64_t rows = src.size(0);
   const int64_t cols = src.size(1);
-  TORCH_CHECK(cols % m == 0, "nm_mask: cols (", cols, ") must be a multiple of m (", m, ")");
+  check::nm("nm_mask", n, m, cols);
   const torch::Tensor scale = wanda_column_scale(act_sqnorm, cols, score_kind, "nm_mask");
 
   torch::Tensor out = torch::empty({rows, cols}, src.options().dtype(torch::kBool));

@@ -19,7 +19,7 @@ int64_t openmp_threads();
 torch::Tensor topk_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
                         int64_t keep, bool per_row, int64_t score_kind);
 
-// moreau_step.cpp
+// moreau.cpp
 void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad, const torch::Tensor& weight,
                  const c10::optional<torch::Tensor>& perturbed, double decay, double step_size,
                  double threshold, int64_t group_dim, double noise_ratio, int64_t seed);
@@ -27,7 +27,7 @@ void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
                     const torch::Tensor& delta, double noise_ratio, int64_t seed);
 torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets);
 
-// channel_penalty.cpp
+// penalty.cpp
 torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& weight,
                               const torch::Tensor& channels, int64_t dim, double lam, bool l1);
 
@@ -52,7 +52,7 @@ torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor&
                                     const c10::optional<torch::Tensor>& act_sqnorm,
                                     int64_t keep_count, bool per_row);
 
-// abs_outer.cpp
+// scores.cpp
 void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
                           double alpha);
 

@@ -1,4 +1,4 @@
-// SAFE's x-step over all the tensors of a block on the CPU (pyprune._C); pyprune/ops/admm.py
+// SAFE's x-step over all the tensors of a block on the CPU (pyprune._C); pyprune/ops/sam.py
 // documents the ops and pyprune.reference.sam_perturb_ / sam_adam_step_ are the oracles.
 //
 // sam_perturb(params, grads, anchors, rho) -> ‖g‖₂ (fp32, 0-d)
@@ -68,15 +68,6 @@ struct List {
   std::vector<Dt> dt;
 };
 
-Dt float_dt(const torch::Tensor& t, const char* op, const std::string& name) {
-  const auto st = t.scalar_type();
-  if (st == at::kFloat) return Dt::F32;
-  if (st == at::kHalf) return Dt::F16;
-  TORCH_CHECK(st == at::kBFloat16, op, ": ", name, " dtype must be float32, float16 or bfloat16, got ",
-              st);
-  return Dt::BF16;
-}
-
 // Checks `tensors` against `params` (count, shape, CPU, contiguous; dtype `only` when given, else
 // fp32/fp16/bf16) and returns their addresses and dtypes (pyprune.ops validates first; this guards
 // direct calls).
@@ -90,16 +81,14 @@ List checked_list(const std::vector<torch::Tensor>& tensors, const char* name,
   for (size_t i = 0; i < tensors.size(); ++i) {
     const torch::Tensor& t = tensors[i];
     const std::string where = std::string(name) + "[" + std::to_string(i) + "]";
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), op, ": ", where,
-                " must be a contiguous CPU tensor");
-    TORCH_CHECK(t.sizes() == params[i].sizes(), op, ": ", where, " must have shape ",
-                params[i].sizes(), ", got ", t.sizes());
+    const std::string like = "params[" + std::to_string(i) + "]";
+    check::same_shape(op, where.c_str(), t, like.c_str(), params[i]);
     if (only.has_value()) {
-      TORCH_CHECK(t.scalar_type() == *only, op, ": ", where, " must have dtype ", *only, ", got ",
-                  t.scalar_type());
+      check::tensor(op, where.c_str(), t, -1, {*only});
       list.dt.push_back(Dt::F32);  // unused for the fp32 and bool lists
     } else {
-      list.dt.push_back(float_dt(t, op, where));
+      check::tensor(op, where.c_str(), t, -1, check::floats());
+      list.dt.push_back(dt_of(t));
     }
     list.data.push_back(t.data_ptr());
   }
@@ -196,7 +185,7 @@ torch::Tensor sam_perturb(const std::vector<torch::Tensor>& params,
     TORCH_CHECK(anchors[i].scalar_type() == params[i].scalar_type(), op, ": anchors[", i,
                 "] must have the dtype of params[", i, "]");
   }
-  TORCH_CHECK(rho >= 0.0, op, ": rho must be >= 0, got ", rho);
+  check::at_least(op, "rho", rho, 0.0);
   const std::vector<Chunk> chunks = chunk_table(params);
   const int64_t n_chunks = static_cast<int64_t>(chunks.size());
   const bool parallel = total_numel(params) >= kParallelMin;

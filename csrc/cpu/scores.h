@@ -8,6 +8,8 @@
 // pyprune.reference.wanda_score computes.
 #pragma once
 
+#include "checks.h"
+
 #include <torch/extension.h>
 
 #include <c10/util/Optional.h>
@@ -21,6 +23,12 @@ namespace pyprune_cpu {
 #define PYPRUNE_ALWAYS_INLINE inline __attribute__((always_inline))
 
 enum class Dt { F32, F16, BF16 };
+
+// The Dt of a tensor whose dtype check::floats() admitted.
+inline Dt dt_of(const torch::Tensor& t) {
+  const auto st = t.scalar_type();
+  return st == at::kFloat ? Dt::F32 : st == at::kHalf ? Dt::F16 : Dt::BF16;
+}
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -82,15 +90,8 @@ PYPRUNE_ALWAYS_INLINE float score_at(const typename Elem<D>::type* __restrict x,
 // The element type of a 2-D contiguous CPU source tensor; raises (naming `op` and the argument
 // `name`) otherwise.
 inline Dt source_dtype(const torch::Tensor& src, const char* op, const char* name = "src") {
-  TORCH_CHECK(src.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
-  TORCH_CHECK(src.dim() == 2, op, ": ", name, " must be 2-D, got ", src.dim(), "-D");
-  TORCH_CHECK(src.is_contiguous(), op, ": ", name, " must be contiguous");
-  const auto st = src.scalar_type();
-  if (st == at::kFloat) return Dt::F32;
-  if (st == at::kHalf) return Dt::F16;
-  TORCH_CHECK(st == at::kBFloat16, op, ": ", name, " dtype must be float32, float16 or bfloat16, got ",
-              st);
-  return Dt::BF16;
+  check::tensor(op, name, src, 2, check::floats());
+  return dt_of(src);
 }
 
 // sqrt(act_sqnorm) per column (fp32 [cols]) for score_kind 2; an undefined tensor otherwise.

@@ -1,5 +1,5 @@
 // Staging of fp32/fp16/bf16 tensor elements as fp32, shared by the element-wise CPU kernels
-// (moreau_step.cpp, sam.cpp): a span [start, start + n) of a tensor is converted into a small fp32
+// (moreau.cpp, sam.cpp): a span [start, start + n) of a tensor is converted into a small fp32
 // buffer and back (round to nearest even), so every arithmetic loop is a plain fp32 loop the
 // compiler vectorises whatever the tensors' dtypes.
 #pragma once

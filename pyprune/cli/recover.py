@@ -1,6 +1,7 @@
 """``pyprune recover``: LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
 from __future__ import annotations
 
+from ..recovery import DEFAULTS as LORA
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -10,7 +11,7 @@ COMMAND = "recover"
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help="LoRA recovery fine-tuning (RFT) of a pruned model, merged back into "
                             "dense weights")
-    options.add_model_flags(parser, batch_size=4, batch_help="training samples per step, also the evaluation "
+    options.add_model_flags(parser, batch_size=LORA.batch_size, batch_help="training samples per step, also the evaluation "
                             "batch (DReSS: 64)")
     parser.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")
     parser.add_argument("--nsamples", type=int, default=64, help="training samples (default 64)")
@@ -18,11 +19,11 @@ def register(sub, method) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples, the adapters' initialisation and "
                         "the batch order")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps (0: no training)")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32, as DReSS)")
-    parser.add_argument("--alpha", type=float, default=10.0, help="LoRA alpha; the scale is alpha/rank "
-                        "(default 10, as DReSS)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, constant (default 1e-4; "
-                        "DReSS: 2e-5)")
+    parser.add_argument("--rank", type=int, default=LORA.rank, help=f"LoRA rank (default {LORA.rank}, as DReSS)")
+    parser.add_argument("--alpha", type=float, default=LORA.alpha, help="LoRA alpha; the scale is alpha/rank "
+                        f"(default {LORA.alpha:g}, as DReSS)")
+    parser.add_argument("--lr", type=float, default=LORA.lr, help=f"AdamW learning rate, constant (default "
+                        f"{LORA.lr:g}; DReSS: 2e-5)")
     parser.add_argument("--target-modules", nargs="+", default=None, help="linears of the decoder blocks to adapt "
                         "(default all: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; PEFT's llama "
                         "default: q_proj v_proj)")

@@ -37,6 +37,8 @@ from ..io import model_fingerprint
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import hidden_stream
 from ..patterns import Structured
+from ..recovery import DEFAULTS as LORA
+from ..recovery import lora_finetune
 from ..training import Checkpoint, fp32_master_weights, train
 from .base import Method
 from .options import Option, at_least_one, nonnegative, positive
@@ -74,9 +76,9 @@ class DReSS(Method):
         Option("rescale_norms", bool, True, "DReSS: scale each sliced norm by sqrt(s*d/d'), s the kept channels' "
                "measured share of its input's energy on the calibration data (not in the paper)"),
         Option("lora_steps", int, 0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative),
-        Option("lora_rank", int, 32, "DReSS: LoRA rank (paper 32)", at_least_one),
-        Option("lora_alpha", float, 10.0, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
-        Option("lora_lr", float, 1e-4, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive),
+        Option("lora_rank", int, LORA.rank, "DReSS: LoRA rank (paper 32)", at_least_one),
+        Option("lora_alpha", float, LORA.alpha, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
+        Option("lora_lr", float, LORA.lr, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive),
         Option("checkpoint", str, None, "DReSS: directory for regularisation checkpoints; a rerun with the "
                "same settings resumes from it", optional=True),
         Option("checkpoint_every", int, 10, "DReSS: steps between checkpoints", at_least_one),
@@ -243,7 +245,6 @@ class DReSS(Method):
             "slice_mass_ratio_per_kind": self.mass_ratio_by(mass_start, mass_end, lambda n: n.rpartition(".")[2]),
             "regularisation": log, "cost_before": before, "cost_after": model_cost(model, calib.shape[1])}
         if recovery is not None:
-            from ..recovery import lora_finetune
             details["lora"] = lora_finetune(model, recovery, steps=self.lora_steps, rank=self.lora_rank,
                                             alpha=self.lora_alpha, lr=self.lora_lr, seed=self.train_seed,
                                             batch_size=min(self.train_batch, recovery.shape[0]),

@@ -6,7 +6,8 @@ backend chosen by :mod:`pyprune.backend`: the csrc extension, a Triton kernel, o
 pure-PyTorch reference in :mod:`pyprune.reference`.
 """
 from ..backend import BACKENDS, use_backend
-from .admm import admm_dual_update_, sam_adam_step_, sam_perturb_
+from .admm import admm_dual_update_
+from .sam import sam_adam_step_, sam_perturb_
 from .linear import nm_linear, sliced_linear
 from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
 from .moreau import moreau_perturb_, moreau_step_

@@ -371,29 +371,18 @@ void step_columns(const StepArgs& a, PerturbFn perturb, int64_t rows, int64_t co
 // Argument checks (pyprune.ops validates first; these guard direct calls).
 
 Dt float_dtype(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
-  TORCH_CHECK(t.device().is_cpu(), "moreau: ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.sizes() == like.sizes(), "moreau: ", name, " must have shape ", like.sizes(),
-              ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "moreau: ", name, " must be contiguous");
-  const auto st = t.scalar_type();
-  if (st == at::kFloat) return Dt::F32;
-  if (st == at::kHalf) return Dt::F16;
-  TORCH_CHECK(st == at::kBFloat16, "moreau: ", name,
-              " dtype must be float32, float16 or bfloat16, got ", st);
-  return Dt::BF16;
+  check::tensor("moreau", name, t, -1, check::floats());
+  check::same_shape("moreau", name, t, "delta", like);
+  return dt_of(t);
 }
 
-void check_delta(const torch::Tensor& delta) {
-  TORCH_CHECK(delta.device().is_cpu() && delta.scalar_type() == at::kFloat && delta.dim() == 2 &&
-                  delta.is_contiguous(),
-              "moreau: delta must be a 2-D contiguous float32 CPU tensor");
-}
+void check_delta(const torch::Tensor& delta) { check::tensor("moreau", "delta", delta, 2, {at::kFloat}); }
 
 StepArgs make_args(const torch::Tensor& delta, const torch::Tensor& weight,
                    const c10::optional<torch::Tensor>& perturbed, double noise_ratio,
                    int64_t seed) {
   check_delta(delta);
-  TORCH_CHECK(seed >= 0, "moreau: seed must be >= 0, got ", seed);
+  check::at_least<int64_t>("moreau", "seed", seed, 0);
   StepArgs a{};
   a.delta = delta.data_ptr<float>();
   a.weight = weight.data_ptr();
@@ -418,9 +407,8 @@ void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad,
   a.grad_dt = float_dtype(grad, "grad", delta);
   a.decay = static_cast<float>(decay);
   a.step_size = static_cast<float>(step_size);
-  TORCH_CHECK(threshold >= 0.0, "moreau: threshold must be >= 0, got ", threshold);
-  TORCH_CHECK(group_dim == 0 || group_dim == 1, "moreau: group_dim must be 0 or 1, got ",
-              group_dim);
+  check::at_least("moreau", "threshold", threshold, 0.0);
+  check::dim01("moreau", "group_dim", group_dim);
   const int64_t rows = delta.size(0), cols = delta.size(1);
   if (rows * cols == 0) return;
   const float thr = static_cast<float>(threshold);
@@ -444,7 +432,7 @@ void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
 }
 
 torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets) {
-  TORCH_CHECK(seed >= 0, "philox_uint32: seed must be >= 0, got ", seed);
+  check::at_least<int64_t>("philox_uint32", "seed", seed, 0);
   TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong,
               "philox_uint32: offsets must be an int64 CPU tensor");
   const torch::Tensor flat = offsets.contiguous().reshape({-1});

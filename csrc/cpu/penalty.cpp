@@ -18,6 +18,7 @@
 // Partitions never depend on the thread count, so neither do the results. Lane and block sums are
 // combined in double, then rounded to fp32.
 
+#include "checks.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -144,8 +145,7 @@ void with_float_type(const torch::Tensor& t, const char* name, F&& f) {
     case at::kHalf: f(c10::Half{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     default:
-      TORCH_CHECK(false, "channel_penalty: ", name,
-                  " dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
+      check::tensor("channel_penalty", name, t, -1, check::floats());
   }
 }
 
@@ -161,16 +161,14 @@ bool is_range(const int64_t* channels, int64_t n) {
 
 torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& weight,
                               const torch::Tensor& channels, int64_t dim, double lam, bool l1) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
-              "channel_penalty: weight must be a 2-D contiguous CPU tensor");
-  TORCH_CHECK(grad.device().is_cpu() && grad.sizes() == weight.sizes() && grad.is_contiguous(),
-              "channel_penalty: grad must be a contiguous CPU tensor of weight's shape ",
-              weight.sizes());
-  TORCH_CHECK(dim == 0 || dim == 1, "channel_penalty: dim must be 0 or 1, got ", dim);
-  TORCH_CHECK(lam >= 0.0, "channel_penalty: lam must be >= 0, got ", lam);
-  TORCH_CHECK(channels.device().is_cpu() && channels.scalar_type() == at::kLong &&
-                  channels.dim() == 1 && channels.numel() > 0 && channels.is_contiguous(),
-              "channel_penalty: channels must be a non-empty 1-D contiguous int64 CPU tensor");
+  const char* op = "channel_penalty";
+  check::tensor(op, "weight", weight, 2, check::floats());
+  check::tensor(op, "grad", grad, 2, check::floats());
+  check::same_shape(op, "grad", grad, "weight", weight);
+  check::dim01(op, "dim", dim);
+  check::at_least(op, "lam", lam, 0.0);
+  check::tensor(op, "channels", channels, 1, {at::kLong});
+  TORCH_CHECK(channels.numel() > 0, op, ": channels must not be empty");
   const int64_t rows = weight.size(0), cols = weight.size(1), n = channels.numel();
   const int64_t* ch = channels.data_ptr<int64_t>();
   const int64_t extent = dim == 0 ? rows : cols;

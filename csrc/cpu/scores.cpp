@@ -50,23 +50,17 @@ void abs_to_float(const torch::Tensor& src, int64_t start, int64_t count, float*
 }
 
 void check_operand(const torch::Tensor& t, const char* name, int64_t tokens, int64_t features) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), "accumulate_abs_outer: ",
-              name, " must be a 2-D contiguous CPU tensor");
+  check::tensor("accumulate_abs_outer", name, t, 2, check::floats());
   TORCH_CHECK(t.size(0) == tokens && t.size(1) == features, "accumulate_abs_outer: ", name,
               " must have shape [", tokens, ", ", features, "], got ", t.sizes());
-  const auto st = t.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "accumulate_abs_outer: ",
-              name, " dtype must be float32, float16 or bfloat16, got ", st);
 }
 
 }  // namespace
 
 void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
                           double alpha) {
-  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kFloat && acc.dim() == 2 &&
-                  acc.is_contiguous(),
-              "accumulate_abs_outer: acc must be a 2-D contiguous float32 CPU tensor");
-  TORCH_CHECK(a.dim() == 2, "accumulate_abs_outer: a must be 2-D [tokens, M]");
+  check::tensor("accumulate_abs_outer", "acc", acc, 2, {at::kFloat});
+  check::tensor("accumulate_abs_outer", "a", a, 2, check::floats());
   const int64_t tokens = a.size(0), M = acc.size(0), D = acc.size(1);
   check_operand(a, "a", tokens, M);
   check_operand(b, "b", tokens, D);
