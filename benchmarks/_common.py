@@ -43,6 +43,54 @@ def timed(fn, device, repeat):
     return min(times)
 
 
+def interleaved(baseline, candidates, repeat):
+    """Median seconds of ``baseline()`` and of each of ``candidates`` ({name: fn}), run in turn
+    ``repeat`` times after one warm-up each, plus each candidate's median per-round speedup over
+    the baseline: the rounds interleave, so a neighbour's load hits both sides alike (CPU)."""
+    baseline()
+    for fn in candidates.values():
+        fn()
+    base, times, ratios = [], {name: [] for name in candidates}, {name: [] for name in candidates}
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        baseline()
+        base.append(time.perf_counter() - begin)
+        for name, fn in candidates.items():
+            begin = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - begin)
+            ratios[name].append(base[-1] / times[name][-1])
+    return (statistics.median(base), {name: statistics.median(t) for name, t in times.items()},
+            {name: statistics.median(r) for name, r in ratios.items()})
+
+
+def cpu_info():
+    """The CPU's model, ISA flags that matter to the kernels, cache sizes and the load average."""
+    info = {"model": platform.processor() or platform.machine(), "flags": [], "caches": {}}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    info["model"] = value.strip()
+                elif key.strip() == "flags":
+                    wanted = ("avx", "fma", "f16c", "amx")
+                    info["flags"] = sorted(f for f in value.split() if f.startswith(wanted))
+                    break
+    except OSError:
+        pass
+    for index in range(8):
+        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        try:
+            with open(f"{base}/level") as level, open(f"{base}/type") as kind, open(f"{base}/size") as size:
+                info["caches"][f"L{level.read().strip()}{kind.read().strip()[0].lower()}"] = size.read().strip()
+        except OSError:
+            break
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    return info
+
+
 def _nvidia_driver():
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -70,6 +118,8 @@ def environment(device):
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    if device.type == "cpu":
+        info["cpu"] = cpu_info()
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
         info["driver"] = _nvidia_driver()

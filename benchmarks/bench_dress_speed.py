@@ -30,8 +30,9 @@ import time
 import torch
 from _common import environment, write_atomic, write_json
 from bench_e2e import SHAPES as E2E_SHAPES
-from bench_e2e import decode, prefill
+from bench_e2e import prefill
 
+from pyprune.decode import greedy_generate
 from pyprune.eval import model_cost
 from pyprune.models import load_model
 from pyprune.nn import keep_hidden_channels_
@@ -114,8 +115,8 @@ def measure(name, args, device, dtype):
     fns = {}
     for label, model in models.items():
         fns[f"{label}_prefill"] = lambda model=model: prefill(model, long_prompt)
-        fns[f"{label}_generate"] = lambda model=model: decode(model, short_prompt, args.new_tokens)
-        fns[f"{label}_prompt"] = lambda model=model: decode(model, short_prompt, 0)
+        fns[f"{label}_generate"] = lambda model=model: greedy_generate(model, short_prompt, args.new_tokens + 1)
+        fns[f"{label}_prompt"] = lambda model=model: greedy_generate(model, short_prompt, 1)
     best, runs = timed_alternately(fns, device, args.repeat)
 
     row = {"model": name, "weights": "random" if name in SHAPES else "loaded",

@@ -1,10 +1,12 @@
-"""End to end: prefill latency and decode tokens/s of a 2:4-pruned model, sparse vs dense.
+"""End to end: prefill latency and decode tokens/s of an N:M-pruned model (2:4, 4:8), sparse vs dense.
 
-Both models hold the same pruned weights (magnitude 2:4 on every decoder linear: the pattern, not
+Both models hold the same pruned weights (magnitude N:M on every decoder linear: the pattern, not
 the mask's quality, sets the speed); the sparse one has its pruned linears replaced by
 SparseLinear (``pyprune.nn.sparsify_``, backend from the dispatch table unless ``--backend``).
-Prefill: one forward over ``--prefill`` tokens. Decode: ``--decode`` greedy steps with the KV
-cache after a short prompt. Both are timed in the same process, dense first.
+Prefill: one forward over ``--prefill`` tokens. Decode: ``--decode`` greedy new tokens with the KV
+cache after an 8-token prompt (pyprune.decode.greedy_generate, as ``pyprune generate``). Dense
+and sparse run in turn ``--repeat`` times in one process; medians are reported, with the weight
+memory of each model and whether both generated the same tokens.
 
     python benchmarks/bench_e2e.py                          # GPU: SmolLM2-135M and a LLaMA-7B-shaped model
     python benchmarks/bench_e2e.py --device cpu --models smollm2-135m
@@ -12,12 +14,15 @@ cache after a short prompt. Both are timed in the same process, dense first.
 import argparse
 import copy
 import os
+import statistics
 import sys
+import time
 
 import torch
-from _common import environment, timed, write_atomic, write_json
+from _common import environment, write_atomic, write_json
 
 import pyprune
+from pyprune.decode import greedy_generate
 from pyprune.models import load_model
 from pyprune.nn import SparseLinear, sparsify_
 
@@ -56,21 +61,22 @@ def prefill(model, tokens):
     return model(input_ids=tokens, use_cache=False).logits
 
 
-@torch.no_grad()
-def decode(model, prompt, steps):
-    out = model(input_ids=prompt, use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    for _ in range(steps):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return token
+def weight_bytes(model):
+    """Bytes of parameters and buffers, plus the dense copies SparseLinear layers cached for a
+    dense fallback (those are memory the sparse model really holds)."""
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    for module in model.modules():
+        if isinstance(module, SparseLinear):
+            total += sum(v.numel() * v.element_size() for _, v in module._cache.values()
+                         if isinstance(v, torch.Tensor))
+    return total
 
 
-def measure(name, args, device, dtype):
+def measure(name, pattern, args, device, dtype):
     dense = build(name, args.layers, dtype, device)
-    pyprune.prune(dense, "magnitude", "2:4", progress=False)
+    pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
-    replaced = sparsify_(sparse, "2:4", backend=args.backend)
+    replaced = sparsify_(sparse, pattern, backend=args.backend)
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
@@ -81,35 +87,57 @@ def measure(name, args, device, dtype):
         backends = {klass: sorted({m.choose_backend(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
                                    for m in layers})
                     for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
-    row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "sparse_layers": len(replaced),
-           "backends": backends,
-           "prefill_tokens": args.prefill, "decode_steps": args.decode,
+    row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "pattern": pattern,
+           "sparse_layers": len(replaced), "backends": backends,
+           "prefill_tokens": args.prefill, "new_tokens": args.decode, "repeats": args.repeat,
            "top1_agreement_sparse_vs_dense": round(float(agreement), 4)}
-    for label, model in (("dense", dense), ("sparse", sparse)):
-        t_prefill = timed(lambda: prefill(model, long_prompt), device, args.repeat)
-        t_decode = timed(lambda: decode(model, short_prompt, args.decode), device, args.repeat)
-        t_prompt = timed(lambda: decode(model, short_prompt, 0), device, args.repeat)
-        row[f"{label}_prefill_ms"] = round(t_prefill * 1e3, 3)
-        row[f"{label}_decode_tok_s"] = round(args.decode / max(t_decode - t_prompt, 1e-9), 2)
+    models = {"dense": dense, "sparse": sparse}
+    samples = {label: {"prefill": [], "decode": []} for label in models}
+    generated = {}
+    for label, model in models.items():  # warm-up (and the sparse model's caches)
+        prefill(model, long_prompt)
+        generated[label] = greedy_generate(model, short_prompt, 2).tokens
+    for _ in range(args.repeat):  # dense and sparse in turn, so a neighbour's load hits both
+        for label, model in models.items():
+            begin = time.perf_counter()
+            prefill(model, long_prompt)
+            samples[label]["prefill"].append(time.perf_counter() - begin)
+            run = greedy_generate(model, short_prompt, args.decode)
+            samples[label]["decode"].append(run.decode_tokens_per_s)
+            generated[label] = run.tokens
+    for label, model in models.items():
+        row[f"{label}_prefill_ms"] = round(statistics.median(samples[label]["prefill"]) * 1e3, 3)
+        row[f"{label}_decode_tok_s"] = round(statistics.median(samples[label]["decode"]), 2)
+        row[f"{label}_weight_mb"] = round(weight_bytes(model) / 2**20, 1)
+    row["same_generated_tokens"] = bool(torch.equal(generated["dense"], generated["sparse"]))
     row["prefill_speedup"] = round(row["dense_prefill_ms"] / row["sparse_prefill_ms"], 3)
     row["decode_speedup"] = round(row["sparse_decode_tok_s"] / row["dense_decode_tok_s"], 3)
+    row["load_average"] = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
     print(row, flush=True)
     return row
 
 
 def markdown(report):
     env = report["environment"]
-    lines = [f"# End to end, 2:4 sparse vs dense, on {env['device']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda')}, "
-             f"{env['cpu_threads']} CPU threads, {env['timestamp']}.", "",
-             "| model | dtype | sparse layers | backends | prefill tokens | dense prefill ms | sparse prefill ms "
-             "| prefill speedup | dense decode tok/s | sparse decode tok/s | decode speedup | top-1 agreement |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cpu = env.get("cpu")
+    lines = [f"# End to end, N:M sparse vs dense, on {env['device']}", "",
+             f"torch {env['torch']}, {env['cpu_threads']} CPU threads, {env['timestamp']}"
+             + (f"; CPU {cpu['model']} ({' '.join(cpu['flags'])}; {', '.join(f'{k} {v}' for k, v in cpu['caches'].items())})"
+                if cpu else "") + ". Medians of repeats that run dense and sparse in turn; decode "
+             "tokens/s over the new tokens after the first; weight memory includes any dense copy a "
+             "SparseLinear caches for its dense fallback.", "",
+             "| model | dtype | pattern | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
+             "| sparse prefill ms | prefill speedup | new tokens | dense decode tok/s | sparse decode tok/s "
+             "| decode speedup | same tokens | dense MB | sparse MB | load (1/5/15 min) |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in report["results"]:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['sparse_layers']} | {', '.join(r['backends'])} | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['pattern']} | {r['sparse_layers']} | "
+                     f"{'+'.join(r['backends']['decode'])} / {'+'.join(r['backends']['prefill'])} | "
                      f"{r['prefill_tokens']} | {r['dense_prefill_ms']} | {r['sparse_prefill_ms']} | "
-                     f"{r['prefill_speedup']}× | {r['dense_decode_tok_s']} | {r['sparse_decode_tok_s']} | "
-                     f"{r['decode_speedup']}× | {r['top1_agreement_sparse_vs_dense']} |")
+                     f"{r['prefill_speedup']}× | {r['new_tokens']} | {r['dense_decode_tok_s']} | "
+                     f"{r['sparse_decode_tok_s']} | {r['decode_speedup']}× | {r['same_generated_tokens']} | "
+                     f"{r['dense_weight_mb']} | {r['sparse_weight_mb']} | "
+                     f"{' '.join(str(v) for v in r.get('load_average') or [])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -122,21 +150,26 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of llama-7b-shape")
     parser.add_argument("--prefill", type=int, default=None)
     parser.add_argument("--decode", type=int, default=None)
+    parser.add_argument("--patterns", nargs="*", default=["2:4", "4:8"])
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
-    args.layers = args.layers or (32 if on_gpu else 1)
+    args.layers = args.layers or (32 if on_gpu else 2)
     args.prefill = args.prefill or (2048 if on_gpu else 128)
-    args.decode = args.decode or (128 if on_gpu else 8)
-    models = args.models or (["smollm2-135m", "llama-7b-shape"] if on_gpu else ["smollm2-135m"])
+    args.decode = args.decode or (128 if on_gpu else 64)
+    models = args.models or ["smollm2-135m", "llama-7b-shape"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = {"environment": environment(device),
               "settings": {"layers_of_llama_7b_shape": args.layers, "backend": args.backend},
-              "results": [measure(name, args, device, dtype) for name in models]}
+              "results": [measure(name, pattern, args, device, dtype)
+                          for name in models for pattern in args.patterns]}
     stem = args.name or f"e2e-{'cuda' if on_gpu else 'cpu'}"
     write_json(os.path.join(args.output_dir, stem + ".json"), report)
     write_atomic(os.path.join(args.output_dir, stem + ".md"), markdown(report))

@@ -1,7 +1,8 @@
 """SparseLinear against dense F.linear, per backend, shape, token count M, dtype and N:M pattern.
 
 Every row times one SparseLinear backend and the dense ``F.linear`` on the same masked weight in
-the same process (cuBLAS on a GPU, MKL/oneDNN on a CPU), after checking the backend's output
+the same process (cuBLAS on a GPU, MKL/oneDNN on a CPU; on a CPU in interleaved rounds, so a
+neighbour's load hits both alike), after checking the backend's output
 against an fp32 dense reference; a backend that fails the check is reported and never enters the
 dispatch table. Reported: milliseconds, speedup over dense, TFLOP/s (dense-equivalent 2·M·N·K),
 GB/s (weight bytes as that backend stores them plus x and y) and, on H100/H200, the share of the
@@ -10,11 +11,13 @@ dense tensor-core peak and the bytes at the HBM peak, over the measured time.
 
 Writes ``sparse-linear-<device>.json``, ``.md`` and one ``.svg`` plot per dtype (geometric-mean
 speedup over the shapes against M) under benchmarks/results/. ``--write-dispatch`` also stores,
-for this device, the fastest correct backend per dtype, pattern and shape class (decode: M <= 16,
-prefill: larger) in pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads.
+for this machine (CPU: ISA and model), per dtype, pattern, weight-size bucket and token bucket,
+the fastest correct sparse backend where it beat dense by at least 1.05x, else ``dense``, in
+pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads. The CPU environment
+records the CPU model, ISA flags, cache sizes and load averages.
 
     python benchmarks/bench_sparse_linear.py                 # GPU: LLaMA-7B/LLaMA-3-8B linears
-    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: smaller shapes, labelled CPU
+    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M <= 8 and 64
 """
 import argparse
 import math
@@ -24,15 +27,17 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from _common import environment, roofline, svg_line_plot, timed, write_atomic, write_json
+from _common import environment, interleaved, roofline, svg_line_plot, timed, write_atomic, write_json
 
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch
 
 GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336)]
 GPU_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
-CPU_SHAPES = [(1024, 1024), (2816, 1024), (1024, 2816)]
-CPU_TOKENS = [1, 4, 16, 64, 256]
+#: LLaMA-7B's linears: 64-180 MB in fp32, larger than a CPU's last-level cache, as in real decoding.
+CPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
+#: 1, 2, 4, 8: the CPU kernel's token buckets; 64: a prefill.
+CPU_TOKENS = [1, 2, 4, 8, 64]
 PATTERNS = [(2, 4), (4, 8)]
 #: Largest error allowed, relative to the largest |output| of the fp32 reference.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -56,37 +61,53 @@ def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks
     rows = []
     for M in tokens:
         x = torch.randn(M, in_features, generator=g).to(dtype).to(device)
+        base = {"shape": list(shape), "M": M, "dtype": str(dtype).replace("torch.", ""),
+                "pattern": f"{n}:{m}"}
         with torch.no_grad():
             reference = F.linear(x.float(), dense.weight.float())
             scale = reference.abs().max().item() or 1.0
-            t_dense = timed(lambda: F.linear(x, dense.weight), device, repeat)
+            checked, candidates = {}, {}
             for backend, layer in layers.items():
-                row = {"shape": list(shape), "M": M, "dtype": str(dtype).replace("torch.", ""),
-                       "pattern": f"{n}:{m}", "backend": backend, "dense_ms": round(t_dense * 1e3, 4)}
+                row = dict(base, backend=backend)
                 reason = layer.unsupported_reason(backend, x)
                 if reason is not None:
-                    rows.append(dict(row, status=f"unavailable: {reason}"))
+                    checked[backend] = dict(row, status=f"unavailable: {reason}")
                     continue
                 try:
                     error = ((layer(x).float() - reference).abs().max().item()) / scale
                 except RuntimeError as exc:  # a library refusing this shape at run time
-                    rows.append(dict(row, status=f"failed: {str(exc).splitlines()[0][:120]}"))
+                    checked[backend] = dict(row, status=f"failed: {str(exc).splitlines()[0][:120]}")
                     continue
                 row["max_rel_error"] = error
                 if not error <= TOLERANCE[dtype]:
-                    rows.append(dict(row, status="wrong result"))
+                    checked[backend] = dict(row, status="wrong result")
                     continue
-                t = timed(lambda: layer(x), device, repeat)
+                checked[backend] = row
+                candidates[backend] = lambda layer=layer: layer(x)
+            dense_fn = lambda: F.linear(x, dense.weight)  # noqa: E731
+            if device.type == "cuda":
+                t_dense = timed(dense_fn, device, repeat)
+                times = {b: timed(fn, device, repeat) for b, fn in candidates.items()}
+                speedups = {b: t_dense / t for b, t in times.items()}
+            else:  # interleaved rounds, median time and median per-round ratio
+                t_dense, times, speedups = interleaved(dense_fn, candidates, repeat)
+            load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+        for backend, row in checked.items():
+            row["dense_ms"] = round(t_dense * 1e3, 4)
+            if backend in times:
+                t, layer = times[backend], layers[backend]
                 flops = 2.0 * M * out_features * in_features
                 moved = weight_bytes(layer) + (x.numel() + M * out_features) * x.element_size()
-                row.update(status="ok", ms=round(t * 1e3, 4), speedup=round(t_dense / t, 3),
-                           tflops=round(flops / t / 1e12, 3), gbps=round(moved / t / 1e9, 1))
+                row.update(status="ok", ms=round(t * 1e3, 4), speedup=round(speedups[backend], 3),
+                           tflops=round(flops / t / 1e12, 3), gbps=round(moved / t / 1e9, 1),
+                           load_average=load)
                 if peaks:
                     bound = max(flops * n / m / peaks["flops"], moved / peaks["bytes"])
                     row["pct_roofline"] = round(100 * bound / t, 1)
-                rows.append(row)
                 print(f"{shape!s:14} M={M:<5} {row['dtype']:9} {n}:{m} {backend:10} "
-                      f"{row['ms']:9.4f} ms  dense {row['dense_ms']:9.4f} ms  x{row['speedup']}", flush=True)
+                      f"{row['ms']:9.4f} ms  dense {row['dense_ms']:9.4f} ms  x{row['speedup']}  "
+                      f"load {load}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -95,40 +116,39 @@ def geomean(values):
 
 
 def dispatch_entries(report, source):
-    """The fastest correct backend per dtype, pattern and shape class (geomean speedup over the
-    class's shapes and M; only backends that ran every case of the class compete)."""
-    decode_max = dispatch.DEFAULT_DECODE_MAX_TOKENS
+    """Per dtype, pattern, weight-size bucket and token bucket: the fastest correct sparse backend
+    where its geomean speedup over dense (over the bucket's shapes and M) is at least
+    dispatch.MIN_SPEEDUP, else ``dense``; only backends that ran every case of the bucket compete."""
     cases = defaultdict(set)
     speedups = defaultdict(list)
     for r in report["results"]:
-        klass = "decode" if r["M"] <= decode_max else "prefill"
-        group = (r["dtype"], r["pattern"], klass)
+        group = (r["dtype"], r["pattern"], dispatch.shape_bucket(*r["shape"]), dispatch.token_bucket(r["M"]))
         cases[group].add((tuple(r["shape"]), r["M"]))
         if r["status"] == "ok":
             speedups[group + (r["backend"],)].append(r["speedup"])
     device = report["environment"]["dispatch_device"]
     entries = {}
-    for (dtype, pattern, klass), needed in cases.items():
-        scores = {key[3]: geomean(v) for key, v in speedups.items()
-                  if key[:3] == (dtype, pattern, klass) and len(v) == len(needed)}
-        if scores:
-            best = max(scores, key=scores.get)
-            entries[dispatch.entry_key(device, getattr(torch, dtype), pattern, klass)] = {
-                "backend": best, "geomean_speedup_vs_dense": round(scores[best], 3),
-                "source": source, "measured": report["environment"]["timestamp"]}
+    for group, needed in cases.items():
+        scores = {key[4]: geomean(v) for key, v in speedups.items()
+                  if key[:4] == group and len(v) == len(needed) and key[4] != "dense"}
+        best = max(scores, key=scores.get) if scores else None
+        backend = best if best is not None and scores[best] >= dispatch.MIN_SPEEDUP else "dense"
+        entries[dispatch.entry_key(device, getattr(torch, group[0]), *group[1:])] = {
+            "backend": backend,
+            "sparse_geomean_speedup_vs_dense": None if best is None else round(scores[best], 3),
+            "source": source, "measured": report["environment"]["timestamp"]}
     return entries
 
 
 def write_dispatch(report, path, source):
     import json
-    table = {"decode_max_tokens": dispatch.DEFAULT_DECODE_MAX_TOKENS, "entries": {}}
+    table = {"entries": {}}
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as handle:
             table = json.load(handle)
-    device = report["environment"]["dispatch_device"]
-    table["entries"] = {k: v for k, v in table.get("entries", {}).items()
-                        if not k.startswith(device + "|")}
-    table["entries"].update(dispatch_entries(report, source))
+    table.pop("decode_max_tokens", None)  # the old format: two shape classes, no CPU model
+    table["entries"] = {k: v for k, v in table.get("entries", {}).items() if k.count("|") == 4}
+    table["entries"].update(dispatch_entries(report, source))  # other shapes' rows stay
     table["entries"] = dict(sorted(table["entries"].items()))
     write_json(path, table)
 
@@ -138,14 +158,23 @@ def markdown(report):
     lines = [f"# SparseLinear vs dense F.linear on {env['device']}", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda')}, driver "
              f"{env.get('driver')}, cuSPARSELt {env.get('cusparselt')}, {env['cpu_threads']} CPU threads, "
-             f"{env['timestamp']}. Times: median of CUDA events on a GPU, minimum of runs on a CPU.", "",
-             "| shape (out×in) | M | dtype | pattern | backend | ms | dense ms | speedup | TFLOP/s | GB/s "
-             "| % roofline | status |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             f"{env['timestamp']}. Times: median of CUDA events on a GPU; on a CPU the median of "
+             f"rounds that run dense and every backend in turn, speedup the median per-round ratio.", ""]
+    cpu = env.get("cpu")
+    if cpu:
+        lines += [f"CPU: {cpu['model']}, dispatch key `{env['dispatch_device']}`, flags "
+                  f"{' '.join(cpu['flags'])}, caches "
+                  f"{', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}; load average at the "
+                  f"start {cpu.get('load_average')}, per row in the last column.", ""]
+    lines += ["| shape (out×in) | M | dtype | pattern | backend | ms | dense ms | speedup | TFLOP/s | GB/s "
+              "| % roofline | status | load (1/5/15 min) |",
+              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in report["results"]:
         lines.append(f"| {r['shape'][0]}×{r['shape'][1]} | {r['M']} | {r['dtype']} | {r['pattern']} | "
                      f"{r['backend']} | {r.get('ms', '')} | {r['dense_ms']} | "
                      f"{str(r['speedup']) + '×' if 'speedup' in r else ''} | {r.get('tflops', '')} | "
-                     f"{r.get('gbps', '')} | {r.get('pct_roofline', '')} | {r['status']} |")
+                     f"{r.get('gbps', '')} | {r.get('pct_roofline', '')} | {r['status']} | "
+                     f"{' '.join(str(v) for v in r.get('load_average') or [])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +202,8 @@ def run(args):
                                                           else ["float32", "bfloat16"]))]
     patterns = [tuple(int(v) for v in p.split(":")) for p in args.patterns] if args.patterns else PATTERNS
     backends = args.backends or list(dispatch.BACKENDS)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     env = environment(device)
     env["dispatch_device"] = dispatch.device_key(device)
     rows = []
@@ -193,13 +224,14 @@ def main(argv=None):
     parser.add_argument("--patterns", nargs="*", help="N:M patterns (default 2:4 4:8)")
     parser.add_argument("--backends", nargs="*", choices=list(dispatch.BACKENDS))
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="file stem (default sparse-linear-<cpu|cuda>)")
     parser.add_argument("--write-dispatch", nargs="?", const=dispatch.TABLE_PATH, default=None,
                         metavar="TABLE", help="store this device's fastest backends in the dispatch table")
     args = parser.parse_args(argv)
     report = run(args)
-    stem = args.name or f"sparse-linear-{'cuda' if report['environment']['dispatch_device'] != 'cpu' else 'cpu'}"
+    stem = args.name or f"sparse-linear-{'cpu' if report['environment']['dispatch_device'].startswith('cpu') else 'cuda'}"
     path = os.path.join(args.output_dir, stem + ".json")
     write_json(path, report)
     write_atomic(os.path.join(args.output_dir, stem + ".md"), markdown(report))

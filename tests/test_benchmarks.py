@@ -29,7 +29,10 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
                                      "--dtypes", "float32", "--repeat", "1", "--output-dir",
                                      str(tmp_path), "--name", "sl", "--write-dispatch", str(table)]) == 0
     report = json.loads((tmp_path / "sl.json").read_text())
-    assert report["environment"]["dispatch_device"] == "cpu"
+    device = dispatch.device_key(torch.device("cpu"))
+    assert report["environment"]["dispatch_device"] == device
+    cpu = report["environment"]["cpu"]
+    assert cpu["model"] == dispatch.cpu_model() and "L1d" in cpu["caches"] and len(cpu["load_average"]) == 3
     rows = report["results"]
     assert {r["backend"] for r in rows} == set(dispatch.BACKENDS)
     ran = [r for r in rows if r["status"] == "ok"]
@@ -39,11 +42,14 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sl.md").read_text()
     assert (tmp_path / "sl-float32.svg").read_text().startswith("<svg")
     entries = json.loads(table.read_text())["entries"]
-    assert set(entries) == {f"cpu|float32|{p}|{c}" for p in ("2:4", "4:8") for c in ("decode", "prefill")}
+    assert set(entries) == {f"{device}|float32|{p}|2^13|{t}" for p in ("2:4", "4:8") for t in ("1", "many")}
+    for key, entry in entries.items():  # sparse only where it measured >= 1.05x dense
+        speedup = entry["sparse_geomean_speedup_vs_dense"]
+        assert (entry["backend"] != "dense") == (speedup is not None and speedup >= dispatch.MIN_SPEEDUP)
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     layer = SparseLinear(128, 64)
     with torch.no_grad():
-        assert layer.choose_backend(torch.zeros(1, 128)) == entries["cpu|float32|2:4|decode"]["backend"]
+        assert layer.choose_backend(torch.zeros(1, 128)) == entries[f"{device}|float32|2:4|2^13|1"]["backend"]
 
 
 def test_e2e_benchmark_runs_on_a_local_model(tmp_path):

@@ -230,7 +230,7 @@ def test_nm_decompress_is_exact(dtype, n, m):
 
 @pytest.mark.parametrize("n,m", NM)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # <= 2: the AVX2 gather path for 1:2, 2:4, 4:8
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # the AVX2 permute (1) and expand paths for 1:2, 2:4, 4:8
 def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
     for shape in _shapes(m)[:5]:
         w, mask, values, meta = _compressed(shape, dtype, n, m, seed=1)
@@ -242,17 +242,6 @@ def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
         assert_linear_close(got, x, w * mask, bias)
 
 
-@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_half_density_gather_path(dtype, n, m):
-    # cols % 16 == 0 and at most 2 tokens: the AVX2 table-and-gather kernel (where the CPU has it)
-    for shape in [(1, 16), (7, 48), (3, 4096)]:
-        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=3)
-        for tokens in (1, 2):
-            x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(4)).to(dtype)
-            assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
-
-
 def _cpu_flags():
     """The CPU feature flags the kernel reports on, from /proc/cpuinfo (independent of it)."""
     with open("/proc/cpuinfo") as cpuinfo:
@@ -262,36 +251,50 @@ def _cpu_flags():
     raise AssertionError("/proc/cpuinfo lists no CPU flags")
 
 
-AVX2_GATHER_FLAGS = {"avx2", "fma", "f16c"}
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 
 def test_cpu_feature_detection_matches_proc_cpuinfo():
-    assert C.cpu_has_avx2_fma_f16c() == (AVX2_GATHER_FLAGS <= _cpu_flags())
+    assert C.cpu_has_avx2_fma_f16c() == (AVX2_FLAGS <= _cpu_flags())
+
+
+# Rows: one pass of 4/2/1 rows plus leftovers (1, 5, 7, 9); columns: whole 16-column blocks, a
+# trailing byte (cols % 16 == 8) and, for 2:4 and 1:2, a trailing half byte (cols % 8 == 4).
+HALF_DENSITY_SHAPES = [(1, 16), (5, 24), (7, 52), (9, 4096), (3, 4104), (4, 36)]
 
 
 @pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_avx2_gather_kernel_runs_where_the_cpu_has_it(dtype, n, m, tokens):
-    # 1-2 tokens of a half-density pattern with cols % 16 == 0: the AVX2 kernel on a CPU with
-    # AVX2/FMA/F16C (this project's machines have them), the generic one elsewhere.
-    expected = "avx2_gather" if AVX2_GATHER_FLAGS <= _cpu_flags() else "generic"
-    for shape in [(1, 16), (9, 4096)]:
+@pytest.mark.parametrize("tokens", range(1, 9))  # every token count: each is its own template
+def test_half_density_kernels_every_token_count_and_awkward_shape(dtype, n, m, tokens):
+    # the AVX2 kernel on a CPU with AVX2/FMA/F16C (this project's machines have them), the
+    # generic one elsewhere; either must match the dense masked matmul
+    expected = ("avx2_permute" if tokens == 1 else "avx2_expand") if AVX2_FLAGS <= _cpu_flags() else "generic"
+    for shape in HALF_DENSITY_SHAPES:
+        if shape[1] % m:
+            continue
         w, mask, values, meta = _compressed(shape, dtype, n, m, seed=7)
         x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
         bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
         assert C.nm_linear_gemv_path(x, values, meta, n, m) == expected
         assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
+        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
 
 
-@pytest.mark.parametrize("tokens,n,m,cols", [(3, 2, 4, 64), (8, 4, 8, 64), (1, 3, 6, 48), (2, 3, 6, 96),
-                                             (1, 1, 4, 64), (2, 4, 8, 40)])
+@pytest.mark.parametrize("tokens,n,m,cols", [(1, 3, 6, 48), (2, 3, 6, 96), (1, 1, 4, 64), (8, 3, 8, 64)])
 def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
-    # 3:6 is half density too, but its groups straddle mask bytes (the gather table needs 4 of 8)
+    # 3:6 is half density too, but its groups straddle mask bytes (the lane tables need 4 of 8)
     w, mask, values, meta = _compressed((5, cols), torch.float32, n, m)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(10))
     assert C.nm_linear_gemv_path(x, values, meta, n, m) == "generic"
     assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+
+
+def test_double_takes_the_generic_kernel():
+    w, mask, values, meta = _compressed((5, 64), torch.float64, 2, 4)
+    x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    assert C.nm_linear_gemv_path(x, values, meta, 2, 4) == "generic"
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, 2, 4, None), x, w * mask)
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])

@@ -174,21 +174,56 @@ def test_gpu_only_backends_refuse_cpu_tensors_clearly():
         layer(randn((1, 64), torch.float16))
 
 
+def _dispatch_key(layer, dtype, tokens):
+    return dispatch.entry_key(dispatch.device_key(torch.device("cpu")), dtype, str(layer.pattern),
+                              dispatch.shape_bucket(layer.out_features, layer.in_features),
+                              dispatch.token_bucket(tokens))
+
+
 def test_dispatch_table_picks_a_measured_backend(tmp_path, monkeypatch):
     linear, _ = _pruned_linear(64, 16, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
-    table = {"decode_max_tokens": 4, "entries": {
-        dispatch.entry_key("cpu", torch.float32, "2:4", "decode"): {"backend": "dense"},
-        dispatch.entry_key("cpu", torch.float32, "2:4", "prefill"): {"backend": "cutlass"}}}
+    table = {"entries": {_dispatch_key(layer, torch.float32, 1): {"backend": "kernel"},
+                         _dispatch_key(layer, torch.float32, 4): {"backend": "dense"},
+                         _dispatch_key(layer, torch.float32, 64): {"backend": "cutlass"}}}
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
     with torch.no_grad():
-        assert layer.choose_backend(torch.zeros(4, 64)) == "dense"
-        # the measured winner cannot run on CPU, so the always-available kernel runs
-        assert layer.choose_backend(torch.zeros(5, 64)) == "kernel"
+        assert layer.choose_backend(torch.zeros(1, 64)) == "kernel"
+        assert layer.choose_backend(torch.zeros(3, 64)) == "dense"  # 3 tokens: the bucket of 4
+        # the measured winner cannot run on CPU: dense, never slower than dense
+        assert layer.choose_backend(torch.zeros(9, 64)) == "dense"
+        # no row for 2 tokens, for bf16, for another weight size, or for another machine: dense
+        assert layer.choose_backend(torch.zeros(2, 64)) == "dense"
+        assert layer.choose_backend(torch.zeros(1, 64, dtype=torch.bfloat16)) == "dense"
+        wide = SparseLinear.from_dense(_pruned_linear(128, 16, 2, 4)[0], "2:4")
+        assert wide.choose_backend(torch.zeros(1, 128)) == "dense"
     x = torch.zeros(4, 64, requires_grad=True)
     assert layer.choose_backend(x) == "kernel"  # gradients always go through the kernel
+
+
+def test_dispatch_key_names_the_cpu_isa_and_model():
+    isa, model = dispatch.cpu_isa(), dispatch.cpu_model()
+    assert isa in ("avx2", "generic", "none") and model
+    assert dispatch.device_key(torch.device("cpu")) == f"cpu/{isa}/{model}"
+    assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 512)] == \
+        ["1", "2", "4", "4", "8", "8", "many", "many"]
+    assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
+
+
+def test_dense_backend_caches_the_decompressed_weight_until_values_change():
+    linear, _ = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    x = randn((2, 64))
+    with torch.no_grad():
+        first = layer(x)
+        cached = layer._cache["dense"][1]
+        torch.testing.assert_close(first, linear(x))
+        layer(x)
+        assert layer._cache["dense"][1] is cached  # decompressed once
+        layer.values.mul_(2)
+        torch.testing.assert_close(layer(x), 2 * linear(x) - linear.bias)
 
 
 def test_detect_pattern():

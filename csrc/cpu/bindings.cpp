@@ -24,9 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weights are read and multiplied (fp32 accumulation).");
   m.def("nm_linear_gemv_path", &pyprune_cpu::nm_linear_gemv_path, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("n"), py::arg("m"),
-        "Which kernel nm_linear_gemv runs for these arguments: 'avx2_gather' or 'generic'.");
+        "Which kernel nm_linear_gemv runs for these arguments: 'avx2_permute' (one token of a "
+        "half-density pattern), 'avx2_expand' (2-8 tokens) or 'generic'.");
   m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
-        "Whether this CPU has AVX2, FMA and F16C (what the avx2_gather kernel needs), at run time.");
+        "Whether this CPU has AVX2, FMA and F16C (what the avx2 kernels need), at run time.");
   m.def("channel_penalty", &pyprune_cpu::channel_penalty, py::arg("grad"), py::arg("weight"),
         py::arg("channels"), py::arg("dim"), py::arg("lam"), py::arg("l1"),
         "DReSS penalty in place: for each channel c (a row for dim 0, a column for dim 1) grad[c] "

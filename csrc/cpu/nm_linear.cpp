@@ -7,10 +7,13 @@
 // mask holds the row's i-th value whatever n and m are: both kernels walk the mask bytes.
 
 #include "ops.h"
+#include "parallel.h"
 
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -106,73 +109,155 @@ void gemv_rows(const float* x, const T* values, const uint8_t* meta, const T* bi
 }
 
 #ifdef PYPRUNE_X86
-// Half-density patterns (1:2, 2:4, 4:8) keep exactly 4 columns of every 8, so each mask byte
-// names 4 consecutive values: a table gives the byte's 4 set-bit positions, two bytes make the 8
-// gather indices of one AVX2 vector, and the kept weights are multiplied with no expansion.
-struct HalfDensityTable {
-  alignas(16) int32_t positions[256][4] = {};
-  HalfDensityTable() {
+#define PYPRUNE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Half-density patterns (1:2, 2:4, 4:8) keep exactly 4 columns of every 8, so mask byte b of a
+// row names the row's values 4b..4b+3 and a 16-column block (two bytes) holds 8 values: one
+// vector. Two lane tables (8 KiB each, L1-resident) turn a byte into vpermps indices:
+struct HalfDensityTables {
+  // take[b]: lanes k and k+4 hold the column of the byte's k-th kept weight, so vpermps of the 8
+  // x values of a byte lines up the x each kept weight multiplies (no gather).
+  alignas(32) int32_t take[256][8] = {};
+  // place[b]: lane c holds the rank of column c among the kept ones (which packed weight goes
+  // there), with the sign bit set where column c was pruned (that lane is then zeroed).
+  alignas(32) int32_t place[256][8] = {};
+  HalfDensityTables() {
     for (int byte = 0; byte < 256; ++byte) {
-      if (__builtin_popcount(byte) != 4) continue;  // never looked up for a valid mask
-      for (int bit = 0, k = 0; bit < 8; ++bit)
-        if (byte >> bit & 1) positions[byte][k++] = bit;
+      for (int bit = 0, k = 0; bit < 8; ++bit) {
+        if (!(byte >> bit & 1)) {
+          place[byte][bit] = INT32_MIN;
+          continue;
+        }
+        // a byte with more than 4 set bits (an invalid mask) still indexes within its vector
+        if (k < 4) take[byte][k] = take[byte][k + 4] = bit;
+        place[byte][bit] = k++;
+      }
     }
   }
 };
 
-const HalfDensityTable& half_density_table() {
-  static const HalfDensityTable table;
-  return table;
+const HalfDensityTables& half_density_tables() {
+  static const HalfDensityTables tables;
+  return tables;
 }
 
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
+PYPRUNE_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+PYPRUNE_AVX2 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
+PYPRUNE_AVX2 inline __m256 load8(const at::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 is the top half of fp32
 }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const double*) {
-  return _mm256_setzero_ps();  // never called: the caller sends double down the generic path
+PYPRUNE_AVX2 inline __m256i load_lanes(const int32_t* lanes) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
 }
 
-__attribute__((target("avx2,fma,f16c"))) inline float horizontal_sum(__m256 v) {
+PYPRUNE_AVX2 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
 
-// Needs n/m = 1/2 with m dividing 8 and cols % 16 == 0; x in fp32.
-template <typename T>
-__attribute__((target("avx2,fma,f16c")))
-void gemv_half_density_avx2(const float* x, const T* values, const uint8_t* meta, const T* bias, T* y,
-                            int64_t tokens, int64_t rows, int64_t cols, int64_t meta_bytes) {
-  const HalfDensityTable& table = half_density_table();
-  const int64_t kv = cols / 2;
-#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    __m256 acc[kMaxTokens];
-    for (int64_t t = 0; t < tokens; ++t) acc[t] = _mm256_setzero_ps();
-    const T* v = values + r * kv;
-    const uint8_t* mr = meta + r * meta_bytes;
-    for (int64_t j = 0; j < cols / 16; ++j) {
-      const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(table.positions[mr[2 * j]]));
-      const __m128i hi = _mm_add_epi32(
-          _mm_load_si128(reinterpret_cast<const __m128i*>(table.positions[mr[2 * j + 1]])),
-          _mm_set1_epi32(8));
-      const __m256i index = _mm256_add_epi32(_mm256_set_m128i(hi, lo),
-                                             _mm256_set1_epi32(static_cast<int>(16 * j)));
-      const __m256 w = load8(v + 8 * j);
-      for (int64_t t = 0; t < tokens; ++t)
-        acc[t] = _mm256_fmadd_ps(w, _mm256_i32gather_ps(x + t * cols, index, 4), acc[t]);
-    }
-    const float b = bias ? to_float(bias[r]) : 0.f;
-    for (int64_t t = 0; t < tokens; ++t) y[t * rows + r] = static_cast<T>(horizontal_sum(acc[t]) + b);
+// Rows per pass for a token count: they share each block of x while their
+// kRows * kTokens accumulators stay in the 16 vector registers.
+constexpr int rows_per_pass(int tokens) { return tokens <= 2 ? 4 : tokens <= 4 ? 2 : 1; }
+
+// y[t, r0 .. r0+kRows) of kTokens tokens over the 16-column blocks, then the columns past the last
+// whole block (cols % 16, from the mask bits). One token: the kept weights multiply x permuted into
+// their order (2 vpermps + 1 blend per 8 weights). More tokens: the 8 weights are expanded once
+// into the 16 dense columns they came from (2 vpermps), and every token does 2 plain FMAs.
+template <typename T, int kTokens, int kRows>
+PYPRUNE_AVX2 void half_density_rows(const float* x, const T* values, const uint8_t* meta,
+                                    const T* bias, T* y, int64_t r0, int64_t rows, int64_t cols,
+                                    int64_t meta_bytes, const HalfDensityTables& tables) {
+  const int64_t kv = cols / 2, blocks = cols / 16;
+  const T* v[kRows];
+  const uint8_t* mask[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    v[i] = values + (r0 + i) * kv;
+    mask[i] = meta + (r0 + i) * meta_bytes;
   }
+  __m256 acc[kRows][kTokens];
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < blocks; ++j) {
+    if constexpr (kTokens == 1) {
+      const __m256 x_lo = _mm256_loadu_ps(x + 16 * j), x_hi = _mm256_loadu_ps(x + 16 * j + 8);
+      for (int i = 0; i < kRows; ++i) {
+        const __m256 lo = _mm256_permutevar8x32_ps(x_lo, load_lanes(tables.take[mask[i][2 * j]]));
+        const __m256 hi = _mm256_permutevar8x32_ps(x_hi, load_lanes(tables.take[mask[i][2 * j + 1]]));
+        acc[i][0] = _mm256_fmadd_ps(load8(v[i] + 8 * j), _mm256_blend_ps(lo, hi, 0xF0), acc[i][0]);
+      }
+    } else {
+      for (int i = 0; i < kRows; ++i) {
+        const __m256 w = load8(v[i] + 8 * j);
+        const __m256i place_lo = load_lanes(tables.place[mask[i][2 * j]]);
+        const __m256i place_hi = _mm256_add_epi32(load_lanes(tables.place[mask[i][2 * j + 1]]),
+                                                  _mm256_set1_epi32(4));
+        const __m256 w_lo = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_srai_epi32(place_lo, 31)),
+                                             _mm256_permutevar8x32_ps(w, place_lo));
+        const __m256 w_hi = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_srai_epi32(place_hi, 31)),
+                                             _mm256_permutevar8x32_ps(w, place_hi));
+        for (int t = 0; t < kTokens; ++t) {
+          const float* xt = x + t * cols + 16 * j;
+          acc[i][t] = _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xt), acc[i][t]);
+          acc[i][t] = _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xt + 8), acc[i][t]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    float sum[kTokens];
+    for (int t = 0; t < kTokens; ++t) sum[t] = horizontal_sum(acc[i][t]);
+    const T* w = v[i] + 8 * blocks;
+    const T* const w_end = v[i] + kv;  // a mask with too many set bits must not read past its row
+    for (int64_t byte = 2 * blocks; byte < meta_bytes; ++byte) {
+      for (unsigned bits = mask[i][byte]; bits && w < w_end; bits &= bits - 1) {
+        const int64_t col = 8 * byte + __builtin_ctz(bits);
+        if (col >= cols) break;
+        const float weight = to_float(*w++);
+        for (int t = 0; t < kTokens; ++t) sum[t] += weight * x[t * cols + col];
+      }
+    }
+    const float b = bias ? to_float(bias[r0 + i]) : 0.f;
+    for (int t = 0; t < kTokens; ++t) y[t * rows + r0 + i] = static_cast<T>(sum[t] + b);
+  }
+}
+
+// All rows, kRows at a time over the threads, the last rows % kRows one by one.
+template <typename T, int kTokens>
+PYPRUNE_AVX2 void gemv_half_density_avx2(const float* x, const T* values, const uint8_t* meta,
+                                         const T* bias, T* y, int64_t rows, int64_t cols,
+                                         int64_t meta_bytes) {
+  constexpr int kRows = rows_per_pass(kTokens);
+  const HalfDensityTables& tables = half_density_tables();
+  const int64_t passes = (rows + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t r0 = p * kRows;
+    if (r0 + kRows <= rows) {
+      half_density_rows<T, kTokens, kRows>(x, values, meta, bias, y, r0, rows, cols, meta_bytes, tables);
+    } else {
+      for (int64_t r = r0; r < rows; ++r)
+        half_density_rows<T, kTokens, 1>(x, values, meta, bias, y, r, rows, cols, meta_bytes, tables);
+    }
+  }
+}
+
+template <typename T>
+void gemv_half_density(const float* x, const T* values, const uint8_t* meta, const T* bias, T* y,
+                       int64_t tokens, int64_t rows, int64_t cols, int64_t meta_bytes) {
+  switch (tokens) {
+#define PYPRUNE_TOKENS(count) \
+  case count:                 \
+    return gemv_half_density_avx2<T, count>(x, values, meta, bias, y, rows, cols, meta_bytes);
+    PYPRUNE_TOKENS(1) PYPRUNE_TOKENS(2) PYPRUNE_TOKENS(3) PYPRUNE_TOKENS(4)
+    PYPRUNE_TOKENS(5) PYPRUNE_TOKENS(6) PYPRUNE_TOKENS(7) PYPRUNE_TOKENS(8)
+#undef PYPRUNE_TOKENS
+  }
+  TORCH_CHECK(false, "nm_linear_gemv: the AVX2 kernel takes 1 to ", kMaxTokens, " tokens, got ", tokens);
 }
 
 bool has_avx2_fma_f16c() {
@@ -185,18 +270,16 @@ bool has_avx2_fma_f16c() {
 }
 #endif
 
-// Whether a GEMV of these shapes runs gemv_half_density_avx2: one gather per token and vector
-// wins for 1-2 tokens, the expanded buffer of gemv_rows above that.
-bool takes_avx2_gather(int64_t tokens, int64_t rows, int64_t cols, int64_t n, int64_t m,
-                       at::ScalarType dtype) {
+// The AVX2 half-density kernel runs for 1:2, 2:4 and 4:8 (m divides 8, so every mask byte keeps
+// exactly 4 columns; 3:6 keeps 3 or 5 in some bytes) of fp32/fp16/bf16 weights; "permute" for one
+// token, "expand" for 2..8. Anything else takes the generic kernel.
+const char* gemv_path(int64_t tokens, int64_t rows, int64_t cols, int64_t n, int64_t m,
+                      at::ScalarType dtype) {
 #ifdef PYPRUNE_X86
-  // m must divide 8 (1:2, 2:4, 4:8) so that every mask byte holds exactly 4 kept columns: 3:6
-  // keeps 3 or 5 in some bytes.
-  return tokens <= 2 && 2 * n == m && 8 % m == 0 && cols % 16 == 0 && dtype != at::kDouble &&
-         rows < (int64_t{1} << 31) / 16 && has_avx2_fma_f16c();
-#else
-  return false;
+  if (2 * n == m && 8 % m == 0 && dtype != at::kDouble && has_avx2_fma_f16c())
+    return tokens == 1 ? "avx2_permute" : "avx2_expand";
 #endif
+  return "generic";
 }
 
 void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
@@ -223,9 +306,7 @@ bool cpu_has_avx2_fma_f16c() {
 std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m) {
   check_gemv_inputs(x, values, meta, n, m);
-  return takes_avx2_gather(x.size(0), values.size(0), values.size(1) / n * m, n, m, x.scalar_type())
-             ? "avx2_gather"
-             : "generic";
+  return gemv_path(x.size(0), values.size(0), values.size(1) / n * m, n, m, x.scalar_type());
 }
 
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
@@ -259,12 +340,14 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
 #ifdef PYPRUNE_X86
     // the choice nm_linear_gemv_path reports
-    if (takes_avx2_gather(x.size(0), rows, cols, n, m, x.scalar_type())) {
-      gemv_half_density_avx2<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
-                                       meta.data_ptr<uint8_t>(),
-                                       has_bias ? bias->data_ptr<scalar_t>() : nullptr,
-                                       y.data_ptr<scalar_t>(), x.size(0), rows, cols, meta.size(1));
-      return;
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (std::strcmp(gemv_path(x.size(0), rows, cols, n, m, x.scalar_type()), "generic") != 0) {
+        gemv_half_density<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
+                                    meta.data_ptr<uint8_t>(),
+                                    has_bias ? bias->data_ptr<scalar_t>() : nullptr,
+                                    y.data_ptr<scalar_t>(), x.size(0), rows, cols, meta.size(1));
+        return;
+      }
     }
 #endif
     gemv_rows<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(),

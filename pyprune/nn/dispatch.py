@@ -1,44 +1,85 @@
 """Which backend runs a :class:`~pyprune.nn.SparseLinear` forward, from measurements.
 
 The table (``dispatch_table.json`` next to this file, or the file named by
-``PYPRUNE_DISPATCH_TABLE``) is written by ``benchmarks/bench_sparse_linear.py --write-dispatch``:
-for each device, dtype, N:M pattern and shape class it names the backend that was fastest over
-the benchmark's shapes of that class, among the backends whose output matched the dense masked
-matmul in the same run. A shape class is ``decode`` (at most ``decode_max_tokens`` rows of x) or
-``prefill``. Where the table has no entry the compressed-form kernel (``kernel``) runs: it always
-works and never keeps a dense copy.
+``PYPRUNE_DISPATCH_TABLE``) is written by ``benchmarks/bench_sparse_linear.py --write-dispatch``.
+A row is keyed by the machine (on a CPU: the instruction set the native kernels use and the CPU
+model; on a GPU: its name), dtype, N:M pattern, weight-size bucket (out·in rounded up to a power
+of two) and token bucket (1, 2, 4, 8 — the CPU kernel's code paths — or ``many``), and names the
+sparse backend that measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear`` there,
+or ``dense``. Where no row matches, the layer runs dense (:data:`FALLBACK_BACKEND`): sparse is
+never chosen without a measurement saying it pays on this machine.
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 from functools import lru_cache
 from typing import Dict, Optional
 
 import torch
 
 #: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
-#: ``dense``: decompress, then F.linear (cuBLAS/MKL); ``cusparselt`` / ``cutlass``: torch's 2:4
-#: semi-structured tensors; ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM.
+#: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
+#: ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors; ``mma_sp``: pyprune's CUDA
+#: 2:4 sparse tensor-core GEMM.
 BACKENDS = ("kernel", "dense", "cusparselt", "cutlass", "mma_sp")
+#: The backend of graphs under torch.compile (the table lookup reads a file) and of gradients.
 DEFAULT_BACKEND = "kernel"
-DEFAULT_DECODE_MAX_TOKENS = 16
+#: The backend where the table has no row for the case: never slower than dense.
+FALLBACK_BACKEND = "dense"
+#: A sparse backend enters the table only where it measured at least this speedup over dense.
+MIN_SPEEDUP = 1.05
+#: Token counts up to the last are rounded up to the next one; more are ``many``.
+TOKEN_BUCKETS = (1, 2, 4, 8)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_table.json")
 
 
 def device_key(device: torch.device) -> str:
-    """``cpu``, or the CUDA device's name (e.g. ``NVIDIA H100 80GB HBM3``)."""
+    """``cpu/<isa>/<model>`` (e.g. ``cpu/avx2/AMD EPYC``), or the CUDA device's name."""
     device = torch.device(device)
     return _device_name(device.type, device.index)
 
 
+def cpu_isa() -> str:
+    """The instruction set pyprune's native CPU kernels run with here: ``avx2`` (AVX2+FMA+F16C,
+    detected at run time) or ``generic`` (``none`` without the native extension)."""
+    from .. import backend
+    native = backend.native_module("cpu")
+    if native is None:
+        return "none"
+    return "avx2" if native.cpu_has_avx2_fma_f16c() else "generic"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @lru_cache(maxsize=None)
 def _device_name(kind: str, index: Optional[int]) -> str:
-    return torch.cuda.get_device_name(index) if kind == "cuda" else kind
+    if kind == "cuda":
+        return torch.cuda.get_device_name(index)
+    return f"cpu/{cpu_isa()}/{cpu_model()}" if kind == "cpu" else kind
 
 
-def entry_key(device: str, dtype: torch.dtype, pattern: str, shape_class: str) -> str:
-    return f"{device}|{str(dtype).replace('torch.', '')}|{pattern}|{shape_class}"
+def token_bucket(tokens: int) -> str:
+    return next((str(b) for b in TOKEN_BUCKETS if tokens <= b), "many")
+
+
+def shape_bucket(out_features: int, in_features: int) -> str:
+    return f"2^{max(out_features * in_features - 1, 0).bit_length()}"
+
+
+def entry_key(device: str, dtype: torch.dtype, pattern: str, shape: str, tokens: str) -> str:
+    return f"{device}|{str(dtype).replace('torch.', '')}|{pattern}|{shape}|{tokens}"
 
 
 def table_path() -> str:
@@ -48,7 +89,7 @@ def table_path() -> str:
 @lru_cache(maxsize=8)
 def _load(path: str) -> Dict:
     if not os.path.isfile(path):
-        return {"decode_max_tokens": DEFAULT_DECODE_MAX_TOKENS, "entries": {}}
+        return {"entries": {}}
     with open(path, encoding="utf-8") as handle:
         table = json.load(handle)
     for key, entry in table.get("entries", {}).items():
@@ -62,12 +103,9 @@ def table() -> Dict:
     return _load(table_path())
 
 
-def shape_class(tokens: int) -> str:
-    return "decode" if tokens <= table().get("decode_max_tokens", DEFAULT_DECODE_MAX_TOKENS) else "prefill"
-
-
-def lookup(device: torch.device, dtype: torch.dtype, pattern: str, tokens: int) -> Optional[str]:
-    """The measured-fastest backend for this case, or None when the table has no entry."""
-    entry = table().get("entries", {}).get(entry_key(device_key(device), dtype, pattern,
-                                                      shape_class(tokens)))
+def lookup(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
+           in_features: int, tokens: int) -> Optional[str]:
+    """The measured backend for this case, or None when the table has no row for it."""
+    entry = table().get("entries", {}).get(entry_key(
+        device_key(device), dtype, pattern, shape_bucket(out_features, in_features), token_bucket(tokens)))
     return None if entry is None else entry["backend"]

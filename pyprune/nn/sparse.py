@@ -8,14 +8,16 @@ with the mask's exact n-of-m groups); every faster representation a backend need
 it, cached, and rebuilt when the values change in place or are replaced. Writes through
 ``values.data`` bypass the version counter: call :meth:`SparseLinear.invalidate` after them.
 
-Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` picks the one measured fastest
-for the device, dtype, pattern and shape class (:mod:`pyprune.nn.dispatch`):
+Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` runs the sparse backend the
+dispatch table says measured at least 1.05x dense on this machine for the dtype, pattern, weight
+size and token count, and dense where it says so or has no row (:mod:`pyprune.nn.dispatch`):
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
   C++ kernel: a GEMV over kept weights for <= 8 tokens, block-wise decompression into BLAS
   above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
   keeps the pattern.
-* ``dense``: decompress, then ``F.linear`` (cuBLAS/MKL); no dense copy is kept.
+* ``dense``: ``F.linear`` (cuBLAS/MKL/oneDNN) on the weight decompressed once and cached: as fast
+  as the layer left dense, at the memory of the compressed and the dense form together.
 * ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16; one cached
   copy), with the cuSPARSELt algorithm searched once per power-of-two token count.
 * ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM (``pyprune._C_cuda``, sm80+).
@@ -179,9 +181,10 @@ class SparseLinear(nn.Module):
         if name == "auto" and torch.compiler.is_compiling():
             return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
         if name == "auto":
-            name = dispatch.lookup(x.device, x.dtype, str(self.pattern), tokens) or dispatch.DEFAULT_BACKEND
+            name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
+                                   self.in_features, tokens) or dispatch.FALLBACK_BACKEND
             if not self.supports(name, x):
-                name = dispatch.DEFAULT_BACKEND
+                name = dispatch.FALLBACK_BACKEND
         elif not self.supports(name, x):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
@@ -226,7 +229,7 @@ class SparseLinear(nn.Module):
         if name == "kernel":
             return ops.nm_linear(x, self.values, self.meta, self.n, self.m, self.bias)
         if name == "dense":
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self._cached("dense", lambda: self.weight), self.bias)
         if name == "mma_sp":
             meta = self._cached("mma_sp", lambda: sparse24_mma_meta(self.meta, self.in_features))
             out = _backend.native_module("cuda").sparse24_linear(

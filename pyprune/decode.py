@@ -1,0 +1,44 @@
+"""Greedy decoding with the KV cache, timed: what ``pyprune generate`` and the end-to-end benchmark
+run, so a user feels (and the benchmark measures) the same loop."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Generation:
+    """The new tokens ([batch, new]) of one greedy run and how long its phases took."""
+    tokens: Tensor
+    prefill_s: float  # the forward over the prompt, up to the first new token
+    decode_s: float  # the remaining new tokens, one forward each
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.tokens.shape[1] - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else float("nan")
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, prompt: Tensor, max_new_tokens: int) -> Generation:
+    """The ``max_new_tokens`` argmax continuations of ``prompt`` ([B, T] token ids) with the KV
+    cache: the first from one forward over the prompt, each further one from one forward of the
+    last token. No stop token: every run does the same work, so runs compare."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+    if prompt.dim() != 2 or prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be [B, T] token ids with B, T >= 1; got shape {tuple(prompt.shape)}")
+    begin = time.perf_counter()
+    out = model(input_ids=prompt, use_cache=True)
+    token = out.logits[:, -1:].argmax(-1)
+    tokens = [token]
+    prefill_s = time.perf_counter() - begin
+    cache = out.past_key_values
+    begin = time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        tokens.append(token)
+    return Generation(torch.cat(tokens, dim=1), prefill_s, time.perf_counter() - begin)
