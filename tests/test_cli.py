@@ -259,3 +259,39 @@ def test_a_method_is_registered_by_defining_it():
             type("Clash", (Magnitude,), {"name": "wanda"})
     finally:
         methods.METHODS.pop("test-halved")
+
+
+def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys):
+    """``pyprune generate`` on a model saved with SparseLinear layers: the text the same weights
+    give as plain dense linears, and the speed line."""
+    import pyprune
+    from pyprune.decode import greedy_generate
+    from pyprune.nn import SparseLinear
+    model_dir, _ = tiny_model_dir
+    output = tmp_path / "out"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(output), "--sparse-layers", "--quiet"]) == 0
+    capsys.readouterr()
+    prompt = "the man was good"
+    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    model, tok = pyprune.load(str(output))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseLinear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.to_dense())
+    ids = tok(prompt, return_tensors="pt").input_ids
+    expected = greedy_generate(model, ids, 5).tokens[0].tolist()
+    assert text == tok.decode(ids[0].tolist() + expected, skip_special_tokens=True)
+    assert speed.startswith("[5 new tokens; prefill of") and "tokens/s; 14 SparseLinear layers (2:4)" in speed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "  "], "--prompt is empty"),
+    (["--prompt", "a", "--threads", "0"], "--threads must be >= 1"),
+])
+def test_bad_generate_arguments(tmp_path, capsys, args, message):
+    assert cli.main(["generate", "--model", str(tmp_path / "never-loaded")] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

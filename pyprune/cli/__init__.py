@@ -1,4 +1,4 @@
-"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, demo.
+"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, generate, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
@@ -10,6 +10,7 @@
                        --eval pride_and_prejudice --report robust.json
     pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
                       --datasets austen moby_dick python --report continual.json
+    pyprune generate --model pruned/ --prompt "It is a truth" --max-new-tokens 64
     pyprune demo
 
 A method's own options are flags once ``--method`` names it (``pyprune prune --method dress --help``).
@@ -22,11 +23,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import compare, continual, demo, evaluate, options, prune, recover, robustness
+from . import compare, continual, demo, evaluate, generate, options, prune, recover, robustness
 from .checks import UsageError
 
 #: one module per subcommand, each with ``COMMAND``, ``register(subparsers, method)`` and ``run(args)``
-SUBCOMMANDS = (prune, evaluate, compare, recover, robustness, continual, demo)
+SUBCOMMANDS = (prune, evaluate, compare, recover, robustness, continual, generate, demo)
 
 
 def build_parser(method: Optional[str] = None) -> argparse.ArgumentParser:

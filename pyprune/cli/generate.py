@@ -1,0 +1,52 @@
+"""``pyprune generate``: greedy text from a model with its prefill time and decode tokens/s, so a
+user feels what N:M ``SparseLinear`` layers buy (saved by ``pyprune prune --sparse-layers``, or
+made here from an N:M-pruned model with ``--sparsify``)."""
+from __future__ import annotations
+
+from . import checks, options, steps
+from .checks import UsageError
+
+COMMAND = "generate"
+SPARSIFY = ("off", "auto", "2:4", "4:8")
+
+
+def register(sub, method) -> None:
+    parser = sub.add_parser(COMMAND, help="greedy text from a model, with prefill time and decode tokens/s")
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
+                        "directory (its SparseLinear layers included), or the alias smollm2-135m")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy new tokens (default 64)")
+    parser.add_argument("--sparsify", default="off", choices=SPARSIFY,
+                        help="replace the linears that are N:M sparse by SparseLinear before generating "
+                             "(auto: 2:4, else 4:8, per layer; default off: the model as loaded)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(options.DTYPES))
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from ..decode import greedy_generate
+    from ..nn import SparseLinear, sparsify_
+    checks.check_counts(args, ("max_new_tokens",), optional=("threads",))
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty; give the text to continue")
+    checks.check_device(args.device)
+    checks.check_model(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = steps.load(args)
+    if args.sparsify != "off":
+        sparsify_(model, None if args.sparsify == "auto" else args.sparsify)
+    sparse = [m for m in model.modules() if isinstance(m, SparseLinear)]
+    prompt = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
+    run = greedy_generate(model, prompt, args.max_new_tokens)
+    print(tok.decode(prompt[0].tolist() + run.tokens[0].tolist(), skip_special_tokens=True))
+    kinds = sorted({str(m.pattern) for m in sparse})
+    print(f"[{args.max_new_tokens} new tokens; prefill of {prompt.shape[1]} prompt tokens "
+          f"{run.prefill_s * 1e3:.1f} ms; decode {run.decode_tokens_per_s:.2f} tokens/s; "
+          f"{len(sparse)} SparseLinear layers{' (' + ', '.join(kinds) + ')' if kinds else ''}, "
+          f"{torch.get_num_threads()} threads]")
+    return 0
