@@ -226,7 +226,9 @@ PYPRUNE_AVX2 void half_density_rows(const float* x, const T* values, const uint8
   }
 }
 
-// All rows, kRows at a time over the threads, the last rows % kRows one by one.
+// All rows, kRows at a time over the threads, the last rows % kRows one by one. Chunks of 16
+// passes are handed out dynamically: on a shared machine a descheduled thread does not hold half
+// the rows (with a static split the call waits for it).
 template <typename T, int kTokens>
 PYPRUNE_AVX2 void gemv_half_density_avx2(const float* x, const T* values, const uint8_t* meta,
                                          const T* bias, T* y, int64_t rows, int64_t cols,
@@ -234,7 +236,7 @@ PYPRUNE_AVX2 void gemv_half_density_avx2(const float* x, const T* values, const 
   constexpr int kRows = rows_per_pass(kTokens);
   const HalfDensityTables& tables = half_density_tables();
   const int64_t passes = (rows + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+#pragma omp parallel for schedule(dynamic, 16) if (rows * cols >= kParallelMin)
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t r0 = p * kRows;
     if (r0 + kRows <= rows) {
