@@ -153,6 +153,26 @@ def write_dispatch(report, path, source):
     write_json(path, table)
 
 
+def summary(report):
+    """Markdown rows: per dtype, pattern and backend, the geomean speedup over the shapes at each M
+    (with the smallest and largest shape's speedup)."""
+    cells = defaultdict(list)
+    for r in report["results"]:
+        if r["status"] == "ok":
+            cells[(r["dtype"], r["pattern"], r["backend"], r["M"])].append(r["speedup"])
+    tokens = sorted({key[3] for key in cells})
+    lines = ["Geometric mean over the shapes of the speedup over dense `F.linear` (min–max in brackets):", "",
+             "| dtype | pattern | backend | " + " | ".join(f"M={M}" for M in tokens) + " |",
+             "|---|---|---|" + "---:|" * len(tokens)]
+    for dtype, pattern, backend in sorted({key[:3] for key in cells}):
+        row = []
+        for M in tokens:
+            v = cells.get((dtype, pattern, backend, M))
+            row.append(f"{geomean(v):.2f}× ({min(v):.2f}–{max(v):.2f})" if v else "")
+        lines.append(f"| {dtype} | {pattern} | {backend} | " + " | ".join(row) + " |")
+    return lines
+
+
 def markdown(report):
     env = report["environment"]
     lines = [f"# SparseLinear vs dense F.linear on {env['device']}", "",
@@ -166,6 +186,7 @@ def markdown(report):
                   f"{' '.join(cpu['flags'])}, caches "
                   f"{', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}; load average at the "
                   f"start {cpu.get('load_average')}, per row in the last column.", ""]
+    lines += summary(report) + ["", "Every case:", ""]
     lines += ["| shape (out×in) | M | dtype | pattern | backend | ms | dense ms | speedup | TFLOP/s | GB/s "
               "| % roofline | status | load (1/5/15 min) |",
               "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]

@@ -87,6 +87,7 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
         self._cusparselt_algorithms: Dict[int, int] = {}
+        self._choices: Dict[tuple, str] = {}  # backend="auto": the table's answer per case
 
     def get_extra_state(self) -> Tensor:
         return torch.tensor([self.n, self.m, self.in_features], dtype=torch.int64)
@@ -113,10 +114,11 @@ class SparseLinear(nn.Module):
         """Drop the cached backend forms (needed only after writes through ``values.data``)."""
         self._cache.clear()
         self._cusparselt_algorithms.clear()
+        self._choices.clear()
 
     def __getstate__(self):
         state = super().__getstate__()
-        return dict(state, _cache={}, _cusparselt_algorithms={})
+        return dict(state, _cache={}, _cusparselt_algorithms={}, _choices={})
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, pattern: Union[str, NM, Tuple[int, int]] = "2:4",
@@ -180,11 +182,15 @@ class SparseLinear(nn.Module):
         name = self.backend
         if name == "auto" and torch.compiler.is_compiling():
             return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
-        if name == "auto":
-            name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
-                                   self.in_features, tokens) or dispatch.FALLBACK_BACKEND
-            if not self.supports(name, x):
-                name = dispatch.FALLBACK_BACKEND
+        if name == "auto":  # remembered per case: a decode step is short, the lookup is not free
+            case = (x.device, x.dtype, dispatch.token_bucket(tokens), dispatch.table_path())
+            name = self._choices.get(case)
+            if name is None:
+                name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
+                                       self.in_features, tokens) or dispatch.FALLBACK_BACKEND
+                if not self.supports(name, x):
+                    name = dispatch.FALLBACK_BACKEND
+                self._choices[case] = name
         elif not self.supports(name, x):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
