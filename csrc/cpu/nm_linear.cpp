@@ -6,6 +6,7 @@
 // (bits past the last column are 0). Groups never reorder values, so the i-th set bit of a row's
 // mask holds the row's i-th value whatever n and m are: both kernels walk the mask bytes.
 
+#include "checks.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -34,14 +35,11 @@ inline float to_float(T v) { return static_cast<float>(v); }
 
 void check_compressed(const char* op, const torch::Tensor& values, const torch::Tensor& meta,
                       int64_t n, int64_t m) {
-  TORCH_CHECK(values.device().is_cpu() && meta.device().is_cpu(), op,
-              ": values and meta must be CPU tensors");
-  TORCH_CHECK(values.dim() == 2 && values.is_contiguous(), op, ": values must be 2-D contiguous");
-  TORCH_CHECK(meta.dim() == 2 && meta.is_contiguous() && meta.scalar_type() == at::kByte, op,
-              ": meta must be 2-D contiguous uint8");
-  TORCH_CHECK(n >= 1 && n < m && m <= 32, op, ": need 1 <= n < m <= 32, got n=", n, ", m=", m);
-  TORCH_CHECK(values.size(1) % n == 0, op, ": values must have a multiple of n columns");
+  check::tensor(op, "values", values, 2);
+  check::tensor(op, "meta", meta, 2, {at::kByte});
+  TORCH_CHECK(n >= 1 && values.size(1) % n == 0, op, ": values must have a multiple of n (", n, ") columns");
   const int64_t cols = values.size(1) / n * m;
+  check::nm(op, n, m, cols);
   TORCH_CHECK(meta.size(0) == values.size(0) && meta.size(1) == (cols + 7) / 8, op,
               ": meta must be [", values.size(0), ", ", (cols + 7) / 8, "]");
 }
@@ -288,8 +286,7 @@ void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
                        const torch::Tensor& meta, int64_t n, int64_t m) {
   check_compressed("nm_linear_gemv", values, meta, n, m);
   const int64_t cols = values.size(1) / n * m;
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
-              "nm_linear_gemv: x must be a 2-D contiguous CPU tensor");
+  check::tensor("nm_linear_gemv", "x", x, 2);
   TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
   TORCH_CHECK(x.size(0) <= kMaxTokens, "nm_linear_gemv: x may have at most ", kMaxTokens, " rows");
   TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
@@ -332,9 +329,8 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   const int64_t rows = values.size(0), cols = values.size(1) / n * m;
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == rows &&
-                    bias->is_contiguous() && bias->scalar_type() == x.scalar_type(),
-                "nm_linear_gemv: bias must be a contiguous [", rows, "] CPU tensor of x's dtype");
+    check::tensor("nm_linear_gemv", "bias", *bias, 1, {x.scalar_type()});
+    TORCH_CHECK(bias->size(0) == rows, "nm_linear_gemv: bias must have ", rows, " entries, got ", bias->size(0));
   }
   torch::Tensor y = torch::empty({x.size(0), rows}, x.options());
   if (y.numel() == 0) return y;
