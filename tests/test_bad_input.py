@@ -177,6 +177,13 @@ CASES = [
      r"nowhere.json", {}),
     ("compare-output-is-a-file", ["compare", "{report.json}", "--output", "{text.txt}"],
      r"--output .*text.txt exists and is not a directory", {}),
+    ("generate-max-new-tokens-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--max-new-tokens", "0"],
+     r"--max-new-tokens must be >= 1; got 0", {}),
+    ("generate-empty-prompt", ["generate", "--model", "{tiny}", "--prompt", "  "], r"--prompt is empty", {}),
+    ("generate-garbage-config", ["generate", "--model", "{garbage-config}", "--prompt", "hello"],
+     r"config.json is not a valid model config", {}),
+    ("generate-device-missing", ["generate", "--model", "{tiny}", "--prompt", "hello", "--device", NO_DEVICE],
+     rf"--device {NO_DEVICE}", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
 ]
