@@ -261,7 +261,7 @@ def test_a_method_is_registered_by_defining_it():
         methods.METHODS.pop("test-halved")
 
 
-def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys):
+def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """``pyprune generate`` on a model saved with SparseLinear layers: the text the same weights
     give as plain dense linears, and the speed line."""
     import pyprune
@@ -273,8 +273,14 @@ def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir
                      "--output", str(output), "--sparse-layers", "--quiet"]) == 0
     capsys.readouterr()
     prompt = "the man was good"
-    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5",
+                     "--sparse-where", "all"]) == 0
     text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    # by default a layer without a measured sparse speed-up (here: an empty dispatch table) runs dense
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "no-table.json"))
+    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    default_text, default_speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert default_text == text and "; 0 SparseLinear layers, 14 N:M layers as nn.Linear," in default_speed
     model, tok = pyprune.load(str(output))
     for name, module in list(model.named_modules()):
         if isinstance(module, SparseLinear):
@@ -283,7 +289,7 @@ def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir
     ids = tok(prompt, return_tensors="pt").input_ids
     expected = greedy_generate(model, ids, 5).tokens[0].tolist()
     assert text == tok.decode(ids[0].tolist() + expected, skip_special_tokens=True)
-    assert speed.startswith("[5 new tokens; prefill of") and "tokens/s; 14 SparseLinear layers (2:4)" in speed
+    assert speed.startswith("[5 new tokens; prefill of") and "tokens/s; 14 SparseLinear layers (2:4), 0 N:M layers" in speed
 
 
 @pytest.mark.parametrize("args,message", [

@@ -10,8 +10,8 @@ from torch import nn
 
 import pyprune
 from pyprune import reference as R
-from pyprune.nn import SparseLinear, dispatch, sparsify_
-from pyprune.nn.sparse import detect_pattern
+from pyprune.nn import SparseLinear, densify_slower_, dispatch, sparsify_
+from pyprune.nn.sparse import detect_pattern, sparse_layers
 from pyprune.patterns import NM
 
 from .helpers import DTYPES, HAS_CUDA, assert_close, assert_linear_close, random_tokens, randn, tiny_llama
@@ -257,6 +257,36 @@ def test_sparsify_leaves_dense_layers_alone():
     model = tiny_llama(layers=1)
     assert sparsify_(model) == {}
     assert sparsify_(model, "4:8") == {}
+
+
+def test_sparsify_faster_at_converts_only_the_layers_the_table_says_pay(tmp_path, monkeypatch):
+    """``faster_at=T``: a layer becomes SparseLinear only where the dispatch table names a sparse
+    backend at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns back the
+    SparseLinear layers that have no such row. Logits are unchanged either way."""
+    model = _nm_pruned_llama()
+    tokens = random_tokens((2, 12), seed=7)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    k_proj = model.model.layers[0].self_attn.k_proj  # k and v: the only weights of 2^11 elements
+    key = dispatch.entry_key(dispatch.device_key(torch.device("cpu")), torch.float32, "2:4",
+                             dispatch.shape_bucket(k_proj.out_features, k_proj.in_features), "1")
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
+    paying = {f"model.layers.{i}.self_attn.{kind}_proj" for i in (0, 1) for kind in "kv"}
+    assert set(sparsify_(model, faster_at=1)) == paying
+    assert sparsify_(model, faster_at=4) == {}  # no row for 4 tokens
+    others = set(sparsify_(model))  # without faster_at: every remaining N:M layer
+    assert len(others) == 10 and not others & paying
+    assert set(densify_slower_(model, 1)) == others
+    assert set(sparse_layers(model)) == paying and type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=1e-5, atol=1e-5)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="faster_at must be"):
+            sparsify_(model, faster_at=bad)
+    with pytest.raises(ValueError, match="faster_at must be a token count"):
+        densify_slower_(model, None)
 
 
 def test_save_and_load_restore_the_same_sparse_layers(tmp_path):

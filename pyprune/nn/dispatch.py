@@ -109,3 +109,10 @@ def lookup(device: torch.device, dtype: torch.dtype, pattern: str, out_features:
     entry = table().get("entries", {}).get(entry_key(
         device_key(device), dtype, pattern, shape_bucket(out_features, in_features), token_bucket(tokens)))
     return None if entry is None else entry["backend"]
+
+
+def sparse_pays(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int, in_features: int,
+                tokens: int) -> bool:
+    """Whether the table names a sparse backend for this case: a layer that would only run ``dense``
+    there is faster, and smaller in memory, left an nn.Linear."""
+    return lookup(device, dtype, pattern, out_features, in_features, tokens) not in (None, "dense")

@@ -286,28 +286,64 @@ def _cusparselt_algorithm(sparse, x: Tensor) -> int:
         return 0
 
 
+def _check_tokens(faster_at: Optional[int], allow_none: bool = True) -> Optional[int]:
+    if faster_at is None and allow_none:
+        return None
+    if isinstance(faster_at, bool) or not isinstance(faster_at, int) or faster_at < 1:
+        raise ValueError(f"faster_at must be {'None or ' if allow_none else ''}a token count >= 1 "
+                         f"(e.g. 1 for batch-1 decode); got {faster_at!r}")
+    return faster_at
+
+
+def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
+    """An nn.Linear or SparseLinear: sparse measured faster here at ``faster_at`` tokens (or no count given)."""
+    tensor = module.values if isinstance(module, SparseLinear) else module.weight
+    return faster_at is None or dispatch.sparse_pays(tensor.device, tensor.dtype, str(pattern), module.out_features,
+                                                     module.in_features, faster_at)
+
+
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
-              backend: str = "auto", skip: Iterable[str] = ("lm_head",)) -> Dict[str, str]:
+              backend: str = "auto", skip: Iterable[str] = ("lm_head",),
+              faster_at: Optional[int] = None) -> Dict[str, str]:
     """Replace, in place, every nn.Linear of ``model`` whose weight is N:M sparse by a SparseLinear.
 
     ``pattern`` None detects 2:4, else 4:8, per layer; a given pattern converts exactly the layers
     that satisfy it. Layers named in ``skip`` (by the last part of their name) stay dense, as do
-    layers that satisfy no pattern. Returns {qualified name: pattern} of the replaced layers.
+    layers that satisfy no pattern, and with ``faster_at=T`` those for which the dispatch table has
+    no sparse backend measured faster than dense at T tokens per forward on this machine, dtype and
+    shape (T = batch size for decode): they would only run dense, at the memory of both forms.
+    Returns {qualified name: pattern} of the replaced layers.
     """
     candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
     _check_backend(backend)
+    _check_tokens(faster_at)
     skip = set(skip)
     plan = {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in skip:
             found = detect_pattern(module.weight.detach(), candidates)
-            if found is not None:
+            if found is not None and _pays(module, found, faster_at):
                 plan[name] = found
     for name, found in plan.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SparseLinear.from_dense(getattr(parent, child), found, backend=backend))
+        _replace(model, name, SparseLinear.from_dense(model.get_submodule(name), found, backend=backend))
     return {name: str(found) for name, found in plan.items()}
+
+
+def densify_slower_(model: nn.Module, faster_at: int) -> Dict[str, str]:
+    """Turn back into nn.Linear, in place, every SparseLinear of ``model`` that the dispatch table
+    says runs no faster than dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint
+    on a machine where a layer does not pay). Returns {qualified name: pattern} of those layers."""
+    _check_tokens(faster_at, allow_none=False)
+    slower = {name: module for name, module in model.named_modules()
+              if isinstance(module, SparseLinear) and not _pays(module, module.pattern, faster_at)}
+    for name, module in slower.items():
+        _replace(model, name, module.to_dense())
+    return {name: str(module.pattern) for name, module in slower.items()}
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def sparse_layers(model: nn.Module) -> Dict[str, Dict]:
