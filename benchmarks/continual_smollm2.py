@@ -68,8 +68,9 @@ def markdown(result) -> str:
             continue
         cells = [_spread(row['per_dataset'][d]['bwt'], row['per_dataset'][d]['bwt_std']) + " | " +
                  _spread(row['per_dataset'][d]['ppl'], row['per_dataset'][d]['ppl_std']) for d in s["datasets"]]
-        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | {_fmt(row['a_bwt'])} | "
-                     f"{_fmt(row['m_bwt'])} | {row['a_ppl']:.3f} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
+        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | "
+                     f"{_spread(row['a_bwt'], row['a_bwt_std'])} | {_fmt(row['m_bwt'])} | "
+                     f"{_spread(row['a_ppl'], row['a_ppl_std'])} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
                      + " | ".join(cells)
                      + f" | {row['time_s']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -84,10 +85,10 @@ def _current(row):
     if " per " not in row["pattern"] and ":" not in row["pattern"]:
         method = row["method"].split(" ")[0]
         row["pattern"] += f" per {methods.get(method).default_scope}"
-    if "a_ppl_steps" not in row:
+    if "a_ppl_steps" not in row or "a_bwt_std" not in row:
         names = list(row["per_dataset"])
         measured = continual.metrics(names, {tuple(r["order"]): r["steps"] for r in row["matrix"]})
-        row.update(a_ppl_steps=measured["a_ppl_steps"], m_ppl_steps=measured["m_ppl_steps"])
+        row.update({key: measured[key] for key in ("a_ppl_steps", "m_ppl_steps", "a_ppl_std", "a_bwt_std")})
     return row
 
 
@@ -156,8 +157,8 @@ def main(argv=None):
             report["time_s"] = round(time.perf_counter() - start, 1)
             row.clear()
             row.update(label, resumed_orders=len(done), **{k: report[k] for k in (
-                "a_ppl", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "m_bwt", "per_dataset", "matrix",
-                "time_s")})
+                "a_ppl", "a_ppl_std", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "a_bwt_std", "m_bwt",
+                "per_dataset", "matrix", "time_s")})
             save()
             print(f"{pattern} {method} ({label['init']}): A-BWT {_fmt(report['a_bwt'])} M-BWT "
                   f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} (over every step "

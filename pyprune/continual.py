@@ -20,7 +20,8 @@ forgetting); per dataset the mean over orders; ``a_bwt`` the mean of the per-dat
 ``m_bwt`` the largest single value. ``a_ppl`` is the mean over datasets of the mean perplexity
 of the final models, ``m_ppl`` the largest final perplexity; ``a_ppl_steps`` (Eq. 13's other
 reading, P^{i,j}_π over every step i and dataset j of every order) the mean of P over every
-step, dataset and order, ``m_ppl_steps`` its largest value.
+step, dataset and order, ``m_ppl_steps`` its largest value. ``a_ppl_std`` / ``a_bwt_std``: the
+spread across orders (standard deviation of each order's own mean final perplexity / mean BWT).
 """
 from __future__ import annotations
 
@@ -175,10 +176,17 @@ def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:
         bwt_all += bwts
     with_bwt = [entry["bwt"] for entry in per_dataset.values() if entry["bwt"] is not None]
     every_step = [step["perplexity"][name] for steps in matrix.values() for step in steps for name in names]
+    # the spread across orders: each order's own A-PPL and A-BWT (with every order run, their mean
+    # over orders is the A-PPL / A-BWT above)
+    order_ppl = [statistics.fmean(steps[-1]["perplexity"][name] for name in names) for steps in matrix.values()]
+    order_bwt = [statistics.fmean(steps[-1]["perplexity"][name] - steps[order.index(name)]["perplexity"][name]
+                                  for name in order[:-1]) for order, steps in matrix.items() if len(order) > 1]
     return {"per_dataset": per_dataset,
             "a_ppl": statistics.fmean(entry["ppl"] for entry in per_dataset.values()),
+            "a_ppl_std": statistics.pstdev(order_ppl),
             "m_ppl": max(final_all),
             "a_ppl_steps": statistics.fmean(every_step), "m_ppl_steps": max(every_step),
             "a_bwt": statistics.fmean(with_bwt) if with_bwt else None,
+            "a_bwt_std": statistics.pstdev(order_bwt) if order_bwt else None,
             "m_bwt": max(bwt_all) if bwt_all else None}
 

@@ -202,6 +202,8 @@ def test_metrics_by_hand():
     assert result["per_dataset"]["A"]["ppl"] == pytest.approx(11.5)
     assert result["a_bwt"] == pytest.approx(2.5) and result["m_bwt"] == pytest.approx(3.0)
     assert result["a_ppl"] == pytest.approx((11.5 + 22.0) / 2) and result["m_ppl"] == pytest.approx(24.0)
+    # spread across orders: order (A, B) has A-BWT 2 and final mean 16, order (B, A) 3 and 17.5
+    assert result["a_bwt_std"] == pytest.approx(0.5) and result["a_ppl_std"] == pytest.approx(0.75)
 
 
 def _tasks():
