@@ -73,7 +73,26 @@ def markdown(result) -> str:
                      f"{_spread(row['a_ppl'], row['a_ppl_std'])} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
                      + " | ".join(cells)
                      + f" | {row['time_s']:.0f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _per_order(result)) + "\n"
+
+
+def _per_order(result) -> list:
+    """Each order's own A-BWT and mean final perplexity per row (where a row ran more than one order),
+    for paired comparisons between rows."""
+    rows = [row for row in result["rows"] if not row.get("partial") and len(row["matrix"]) > 1]
+    if not rows:
+        return []
+    orders = [tuple(run["order"]) for run in rows[0]["matrix"]]
+    lines = ["", "Per order: A-BWT / mean final perplexity of that order alone.", "",
+             "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders) + " |",
+             "|---|---|---|" + "---:|" * len(orders)]
+    for row in rows:
+        by_order = {tuple(run["order"]): continual.metrics(list(run["order"]), {tuple(run["order"]): run["steps"]})
+                    for run in row["matrix"]}
+        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | " + " | ".join(
+            f"{_fmt(by_order[o]['a_bwt'], 2)} / {by_order[o]['a_ppl']:.2f}" if o in by_order else "–"
+            for o in orders) + " |")
+    return lines
 
 
 def _current(row):
