@@ -161,6 +161,7 @@ def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:
     """Per-dataset and overall A-/M-PPL and A-/M-BWT (COPAL Eqs. 13-14) of the runs in ``matrix``
     (order -> steps, each ``{"pruned_on": name, "perplexity": {dataset: ppl}}``)."""
     per_dataset, final_all, bwt_all = {}, [], []
+    by_order: Dict[tuple, List[float]] = {}  # each order's BWTs, for the spread across orders
     for name in names:
         finals, bwts = [], []
         for order, steps in matrix.items():
@@ -168,6 +169,7 @@ def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:
             finals.append(final)
             if order[-1] != name:
                 bwts.append(final - steps[order.index(name)]["perplexity"][name])
+                by_order.setdefault(order, []).append(bwts[-1])
         per_dataset[name] = {
             "ppl": statistics.fmean(finals), "ppl_std": statistics.pstdev(finals),
             "bwt": statistics.fmean(bwts) if bwts else None,
@@ -179,8 +181,7 @@ def metrics(names: Sequence[str], matrix: Dict[tuple, list]) -> Dict:
     # the spread across orders: each order's own A-PPL and A-BWT (with every order run, their mean
     # over orders is the A-PPL / A-BWT above)
     order_ppl = [statistics.fmean(steps[-1]["perplexity"][name] for name in names) for steps in matrix.values()]
-    order_bwt = [statistics.fmean(steps[-1]["perplexity"][name] - steps[order.index(name)]["perplexity"][name]
-                                  for name in order[:-1]) for order, steps in matrix.items() if len(order) > 1]
+    order_bwt = [statistics.fmean(values) for values in by_order.values()]
     return {"per_dataset": per_dataset,
             "a_ppl": statistics.fmean(entry["ppl"] for entry in per_dataset.values()),
             "a_ppl_std": statistics.pstdev(order_ppl),
