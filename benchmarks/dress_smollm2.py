@@ -17,10 +17,12 @@ perplexity after slicing and after LoRA on both texts, the weight mass of the re
 training relative to before (Fig. 5's measure), overall, per layer and per kind of matrix (also
 plotted, dress-smollm2-135m-mass-<channels>.svg), the norm rescale measured against sqrt(d/d'), and the wall
 time of each phase. Results: benchmarks/results/dress-smollm2-135m.{json,md}, rewritten after every
-row; a rerun skips the rows already there.
+row (merged with the rows a concurrent run of other ``--channels`` / ``--arms`` wrote meanwhile); a
+rerun skips the rows already there. ``--tasks`` adds zero-shot accuracy after LoRA.
 
     python benchmarks/dress_smollm2.py
     python benchmarks/dress_smollm2.py --channels last --steps 120 --lam 1 --lr 1e-3
+    python benchmarks/dress_smollm2.py --channels first --arms slice,dress --tasks austen_continuation,moby_dick_continuation
 """
 import argparse
 import copy
@@ -32,7 +34,7 @@ import torch
 
 from _common import environment, previous_result, svg_line_plot, write_atomic, write_json
 import pyprune
-from pyprune import data
+from pyprune import data, zeroshot
 from pyprune.eval import perplexity
 from pyprune.methods.dress import DReSS
 from pyprune.models import load_model
@@ -47,13 +49,39 @@ KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
          "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
 
 
+ARMS = ("slice", "dress", "lam0", "npr")
+CHANNELS = ("quiet", "last", "first", "spread")
+
+
 def arms(args):
-    """(label, DReSS options, train the sliced model afterwards) of every row of one channel choice."""
+    """(label, DReSS options, train the sliced model afterwards) of the rows of one channel choice
+    that ``--arms`` asks for, in :data:`ARMS` order."""
     trained = {k: getattr(args, k) for k in ("lam", "lr", "norm", "train_batch")}
-    return [("slice only (w/o R)", {"steps": 0}, False),
-            (f"DReSS-{args.norm}", {"steps": args.steps, **trained}, False),
-            ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
-            ("slice, then train (N&P&R)", {"steps": 0}, True)]
+    every = {"slice": ("slice only (w/o R)", {"steps": 0}, False),
+             "dress": (f"DReSS-{args.norm}", {"steps": args.steps, **trained}, False),
+             "lam0": ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
+             "npr": ("slice, then train (N&P&R)", {"steps": 0}, True)}
+    return [every[name] for name in ARMS if name in args.arms]
+
+
+def parse_arms(value):
+    names = [name for name in value.split(",") if name]
+    unknown = sorted(set(names) - set(ARMS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--arms takes a comma-separated subset of {','.join(ARMS)}; "
+                                         f"got {value!r}")
+    return set(names)
+
+
+def is_row(row, label, options) -> bool:
+    """Whether the stored ``row`` is the arm ``label`` run with ``options``."""
+    return row["label"] == label and all(row.get(k) == v for k, v in options.items())
+
+
+def row_order(labels):
+    """Sort key of the rows: channel choice, then arm (rows of unknown labels last)."""
+    position = lambda value, order: order.index(value) if value in order else len(order)  # noqa: E731
+    return lambda row: (position(row["channels"], CHANNELS), position(row["label"], labels))
 
 
 def mass_plot(row) -> str:
@@ -87,6 +115,16 @@ def markdown(result) -> str:
                      f"{r['slice_mass_ratio']:.3f} | "
                      + " | ".join(f"{r['ppl_sliced'][t]:.2f} | {r['ppl_lora'][t]:.2f}" for t in texts)
                      + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
+    tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
+    if tasks:
+        lines += ["", "Zero-shot accuracy after LoRA (pyprune.zeroshot, acc ± stderr; rows run with --tasks):", "",
+                  "| channels | setting | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
+        for r in result["rows"]:
+            scores = r.get("zero_shot_lora", {})
+            if scores:
+                lines.append(f"| {r['channels']} | {r['label']} | " + " | ".join(
+                    f"{scores[t]['acc']:.3f} ± {scores[t]['stderr']:.3f} (n {scores[t]['n']})" if t in scores
+                    else "–" for t in tasks) + " |")
     lines += ["", "Slice mass after/before per kind of matrix (Fig. 5; rows that trained before slicing):", "",
               "| channels | setting | " + " | ".join(KINDS) + " |", "|---|---|" + "---:|" * len(KINDS)]
     for r in result["rows"]:
@@ -111,7 +149,7 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--nsamples", type=int, default=DReSS.calibration[0])
     parser.add_argument("--seqlen", type=int, default=DReSS.calibration[1])
-    parser.add_argument("--channels", default="quiet,last,first,spread",
+    parser.add_argument("--channels", default=",".join(CHANNELS),
                         help="comma-separated channel choices, each four rows (quiet, last, first, spread)")
     for name in ("steps", "lam", "lr", "norm", "train_batch", "rescale_norms", "lora_steps", "lora_lr"):
         kind = type(DEFAULTS[name])
@@ -120,8 +158,17 @@ def main(argv=None):
     parser.set_defaults(lora_steps=50)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=256)
+    parser.add_argument("--arms", type=parse_arms, default=set(ARMS),
+                        help=f"comma-separated rows of each channel choice to run (default all: {','.join(ARMS)})")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated zero-shot tasks (pyprune.zeroshot) scored on each row's model "
+                             "after LoRA, e.g. austen_continuation,moby_dick_continuation")
+    parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
     parser.add_argument("--output", default=os.path.join(RESULTS, "dress-smollm2-135m.json"))
     args = parser.parse_args(argv)
+    tasks = None
+    if args.tasks:  # before the model loads: a task whose data cannot be had fails here
+        tasks = zeroshot.load_tasks(args.tasks.split(","))
 
     dense_model, tokenizer = load_model("smollm2-135m")
     calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=0)
@@ -142,10 +189,11 @@ def main(argv=None):
     def evaluate(model):
         return {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
 
+    labels = [label for label, _, _ in arms(argparse.Namespace(**{**vars(args), "arms": set(ARMS)}))]
     for channels in args.channels.split(","):
         for label, options, train_after in arms(args):
             options = dict(options, channels=channels, rescale_norms=args.rescale_norms)
-            if any(r["label"] == label and all(r.get(k) == v for k, v in options.items()) for r in rows):
+            if any(is_row(r, label, options) for r in rows):
                 continue
             model = copy.deepcopy(dense_model)
             start = time.perf_counter()
@@ -162,17 +210,24 @@ def main(argv=None):
                           batch_size=args.train_batch, progress=True)
             lora_s = time.perf_counter() - start
             ppl_lora = evaluate(model)
+            zero_shot = {} if tasks is None else {
+                name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
+                for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=args.limit).items()}
             row = {"label": label, "lam": None, "lr": args.lr, "norm": None, "train_batch": args.train_batch,
                    **options, "train_steps": args.steps if train_after else options["steps"],
                    "slice_mass_ratio": report["slice_mass_ratio"],
                    **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
                       for k in ("tensor", "layer", "kind")},
                    "norm_scale": report["norm_scale"], "width_scale": report["width_scale"],
-                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "train_s": train_s, "lora_s": lora_s,
+                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": zero_shot,
+                   "train_s": train_s, "lora_s": lora_s,
                    "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                    "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
                    "loss": log.get("loss"), "penalty": log.get("penalty")}
-            rows.append(row)
+            # rows a concurrent run (same settings, other --channels / --arms) wrote meanwhile are kept
+            on_disk = previous_result(args.output, settings)
+            rows = [r for r in (on_disk["rows"] if on_disk else rows) if not is_row(r, label, options)] + [row]
+            rows.sort(key=row_order(labels))
             print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced}, "
                   f"+ LoRA {ppl_lora}", flush=True)
             result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
