@@ -238,7 +238,7 @@ def test_on_smollm2_quiet_channels_and_regularisation_each_lower_the_sliced_perp
     from pyprune.eval import perplexity
 
     dense, tokenizer = smollm2
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=80, seqlen=128, seed=0)
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=80, seqlen=64, seed=0)
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=2048)
     ppl, mass = {}, {}
     for label, options in (("last", {"steps": 0, "channels": "last"}), ("quiet", {"steps": 0}),

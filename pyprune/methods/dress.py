@@ -123,8 +123,8 @@ class DReSS(Method):
         energy = None
         device = next(model.parameters()).device
         for batch in windows.split(batch_size):
-            states = model(input_ids=batch.to(device=device, dtype=torch.long), output_hidden_states=True,
-                           use_cache=False).hidden_states
+            states = model.get_decoder()(input_ids=batch.to(device=device, dtype=torch.long),
+                                         output_hidden_states=True, use_cache=False).hidden_states
             sums = torch.stack([h.float().pow(2).sum((0, 1)) for h in states])
             energy = sums if energy is None else energy + sums
         return (energy / energy.sum(1, keepdim=True)).mean(0).cpu()
@@ -191,7 +191,8 @@ class DReSS(Method):
         """Per norm of the hidden stream, the factor that keeps its output on the kept channels once
         the others are sliced: an RMS norm over d' channels divides by sqrt(s·d'/d) times the old
         RMS, s = Σ_kept x² / Σ x² of the token's input, so the factor is sqrt(s·d/d'), averaged over
-        the tokens of ``windows``; it is sqrt(d/d') exactly when the removed channels are zero."""
+        the tokens of ``windows`` (a pass of the decoder, no LM head); it is sqrt(d/d') exactly when
+        the removed channels are zero."""
         stream = hidden_stream(model)
         device = next(model.parameters()).device
         index, width = keep.to(device), model.config.hidden_size / keep.numel()
@@ -208,7 +209,7 @@ class DReSS(Method):
         handles = [norm.register_forward_pre_hook(record(name)) for name, norm in stream["norms"].items()]
         try:
             for batch in windows.split(batch_size):
-                model(input_ids=batch.to(device=device, dtype=torch.long), use_cache=False)
+                model.get_decoder()(input_ids=batch.to(device=device, dtype=torch.long), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
