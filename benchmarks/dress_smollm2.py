@@ -73,6 +73,12 @@ def parse_arms(value):
     return set(names)
 
 
+def zero_shot(model, tokenizer, tasks, limit):
+    """{task: {acc, stderr, n, chance}} of ``model`` on the first ``limit`` items of each task."""
+    return {name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
+            for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=limit).items()}
+
+
 def is_row(row, label, options) -> bool:
     """Whether the stored ``row`` is the arm ``label`` run with ``options``."""
     return row["label"] == label and all(row.get(k) == v for k, v in options.items())
@@ -117,7 +123,10 @@ def markdown(result) -> str:
                      + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:
-        lines += ["", "Zero-shot accuracy after LoRA (pyprune.zeroshot, acc ± stderr; rows run with --tasks):", "",
+        dense = result.get("dense_zero_shot", {})
+        lines += ["", "Zero-shot accuracy after LoRA (pyprune.zeroshot, acc ± stderr; rows run with --tasks); dense "
+                  + ", ".join(f"{t} {v['acc']:.3f} ± {v['stderr']:.3f}" for t, v in sorted(dense.items()))
+                  + (f", chance {next(iter(dense.values()))['chance']:g}" if dense else "") + ":", "",
                   "| channels | setting | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
         for r in result["rows"]:
             scores = r.get("zero_shot_lora", {})
@@ -186,6 +195,19 @@ def main(argv=None):
     dense = keep["dense"] if keep else {text: perplexity(dense_model, ids, args.eval_seqlen, progress=False)
                                         for text, ids in tokens.items()}
 
+    dense_zero_shot = keep.get("dense_zero_shot", {}) if keep else {}
+
+    def save(rows):
+        result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
+                  "dense_zero_shot": dense_zero_shot, "rows": rows}
+        write_json(args.output, result)
+        write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+
+    if tasks is not None and not set(tasks.tasks) <= set(dense_zero_shot):
+        dense_zero_shot.update(zero_shot(dense_model, tokenizer, tasks, args.limit))
+        on_disk = previous_result(args.output, settings)
+        save(on_disk["rows"] if on_disk else rows)
+
     def evaluate(model):
         return {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
 
@@ -210,16 +232,14 @@ def main(argv=None):
                           batch_size=args.train_batch, progress=True)
             lora_s = time.perf_counter() - start
             ppl_lora = evaluate(model)
-            zero_shot = {} if tasks is None else {
-                name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
-                for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=args.limit).items()}
+            scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, args.limit)
             row = {"label": label, "lam": None, "lr": args.lr, "norm": None, "train_batch": args.train_batch,
                    **options, "train_steps": args.steps if train_after else options["steps"],
                    "slice_mass_ratio": report["slice_mass_ratio"],
                    **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
                       for k in ("tensor", "layer", "kind")},
                    "norm_scale": report["norm_scale"], "width_scale": report["width_scale"],
-                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": zero_shot,
+                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": scores,
                    "train_s": train_s, "lora_s": lora_s,
                    "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                    "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
@@ -230,10 +250,7 @@ def main(argv=None):
             rows.sort(key=row_order(labels))
             print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced}, "
                   f"+ LoRA {ppl_lora}", flush=True)
-            result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
-                      "rows": rows}
-            write_json(args.output, result)
-            write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+            save(rows)
             if options["steps"] > 0 and options["lam"] > 0:
                 write_atomic(f"{os.path.splitext(args.output)[0]}-mass-{channels}.svg", mass_plot(row))
     return 0
