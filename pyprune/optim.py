@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, reference
 from .patterns import NM, Pattern, Unstructured, parse
 
 
@@ -170,7 +170,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    step=self.steps_done)
                 if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
                     for p, state in members:
-                        gap = state["anchor"].float() + state["v"] * (1.0 - 2.0 * state["keep"].float())
+                        gap = reference.admm_gap(state["anchor"], state["v"], state["keep"])
                         p.sub_((group["lr"] * self.lam * gap).to(p.dtype))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()

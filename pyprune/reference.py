@@ -258,6 +258,12 @@ def sam_perturb_(params, grads, anchors, rho: float) -> Tensor:
     return norm
 
 
+def admm_gap(x: Tensor, v: Tensor, keep: Tensor) -> Tensor:
+    """x − z + u in fp32 from the compact ADMM state (z = v⊙keep, u = v⊙¬keep): x + v⊙(1 − 2·keep),
+    the term the penalty λ(x − z + u) of Eq. (5) scales."""
+    return x.float() + v * (1.0 - 2.0 * keep.float())
+
+
 def sam_adam_step_(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr: float, beta1: float,
                    beta2: float, eps: float, weight_decay: float, lam: float, step: int) -> None:
     """Eq. (5) with Adam: x ← anchor (undo the SAM ascent), G = g + lam·(x − z + u) with
@@ -266,7 +272,7 @@ def sam_adam_step_(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr:
     bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     for p, g, anchor, v, keep, m1, m2 in zip(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs):
         x = anchor.float()
-        G = g.float() + lam * (x + v * (1.0 - 2.0 * keep.float()))
+        G = g.float() + lam * admm_gap(x, v, keep)
         x = x * (1.0 - lr * weight_decay)
         m1.mul_(beta1).add_(G, alpha=1.0 - beta1)
         m2.mul_(beta2).addcmul_(G, G, value=1.0 - beta2)
