@@ -53,15 +53,15 @@ ARMS = ("slice", "dress", "lam0", "npr")
 CHANNELS = ("quiet", "last", "first", "spread")
 
 
-def arms(args):
+def arms(args, names=ARMS):
     """(label, DReSS options, train the sliced model afterwards) of the rows of one channel choice
-    that ``--arms`` asks for, in :data:`ARMS` order."""
+    named in ``names``, in :data:`ARMS` order."""
     trained = {k: getattr(args, k) for k in ("lam", "lr", "norm", "train_batch")}
     every = {"slice": ("slice only (w/o R)", {"steps": 0}, False),
              "dress": (f"DReSS-{args.norm}", {"steps": args.steps, **trained}, False),
              "lam0": ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
              "npr": ("slice, then train (N&P&R)", {"steps": 0}, True)}
-    return [every[name] for name in ARMS if name in args.arms]
+    return [every[name] for name in ARMS if name in names]
 
 
 def parse_arms(value):
@@ -197,23 +197,32 @@ def main(argv=None):
 
     dense_zero_shot = keep.get("dense_zero_shot", {}) if keep else {}
 
-    def save(rows):
+    def save(row=None, label=None, options=None):
+        """Write the results: the rows and dense zero-shot scores a concurrent run (same settings,
+        other --channels / --arms) wrote meanwhile, with this run's ``row`` (replacing its earlier
+        copy) and dense scores; returns the rows."""
+        on_disk = previous_result(args.output, settings)
+        stored = on_disk["rows"] if on_disk else rows
+        if row is not None:
+            stored = [r for r in stored if not is_row(r, label, options)] + [row]
+        stored.sort(key=row_order(labels))
+        scores = {**(on_disk.get("dense_zero_shot", {}) if on_disk else {}), **dense_zero_shot}
         result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
-                  "dense_zero_shot": dense_zero_shot, "rows": rows}
+                  "dense_zero_shot": scores, "rows": stored}
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+        return stored
 
+    labels = [label for label, _, _ in arms(args)]
     if tasks is not None and not set(tasks.tasks) <= set(dense_zero_shot):
         dense_zero_shot.update(zero_shot(dense_model, tokenizer, tasks, args.limit))
-        on_disk = previous_result(args.output, settings)
-        save(on_disk["rows"] if on_disk else rows)
+        rows = save()
 
     def evaluate(model):
         return {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
 
-    labels = [label for label, _, _ in arms(argparse.Namespace(**{**vars(args), "arms": set(ARMS)}))]
     for channels in args.channels.split(","):
-        for label, options, train_after in arms(args):
+        for label, options, train_after in arms(args, args.arms):
             options = dict(options, channels=channels, rescale_norms=args.rescale_norms)
             if any(is_row(r, label, options) for r in rows):
                 continue
@@ -244,13 +253,9 @@ def main(argv=None):
                    "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                    "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
                    "loss": log.get("loss"), "penalty": log.get("penalty")}
-            # rows a concurrent run (same settings, other --channels / --arms) wrote meanwhile are kept
-            on_disk = previous_result(args.output, settings)
-            rows = [r for r in (on_disk["rows"] if on_disk else rows) if not is_row(r, label, options)] + [row]
-            rows.sort(key=row_order(labels))
             print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced}, "
                   f"+ LoRA {ppl_lora}", flush=True)
-            save(rows)
+            rows = save(row, label, options)
             if options["steps"] > 0 and options["lam"] > 0:
                 write_atomic(f"{os.path.splitext(args.output)[0]}-mass-{channels}.svg", mass_plot(row))
     return 0
