@@ -116,7 +116,8 @@ class DReSS(Method):
     def channel_energy(model: nn.Module, windows: Tensor, batch_size: int) -> Tensor:
         """Each hidden channel's share of the residual stream's energy Σx², averaged over the hidden
         states of ``output_hidden_states`` on ``windows`` (the embedding output, every block's output
-        but the last, the final norm's output; each weighs the same). A few massive-activation
+        but the last, the final norm's output; each weighs the same; a pass of the decoder, no LM
+        head). A few massive-activation
         channels hold most of it (SmolLM2-135M: channel 507, 71% on this average and 89-98% of the
         outputs of blocks 12-28, benchmarks/dress_channel_energy.py); slicing one of them breaks the
         model, whatever the regularisation (DReSS's positional choices appear to miss LLaMA-2-7B's)."""
