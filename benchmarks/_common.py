@@ -157,6 +157,14 @@ def previous_result(path, settings):
     return result if result.get("settings") == settings else None
 
 
+def merge_rows(rows, stored, key):
+    """Extend ``rows`` (in place) by the ``stored`` rows whose ``key`` none of them has: the rows a
+    concurrent run with the same settings wrote to the results file meanwhile. Returns ``rows``."""
+    have = {key(row) for row in rows}
+    rows.extend(row for row in stored if key(row) not in have)
+    return rows
+
+
 def write_json(path, report):
     write_atomic(path, json.dumps(report, indent=2) + "\n")
 

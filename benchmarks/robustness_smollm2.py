@@ -39,7 +39,7 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from _common import environment, previous_result, write_atomic, write_json
+from _common import environment, merge_rows, previous_result, write_atomic, write_json
 from pyprune import data, robustness
 from pyprune.models import load_model
 
@@ -59,6 +59,10 @@ def layer_protocol(layers: str, ratio: float, n_layers: int):
 
 def _key(run):
     return (run["method"], run["arithmetic"], run["layers"], run["overall_ratio"])
+
+
+def _run_key(run):
+    return (*_key(run), run["seed"])
 
 
 def _scores_path(directory, run, seed):
@@ -219,6 +223,8 @@ def main(argv=None):
     runs = result["runs"]
 
     def save():
+        merge_rows(runs, (previous_result(args.output, settings) or {}).get("runs", []), _run_key)
+        runs.sort(key=lambda run: run["seed"])  # stable: each seed's runs in the order they were made
         result["environment"] = environment(torch.device("cpu"))
         result["calibration_floor"] = calibration_floor(runs, scores_dir)
         write_json(args.output, result)
@@ -229,7 +235,7 @@ def main(argv=None):
         for ratio, arithmetic, method in itertools.product(args.ratios, args.arithmetic, args.methods):
             run = {"method": method, "arithmetic": arithmetic, "layers": args.layers, "overall_ratio": ratio,
                    "seed": seed}
-            if any(_key(r) == _key(run) and r["seed"] == seed for r in runs):
+            if any(_run_key(r) == _run_key(run) for r in runs):
                 continue
             first, last, layer_ratio = layer_protocol(args.layers, ratio, n_layers)
             options = {"first_layer": first, "last_layer": last}

@@ -1,24 +1,29 @@
 """SAFE / SAFE⁺ against Wanda and SparseGPT on SmolLM2-135M (the paper's Table 1 setting, small).
 
-Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (the embedded corpus ``emma``);
-evaluation: perplexity on the first ``--eval-tokens`` tokens of Pride and Prejudice in
-``--seqlen`` windows. Every row prunes a fresh copy of the dense model; SAFE runs with its CPU
-defaults unless ``--safe-options`` sets others (e.g. the paper's ``epochs=30 train_batch=8
-dual_interval=32``). Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after
+Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (the embedded corpus ``emma``),
+the same for every method (SAFE's default, 64 x 256); evaluation: perplexity on the first
+``--eval-tokens`` tokens of Pride and Prejudice in ``--seqlen`` windows (held out). Every row prunes
+a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
+others (e.g. the paper's ``epochs=30 train_batch=8 dual_interval=32``). At unstructured patterns
+the SAFE rows run once per ``--scopes`` entry: per-row top-k (Wanda's comparison group) and
+per-tensor top-k (the authors' projection); Wanda and SparseGPT keep their own (per row). Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after
 every row; a rerun with the same settings resumes. Each SAFE row also records its convergence
 diagnostics (‖x − z‖/‖x‖ at every dual update, first and last block losses).
 
     python benchmarks/safe_smollm2.py                                 # the README table
+    python benchmarks/safe_smollm2.py --patterns 0.5 & python benchmarks/safe_smollm2.py --patterns 2:4 4:8
+                                                          # two processes: each keeps the other's rows
     python benchmarks/safe_smollm2.py --patterns 2:4 --methods safe+ wanda --safe-options lr=1e-3
 """
 import argparse
 import copy
+import json
 import os
 import sys
 
 import torch
 
-from _common import environment, previous_result, write_atomic, write_json
+from _common import environment, merge_rows, previous_result, write_atomic, write_json
 import pyprune
 from pyprune import data
 from pyprune.eval import perplexity
@@ -49,21 +54,26 @@ def markdown(result) -> str:
              f"torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
              "| pattern | method | perplexity | measured sparsity | pattern valid | ‖x−z‖/‖x‖ first → last dual "
-             "update (mean over blocks) | prune time (s) |",
+             "update (mean over blocks; worst block at the last) | prune time (s) |",
              "|---|---|---:|---:|---|---|---:|"]
     for row in result["rows"]:
-        residual = (f"{row['residual_first']:.3f} → {row['residual_last']:.3f}"
+        method = row["method"] + (" (per tensor)" if row.get("scope") == "tensor" else "")
+        residual = (f"{row['residual_first']:.3f} → {row['residual_last']:.4f}"
+                    + (f" (worst {row['residual_last_max']:.4f})" if "residual_last_max" in row else "")
                     if row.get("residual_first") is not None else "–")
-        lines.append(f"| {row['pattern']} | {row['method']} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
-                     f"{row['valid']} | {residual} | {row['time_s']:.0f} |")
+        when = f" ({row['threads']} threads, load {row['load_avg']:.1f})" if "threads" in row else ""
+        lines.append(f"| {row['pattern']} | {method} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
+                     f"{row['valid']} | {residual} | {row['time_s']:.0f}{when} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
+    parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4", "4:8"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--nsamples", type=int, default=16)
+    parser.add_argument("--scopes", nargs="+", default=["row", "tensor"], choices=("row", "tensor"),
+                        help="top-k scopes of the SAFE rows at unstructured patterns")
+    parser.add_argument("--nsamples", type=int, default=64)
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tokens", type=int, default=8192)
@@ -86,36 +96,64 @@ def main(argv=None):
     dense = keep["dense"] if keep else perplexity(dense_model, tokens, args.seqlen, progress=False)
 
     def save():
+        merge_rows(rows, (previous_result(args.output, settings) or {}).get("rows", []), _row_key)
+        rows.sort(key=_row_order)
         result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
                   "rows": rows}
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
     save()
-    for spec in args.patterns:
-        for method in args.methods:
-            pattern = pyprune.patterns.parse(spec)
-            options = safe_options if method.startswith("safe") else {}
-            resolved = pyprune.methods.get(method, **options).settings
-            if any(r["pattern"] == str(pattern) and r["method"] == method and r["options"] == resolved
-                   for r in rows):
-                continue  # done before with the same options (a changed default reruns the row)
-            rows[:] = [r for r in rows if not (r["pattern"] == str(pattern) and r["method"] == method)]
-            model = copy.deepcopy(dense_model)
-            report = pyprune.prune(model, method, pattern, calib, **options)
-            row = {"pattern": str(pattern), "method": method, "options": report["options"],
-                   "perplexity": perplexity(model, tokens, args.seqlen, progress=False),
-                   "sparsity": report["sparsity"], "time_s": report["time_s"],
-                   "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
-            if "blocks" in report:
-                blocks = report["blocks"]
-                row["residual_first"] = sum(b["residuals"][0] for b in blocks) / len(blocks)
-                row["residual_last"] = sum(b["residuals"][-1] for b in blocks) / len(blocks)
-                row["blocks"] = blocks
-            rows.append(row)
-            save()
-            print(f"{pattern} {method}: perplexity {row['perplexity']:.3f} ({row['time_s']:.0f} s)", flush=True)
+    for spec, method, scope in runs(args):
+        pattern = pyprune.patterns.parse(spec)
+        if scope is not None:
+            pattern = pyprune.patterns.Unstructured(pattern.sparsity, scope)
+        options = safe_options if method.startswith("safe") else {}
+        resolved = pyprune.methods.get(method, **options).settings
+        key = (str(pattern), method, scope)
+        if any(_row_key(r) == key and r["options"] == resolved for r in rows):
+            continue  # done before with the same options (a changed default reruns the row)
+        rows[:] = [r for r in rows if _row_key(r) != key]
+        model = copy.deepcopy(dense_model)
+        load_before = os.getloadavg()[0]
+        report = pyprune.prune(model, method, pattern, calib, **options)
+        row = {"pattern": str(pattern), "method": method, "scope": scope, "options": report["options"],
+               "perplexity": perplexity(model, tokens, args.seqlen, progress=False),
+               "sparsity": report["sparsity"], "time_s": report["time_s"],
+               "threads": torch.get_num_threads(), "load_avg": (load_before + os.getloadavg()[0]) / 2,
+               "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
+        if "blocks" in report:
+            blocks = report["blocks"]
+            row["residual_first"] = sum(b["residuals"][0] for b in blocks) / len(blocks)
+            row["residual_last"] = sum(b["residuals"][-1] for b in blocks) / len(blocks)
+            row["residual_last_max"] = max(b["residuals"][-1] for b in blocks)
+            row["blocks"] = blocks
+        rows.append(row)
+        save()
+        print(f"{pattern} {method} {scope or ''}: perplexity {row['perplexity']:.3f} ({row['time_s']:.0f} s)",
+              flush=True)
     return 0
+
+
+def _row_key(row):
+    return row["pattern"], row["method"], row.get("scope")
+
+
+def _row_order(row):
+    """Unstructured before N:M, then the pattern, the method's place in METHODS, per row before per tensor."""
+    pattern, method, scope = _row_key(row)
+    return ":" in pattern, pattern, METHODS.index(method), scope == "tensor"
+
+
+def runs(args):
+    """(pattern spec, method, scope) for every row: the SAFE rows once per scope at unstructured
+    patterns (scope None: the method's own)."""
+    for spec in args.patterns:
+        unstructured = ":" not in spec
+        for method in args.methods:
+            scopes = args.scopes if unstructured and method.startswith("safe") else [None]
+            for scope in scopes:
+                yield spec, method, scope
 
 
 if __name__ == "__main__":
