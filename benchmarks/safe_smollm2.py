@@ -31,6 +31,8 @@ from pyprune.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("wanda", "sparsegpt", "safe", "safe+")
+#: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
+RISE_NOISE, CONVERGED = 0.002, 0.05
 
 
 def _option(text: str):
@@ -45,6 +47,17 @@ def _option(text: str):
     return name, value
 
 
+def unconverged(blocks) -> str:
+    """The blocks whose ‖x − z‖/‖x‖ rises between two dual updates by more than RISE_NOISE, and
+    those whose last one is above CONVERGED, as "rising / above" lists of block indices."""
+    if not blocks:
+        return "–"
+    rising = [b["block"] for b in blocks
+              if any(later - earlier > RISE_NOISE for earlier, later in zip(b["residuals"], b["residuals"][1:]))]
+    above = [b["block"] for b in blocks if b["residuals"][-1] > CONVERGED]
+    return f"{', '.join(map(str, rising)) or 'none'} / {', '.join(map(str, above)) or 'none'}"
+
+
 def markdown(result) -> str:
     s = result["settings"]
     env = result["environment"]
@@ -54,8 +67,9 @@ def markdown(result) -> str:
              f"torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
              "| pattern | method | perplexity | measured sparsity | pattern valid | ‖x−z‖/‖x‖ first → last dual "
-             "update (mean over blocks; worst block at the last) | prune time (s) |",
-             "|---|---|---:|---:|---|---|---:|"]
+             f"update (mean over blocks; worst block at the last) | blocks whose residual rises (> {RISE_NOISE}) / "
+             f"ends > {CONVERGED} | prune time (s) |",
+             "|---|---|---:|---:|---|---|---|---:|"]
     for row in result["rows"]:
         method = row["method"] + (" (per tensor)" if row.get("scope") == "tensor" else "")
         residual = (f"{row['residual_first']:.3f} → {row['residual_last']:.4f}"
@@ -63,7 +77,7 @@ def markdown(result) -> str:
                     if row.get("residual_first") is not None else "–")
         when = f" ({row['threads']} threads, load {row['load_avg']:.1f})" if "threads" in row else ""
         lines.append(f"| {row['pattern']} | {method} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
-                     f"{row['valid']} | {residual} | {row['time_s']:.0f}{when} |")
+                     f"{row['valid']} | {residual} | {unconverged(row.get('blocks'))} | {row['time_s']:.0f}{when} |")
     return "\n".join(lines) + "\n"
 
 
