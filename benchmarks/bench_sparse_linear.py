@@ -17,7 +17,7 @@ pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads. The CP
 records the CPU model, ISA flags, cache sizes and load averages.
 
     python benchmarks/bench_sparse_linear.py                 # GPU: LLaMA-7B/LLaMA-3-8B linears
-    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M <= 8 and 64
+    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M 1-64 and 256
 """
 import argparse
 import math
@@ -36,8 +36,8 @@ GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 
 GPU_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 #: LLaMA-7B's linears: 64-180 MB in fp32, larger than a CPU's last-level cache, as in real decoding.
 CPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
-#: 1, 2, 4, 8: the CPU kernel's token buckets; 64: a prefill.
-CPU_TOKENS = [1, 2, 4, 8, 64]
+#: The CPU dispatch table's token buckets (pyprune.nn.dispatch.TOKEN_BUCKETS) and a prefill past them.
+CPU_TOKENS = [1, 2, 4, 8, 16, 32, 64, 256]
 PATTERNS = [(2, 4), (4, 8)]
 #: Largest error allowed, relative to the largest |output| of the fp32 reference.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}

@@ -207,8 +207,8 @@ def test_dispatch_key_names_the_cpu_isa_and_model():
     isa, model = dispatch.cpu_isa(), dispatch.cpu_model()
     assert isa in ("avx2", "generic", "none") and model
     assert dispatch.device_key(torch.device("cpu")) == f"cpu/{isa}/{model}"
-    assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 512)] == \
-        ["1", "2", "4", "4", "8", "8", "many", "many"]
+    assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 512)] == \
+        ["1", "2", "4", "4", "8", "8", "16", "64", "64", "many", "many"]
     assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
 
 

@@ -20,12 +20,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Dense W ⊙ mask [rows, cols] from the compressed N:M form (values, packed-mask meta).");
   m.def("nm_linear_gemv", &pyprune_cpu::nm_linear_gemv, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("n"), py::arg("m"), py::arg("bias"),
-        "x [tokens <= 8, K] @ (W ⊙ mask)ᵀ + bias straight from the compressed form: only the kept "
-        "weights are read and multiplied (fp32 accumulation).");
+        "x [tokens, K] @ (W ⊙ mask)ᵀ + bias straight from the compressed form, 8 tokens at a time: only "
+        "the kept weights are read (fp32 accumulation).");
   m.def("nm_linear_gemv_path", &pyprune_cpu::nm_linear_gemv_path, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("n"), py::arg("m"),
         "Which kernel nm_linear_gemv runs for these arguments: 'avx2_permute' (one token of a "
-        "half-density pattern), 'avx2_expand' (2-8 tokens) or 'generic'.");
+        "half-density pattern), 'avx2_expand' (more tokens, 8 at a time) or 'generic'.");
   m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
         "Whether this CPU has AVX2, FMA and F16C (what the avx2 kernels need), at run time.");
   m.def("channel_penalty", &pyprune_cpu::channel_penalty, py::arg("grad"), py::arg("weight"),

@@ -10,6 +10,7 @@
 #include "ops.h"
 #include "parallel.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <climits>
 #include <cstring>
@@ -28,6 +29,8 @@
 namespace pyprune_cpu {
 namespace {
 
+// Tokens per kernel call: more are taken in chunks of this many, each chunk reading the weights
+// again (the expand kernel is bound by its shuffles and x loads there, not by memory).
 constexpr int64_t kMaxTokens = 8;
 
 template <typename T>
@@ -272,7 +275,8 @@ bool has_avx2_fma_f16c() {
 
 // The AVX2 half-density kernel runs for 1:2, 2:4 and 4:8 (m divides 8, so every mask byte keeps
 // exactly 4 columns; 3:6 keeps 3 or 5 in some bytes) of fp32/fp16/bf16 weights; "permute" for one
-// token, "expand" for 2..8. Anything else takes the generic kernel.
+// token, "expand" for more (chunks of kMaxTokens; a last chunk of one token is permuted). Anything
+// else takes the generic kernel.
 const char* gemv_path(int64_t tokens, int64_t rows, int64_t cols, int64_t n, int64_t m,
                       at::ScalarType dtype) {
 #ifdef PYPRUNE_X86
@@ -288,7 +292,6 @@ void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
   const int64_t cols = values.size(1) / n * m;
   check::tensor("nm_linear_gemv", "x", x, 2);
   TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
-  TORCH_CHECK(x.size(0) <= kMaxTokens, "nm_linear_gemv: x may have at most ", kMaxTokens, " rows");
   TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
 }
 
@@ -332,25 +335,29 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
     check::tensor("nm_linear_gemv", "bias", *bias, 1, {x.scalar_type()});
     TORCH_CHECK(bias->size(0) == rows, "nm_linear_gemv: bias must have ", rows, " entries, got ", bias->size(0));
   }
-  torch::Tensor y = torch::empty({x.size(0), rows}, x.options());
+  const int64_t tokens = x.size(0);
+  torch::Tensor y = torch::empty({tokens, rows}, x.options());
   if (y.numel() == 0) return y;
   const torch::Tensor x_float = x.to(at::kFloat).contiguous();
+  [[maybe_unused]] const bool avx2 = std::strcmp(gemv_path(tokens, rows, cols, n, m, x.scalar_type()), "generic") != 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
+    const scalar_t* b = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
+    for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
+      const int64_t count = std::min(kMaxTokens, tokens - t0);
+      const float* xc = x_float.data_ptr<float>() + t0 * cols;
+      scalar_t* yc = y.data_ptr<scalar_t>() + t0 * rows;
 #ifdef PYPRUNE_X86
-    // the choice nm_linear_gemv_path reports
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (std::strcmp(gemv_path(x.size(0), rows, cols, n, m, x.scalar_type()), "generic") != 0) {
-        gemv_half_density<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
-                                    meta.data_ptr<uint8_t>(),
-                                    has_bias ? bias->data_ptr<scalar_t>() : nullptr,
-                                    y.data_ptr<scalar_t>(), x.size(0), rows, cols, meta.size(1));
-        return;
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (avx2) {  // the choice nm_linear_gemv_path reports
+          gemv_half_density<scalar_t>(xc, values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(), b, yc,
+                                      count, rows, cols, meta.size(1));
+          continue;
+        }
       }
-    }
 #endif
-    gemv_rows<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(),
-                        has_bias ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
-                        x.size(0), rows, cols, static_cast<int>(n), static_cast<int>(m), meta.size(1));
+      gemv_rows<scalar_t>(xc, values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(), b, yc, count, rows,
+                          cols, static_cast<int>(n), static_cast<int>(m), meta.size(1));
+    }
   });
   return y;
 }

@@ -37,7 +37,7 @@ torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& me
 torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
                              const torch::Tensor& meta, int64_t n, int64_t m,
                              const c10::optional<torch::Tensor>& bias);
-// "avx2_permute" (1 token), "avx2_expand" (2-8 tokens) or "generic": the kernel nm_linear_gemv runs
+// "avx2_permute" (1 token), "avx2_expand" (more, 8 at a time) or "generic": the kernel nm_linear_gemv runs
 // for these arguments.
 std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m);

@@ -22,8 +22,9 @@ def _triton_nm_linear(x, values, meta, n, m, bias):
     return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
 
 
-#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp).
-CPU_GEMV_MAX_ROWS = 8
+#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp, 8
+#: tokens per pass over the weights).
+CPU_GEMV_MAX_ROWS = 64
 #: Larger x: W is decompressed this many bytes at a time (a block the allocator reuses, warm in
 #: cache) and multiplied by BLAS, so no dense copy of W is ever allocated.
 CPU_BLOCK_BYTES = 1 << 21
