@@ -76,7 +76,10 @@ def measure(name, pattern, args, device, dtype):
     dense = build(name, args.layers, dtype, device)
     pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
-    replaced = sparsify_(sparse, pattern, backend=args.backend)
+    # "faster": as `pyprune generate` does by default, only the layers the dispatch table measured
+    # faster sparse at one token (greedy decode) become SparseLinear; "all": every N:M linear
+    replaced = sparsify_(sparse, pattern, backend=args.backend,
+                         faster_at=1 if args.sparse_where == "faster" else None)
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
@@ -108,7 +111,8 @@ def measure(name, pattern, args, device, dtype):
     for label, model in models.items():
         row[f"{label}_prefill_ms"] = round(statistics.median(samples[label]["prefill"]) * 1e3, 3)
         row[f"{label}_decode_tok_s"] = round(statistics.median(samples[label]["decode"]), 2)
-        row[f"{label}_weight_mb"] = round(weight_bytes(model) / 2**20, 1)
+        row[f"{label}_weight_bytes"] = weight_bytes(model)
+        row[f"{label}_weight_mb"] = round(row[f"{label}_weight_bytes"] / 2**20, 1)
     row["same_generated_tokens"] = bool(torch.equal(generated["dense"], generated["sparse"]))
     row["prefill_speedup"] = round(row["dense_prefill_ms"] / row["sparse_prefill_ms"], 3)
     row["decode_speedup"] = round(row["sparse_decode_tok_s"] / row["dense_decode_tok_s"], 3)
@@ -152,6 +156,9 @@ def main(argv=None):
     parser.add_argument("--decode", type=int, default=None)
     parser.add_argument("--patterns", nargs="*", default=["2:4", "4:8"])
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--sparse-where", default="faster", choices=["faster", "all"],
+                        help="faster (default, as pyprune generate): only the linears the dispatch table "
+                             "measured faster sparse at 1 token become SparseLinear; all: every N:M linear")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--output-dir", default=RESULTS)
@@ -167,7 +174,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {"environment": environment(device),
-              "settings": {"layers_of_llama_7b_shape": args.layers, "backend": args.backend},
+              "settings": {"layers_of_llama_7b_shape": args.layers, "backend": args.backend,
+                           "sparse_where": args.sparse_where},
               "results": [measure(name, pattern, args, device, dtype)
                           for name in models for pattern in args.patterns]}
     stem = args.name or f"e2e-{'cuda' if on_gpu else 'cpu'}"

@@ -52,16 +52,27 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
         assert layer.choose_backend(torch.zeros(1, 128)) == entries[f"{device}|float32|2:4|2^13|1"]["backend"]
 
 
-def test_e2e_benchmark_runs_on_a_local_model(tmp_path):
+def test_e2e_benchmark_runs_on_a_local_model(tmp_path, monkeypatch):
     model_dir = tmp_path / "tiny"
     tiny_llama(layers=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    assert bench_e2e.main(["--device", "cpu", "--models", str(model_dir), "--prefill", "16",
-                           "--decode", "2", "--repeat", "1", "--output-dir", str(tmp_path),
-                           "--name", "e2e"]) == 0
-    row = json.loads((tmp_path / "e2e.json").read_text())["results"][0]
-    assert row["sparse_layers"] == 7 and row["top1_agreement_sparse_vs_dense"] == 1.0
-    assert row["dense_prefill_ms"] > 0 and row["sparse_decode_tok_s"] > 0
+    # a table measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
+    table = tmp_path / "table.json"
+    key = dispatch.entry_key(dispatch.device_key(torch.device("cpu")), torch.float32, "2:4",
+                             dispatch.shape_bucket(128, 64), "1")
+    table.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
+    common = ["--device", "cpu", "--models", str(model_dir), "--patterns", "2:4", "--prefill", "16",
+              "--decode", "2", "--repeat", "1", "--output-dir", str(tmp_path)]
+    assert bench_e2e.main(common + ["--name", "e2e"]) == 0
+    assert bench_e2e.main(common + ["--name", "e2e-all", "--sparse-where", "all"]) == 0
+    faster = json.loads((tmp_path / "e2e.json").read_text())["results"][0]
+    every = json.loads((tmp_path / "e2e-all.json").read_text())["results"][0]
+    assert faster["sparse_layers"] == 3 and every["sparse_layers"] == 7  # gate, up, down; all seven
+    for row in (faster, every):
+        assert row["top1_agreement_sparse_vs_dense"] == 1.0 and row["same_generated_tokens"]
+        assert row["dense_prefill_ms"] > 0 and row["sparse_decode_tok_s"] > 0
+    assert faster["sparse_weight_bytes"] < every["sparse_weight_bytes"]  # nn.Linear keeps no second copy
     assert "prefill speedup" in (tmp_path / "e2e.md").read_text()
 
 
