@@ -198,8 +198,15 @@ def safe_block_cases(shapes, dtype, device):
 
 # ---- the cases -----------------------------------------------------------------------------
 
+def byte_floor(source):
+    """The least a mask op can cost: read its input once and write one byte per element (a
+    comparison into a preallocated bool tensor, at the machine's streaming bandwidth)."""
+    out = torch.empty(source.shape, dtype=torch.bool, device=source.device)
+    return lambda: torch.ne(source, 0, out=out)
+
+
 def cases(shape, dtype, device, quick):
-    """(op, baseline name, pyprune call, baseline call, bytes moved by the op)."""
+    """(op, baseline name, pyprune call, baseline call, bytes moved by the op[, byte floor call])."""
     rows, cols = shape
     g = torch.Generator(device="cpu").manual_seed(0)
     w = torch.randn(shape, generator=g).to(dtype).to(device)
@@ -216,19 +223,20 @@ def cases(shape, dtype, device, quick):
                     scores.numel() * 5))
         out.append((f"nm_mask {n}:{m}", "vectorised torch.topk",
                     lambda n=n, m=m: ops.nm_mask(scores, n, m),
-                    lambda n=n, m=m: vectorised_topk_nm_mask(scores, n, m), scores.numel() * 5))
+                    lambda n=n, m=m: vectorised_topk_nm_mask(scores, n, m), scores.numel() * 5,
+                    byte_floor(scores)))
         out.append((f"score_nm_mask wanda {n}:{m}", "eager score + torch.topk",
                     lambda n=n, m=m: ops.score_nm_mask(w, n, m, sqnorm),
-                    lambda n=n, m=m: eager_wanda_nm_mask(w, sqnorm, n, m), w.numel() * (el + 1)))
+                    lambda n=n, m=m: eager_wanda_nm_mask(w, sqnorm, n, m), w.numel() * (el + 1), byte_floor(w)))
     out += [
         ("topk_mask row 50%", "torch.topk + scatter_", lambda: ops.topk_mask(scores, 0.5),
-         lambda: eager_topk_row_mask(scores, 0.5), scores.numel() * 5),
+         lambda: eager_topk_row_mask(scores, 0.5), scores.numel() * 5, byte_floor(scores)),
         ("topk_mask tensor 50%", "torch.topk + scatter_ (flattened)",
          lambda: ops.topk_mask(scores, 0.5, "tensor"), lambda: eager_topk_tensor_mask(scores, 0.5),
-         scores.numel() * 5),
+         scores.numel() * 5, byte_floor(scores)),
         ("score_topk_mask wanda row 50%", "eager score + torch.topk + scatter_",
          lambda: ops.score_topk_mask(w, 0.5, "row", sqnorm), lambda: eager_wanda_topk_row_mask(w, sqnorm, 0.5),
-         w.numel() * (el + 1)),
+         w.numel() * (el + 1), byte_floor(w)),
         ("soft_threshold", "eager sign·clamp in fp32", lambda: ops.soft_threshold(w, 0.5),
          lambda: (w.float().sign() * (w.float().abs() - 0.5).clamp_min(0)).to(w.dtype), w.numel() * el * 2),
         ("group_soft_threshold rows", "eager norm/clamp/mul",
@@ -360,7 +368,7 @@ def run(args):
         groups = itertools.chain(groups, [(label, lambda: safe_block_cases(block, dtype, device))])
     rows = []
     for shape, make_cases in groups:
-        for op, baseline, ours, theirs, nbytes in make_cases():
+        for op, baseline, ours, theirs, nbytes, *floor in make_cases():
             if not selected(op):
                 continue
             t_ours = timed(ours, device, args.repeat)
@@ -368,6 +376,10 @@ def run(args):
             row = {"op": op, "shape": shape, "dtype": args.dtype, "baseline": baseline,
                    "pyprune_ms": round(t_ours * 1e3, 4), "baseline_ms": round(t_base * 1e3, 4),
                    "speedup": round(t_base / t_ours, 3), "pyprune_GBps": round(nbytes / t_ours / 1e9, 2)}
+            if floor:  # a mask op: its time over reading the input and writing a byte per element
+                t_floor = timed(floor[0], device, args.repeat)
+                row["byte_floor_ms"] = round(t_floor * 1e3, 4)
+                row["times_byte_floor"] = round(t_ours / t_floor, 2)
             if peak:
                 row["pct_of_peak_bandwidth"] = round(100 * nbytes / t_ours / peak, 1)
             rows.append(row)
@@ -382,12 +394,15 @@ def write(report, path):
     lines = [f"# pyprune ops on {env['device']}", "",
              f"torch {env['torch']}, triton {env['triton']}, {env['cpu_threads']} CPU threads, "
              f"native CPU kernels: {env['native_cpu_kernels']}, {env['timestamp']}", "",
-             "| op | shape | dtype | pyprune ms | baseline | baseline ms | speedup | GB/s |",
-             "|---|---|---|---:|---|---:|---:|---:|"]
+             "Byte floor (mask ops): reading the op's input once and writing one byte per element "
+             "(`torch.ne(input, 0, out=bool)`), timed in the same process.", "",
+             "| op | shape | dtype | pyprune ms | baseline | baseline ms | speedup | GB/s | byte floor ms | × floor |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
         shape = r["shape"] if isinstance(r["shape"], str) else "×".join(map(str, r["shape"]))
         lines.append(f"| {r['op']} | {shape} | {r['dtype']} | {r['pyprune_ms']} | "
-                     f"{r['baseline']} | {r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} |")
+                     f"{r['baseline']} | {r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} | "
+                     f"{r.get('byte_floor_ms', '')} | {str(r['times_byte_floor']) + '×' if 'times_byte_floor' in r else ''} |")
     write_atomic(os.path.splitext(path)[0] + ".md", "\n".join(lines) + "\n")
 
 

@@ -81,6 +81,17 @@ def test_ops_benchmark_quick_run(tmp_path):
     assert bench_ops.main(["--quick", "--only", "nm_linear", "--repeat", "1", "--output", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["op"].startswith("nm_linear") and r["speedup"] > 0 for r in rows)
+    assert not any("byte_floor_ms" in r for r in rows)  # not a mask op
+
+
+def test_ops_benchmark_mask_rows_measure_the_byte_floor(tmp_path):
+    out = tmp_path / "ops.json"
+    assert bench_ops.main(["--quick", "--only", "topk_mask", "--repeat", "1", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["op"] for r in rows] == ["topk_mask row 50%", "topk_mask tensor 50%", "score_topk_mask wanda row 50%"] * 2
+    for r in rows:
+        assert r["byte_floor_ms"] > 0 and abs(r["times_byte_floor"] - r["pyprune_ms"] / r["byte_floor_ms"]) < 0.02
+    assert "| × floor |" in (tmp_path / "ops.md").read_text()
 
 
 def test_ops_benchmark_safe_step_quick_run(tmp_path):
