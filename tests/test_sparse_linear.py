@@ -436,3 +436,27 @@ def test_autocast_casts_like_nn_linear_and_trains_the_stored_values():
     assert_close(out, reference.float(), torch.bfloat16)
     out.float().sum().backward()
     assert layer.values.grad is not None and layer.values.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_inference_skips_the_custom_op_and_matches_it(dtype, monkeypatch):
+    # no grad, eager, CPU, <= 64 tokens: straight to the C++ GEMV (the op's dispatch costs more
+    # than a small layer's GEMV); with gradients the custom op (and its autograd) still runs
+    from pyprune.ops import linear as linear_ops
+    dense, _ = _pruned_linear(96, 40, 2, 4, dtype=dtype)
+    layer = SparseLinear.from_dense(dense, "2:4", backend="kernel")
+    x = randn((3, 5, 96), dtype=dtype, seed=4)
+    with torch.no_grad():
+        expected = linear_ops._nm_linear(x, layer.values, layer.meta, 2, 4, layer.bias)
+
+    def refuse(*args):
+        raise AssertionError("the custom op ran")
+
+    monkeypatch.setattr(linear_ops, "_nm_linear", refuse)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (3, 5, 40) and torch.equal(got, expected)
+    with pytest.raises(AssertionError, match="the custom op ran"):
+        layer(x)  # values require grad: autograd needs the op
+    with torch.no_grad(), pytest.raises(AssertionError, match="the custom op ran"):
+        layer(randn((65, 96), dtype=dtype, seed=5))  # past the GEMV's 64 tokens

@@ -183,7 +183,29 @@ PYPRUNE_AVX2 void half_density_rows(const float* x, const T* values, const uint8
   __m256 acc[kRows][kTokens];
   for (int i = 0; i < kRows; ++i)
     for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < blocks; ++j) {
+  int64_t j = 0;
+  if constexpr (kTokens == 1 && std::is_same_v<T, at::BFloat16>) {
+    // bf16, one token: 16 weights (two blocks) per load, widened by interleaving with zeros, which
+    // pairs weights 0-3 with 8-11 and 4-7 with 12-15 (mask bytes 0 and 2, 1 and 3): x is permuted
+    // in that order instead of widening every 8 weights on their own
+    const __m256i zero = _mm256_setzero_si256();
+    for (; j + 2 <= blocks; j += 2) {
+      const float* xj = x + 16 * j;
+      const __m256 x0 = _mm256_loadu_ps(xj), x1 = _mm256_loadu_ps(xj + 8);
+      const __m256 x2 = _mm256_loadu_ps(xj + 16), x3 = _mm256_loadu_ps(xj + 24);
+      for (int i = 0; i < kRows; ++i) {
+        const uint8_t* b = mask[i] + 2 * j;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[i] + 8 * j));
+        const __m256 lo = _mm256_blend_ps(_mm256_permutevar8x32_ps(x0, load_lanes(tables.take[b[0]])),
+                                          _mm256_permutevar8x32_ps(x2, load_lanes(tables.take[b[2]])), 0xF0);
+        const __m256 hi = _mm256_blend_ps(_mm256_permutevar8x32_ps(x1, load_lanes(tables.take[b[1]])),
+                                          _mm256_permutevar8x32_ps(x3, load_lanes(tables.take[b[3]])), 0xF0);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w)), lo, acc[i][0]);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w)), hi, acc[i][0]);
+      }
+    }
+  }
+  for (; j < blocks; ++j) {
     if constexpr (kTokens == 1) {
       const __m256 x_lo = _mm256_loadu_ps(x + 16 * j), x_hi = _mm256_loadu_ps(x + 16 * j + 8);
       for (int i = 0; i < kRows; ++i) {

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from .. import backend as _backend
 from .. import ops
 from ..conventions import pack_mask, sparse24_mma_meta, unpack_mask
+from ..ops.linear import nm_linear_prechecked
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch
 
@@ -233,7 +234,7 @@ class SparseLinear(nn.Module):
                                          self.m, bias)
         name = self.choose_backend(x)
         if name == "kernel":
-            return ops.nm_linear(x, self.values, self.meta, self.n, self.m, self.bias)
+            return nm_linear_prechecked(x, self.values, self.meta, self.n, self.m, self.bias)
         if name == "dense":
             return F.linear(x, self._cached("dense", lambda: self.weight), self.bias)
         if name == "mma_sp":
