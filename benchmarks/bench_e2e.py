@@ -72,14 +72,14 @@ def weight_bytes(model):
     return total
 
 
-def measure(name, pattern, args, device, dtype):
+def measure(name, pattern, where, args, device, dtype):
     dense = build(name, args.layers, dtype, device)
     pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
     # "faster": as `pyprune generate` does by default, only the layers the dispatch table measured
     # faster sparse at one token (greedy decode) become SparseLinear; "all": every N:M linear
     replaced = sparsify_(sparse, pattern, backend=args.backend,
-                         faster_at=1 if args.sparse_where == "faster" else None)
+                         faster_at=1 if where == "faster" else None)
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
@@ -91,7 +91,7 @@ def measure(name, pattern, args, device, dtype):
                                    for m in layers})
                     for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "pattern": pattern,
-           "sparse_layers": len(replaced), "backends": backends,
+           "sparse_where": where, "sparse_layers": len(replaced), "backends": backends,
            "prefill_tokens": args.prefill, "new_tokens": args.decode, "repeats": args.repeat,
            "top1_agreement_sparse_vs_dense": round(float(agreement), 4)}
     models = {"dense": dense, "sparse": sparse}
@@ -130,12 +130,13 @@ def markdown(report):
                 if cpu else "") + ". Medians of repeats that run dense and sparse in turn; decode "
              "tokens/s over the new tokens after the first; weight memory includes any dense copy a "
              "SparseLinear caches for its dense fallback.", "",
-             "| model | dtype | pattern | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
+             "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
              "| sparse prefill ms | prefill speedup | new tokens | dense decode tok/s | sparse decode tok/s "
              "| decode speedup | same tokens | dense MB | sparse MB | load (1/5/15 min) |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in report["results"]:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['pattern']} | {r['sparse_layers']} | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['pattern']} | {r.get('sparse_where', 'all')} | "
+                     f"{r['sparse_layers']} | "
                      f"{'+'.join(r['backends']['decode'])} / {'+'.join(r['backends']['prefill'])} | "
                      f"{r['prefill_tokens']} | {r['dense_prefill_ms']} | {r['sparse_prefill_ms']} | "
                      f"{r['prefill_speedup']}× | {r['new_tokens']} | {r['dense_decode_tok_s']} | "
@@ -156,9 +157,10 @@ def main(argv=None):
     parser.add_argument("--decode", type=int, default=None)
     parser.add_argument("--patterns", nargs="*", default=["2:4", "4:8"])
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--sparse-where", default="faster", choices=["faster", "all"],
+    parser.add_argument("--sparse-where", nargs="*", default=["faster"], choices=["faster", "all"],
                         help="faster (default, as pyprune generate): only the linears the dispatch table "
-                             "measured faster sparse at 1 token become SparseLinear; all: every N:M linear")
+                             "measured faster sparse at 1 token become SparseLinear; all: every N:M "
+                             "linear; both: a row of each")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--output-dir", default=RESULTS)
@@ -176,8 +178,8 @@ def main(argv=None):
     report = {"environment": environment(device),
               "settings": {"layers_of_llama_7b_shape": args.layers, "backend": args.backend,
                            "sparse_where": args.sparse_where},
-              "results": [measure(name, pattern, args, device, dtype)
-                          for name in models for pattern in args.patterns]}
+              "results": [measure(name, pattern, where, args, device, dtype)
+                          for name in models for pattern in args.patterns for where in args.sparse_where]}
     stem = args.name or f"e2e-{'cuda' if on_gpu else 'cpu'}"
     write_json(os.path.join(args.output_dir, stem + ".json"), report)
     write_atomic(os.path.join(args.output_dir, stem + ".md"), markdown(report))

@@ -64,10 +64,12 @@ def test_e2e_benchmark_runs_on_a_local_model(tmp_path, monkeypatch):
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     common = ["--device", "cpu", "--models", str(model_dir), "--patterns", "2:4", "--prefill", "16",
               "--decode", "2", "--repeat", "1", "--output-dir", str(tmp_path)]
-    assert bench_e2e.main(common + ["--name", "e2e"]) == 0
-    assert bench_e2e.main(common + ["--name", "e2e-all", "--sparse-where", "all"]) == 0
-    faster = json.loads((tmp_path / "e2e.json").read_text())["results"][0]
-    every = json.loads((tmp_path / "e2e-all.json").read_text())["results"][0]
+    assert bench_e2e.main(common + ["--name", "e2e-default"]) == 0
+    assert bench_e2e.main(common + ["--name", "e2e", "--sparse-where", "faster", "all"]) == 0
+    [default] = json.loads((tmp_path / "e2e-default.json").read_text())["results"]
+    faster, every = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert default["sparse_where"] == faster["sparse_where"] == "faster" and every["sparse_where"] == "all"
+    assert default["sparse_layers"] == 3
     assert faster["sparse_layers"] == 3 and every["sparse_layers"] == 7  # gate, up, down; all seven
     for row in (faster, every):
         assert row["top1_agreement_sparse_vs_dense"] == 1.0 and row["same_generated_tokens"]
