@@ -91,6 +91,17 @@ def cpu_info():
     return info
 
 
+def last_level_cache_bytes(default=32 << 20):
+    """The largest CPU cache's size in bytes (``default`` where sysfs does not say)."""
+    sizes = []
+    for size in cpu_info()["caches"].values():
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        digits = size.rstrip("KM")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=default)
+
+
 def _nvidia_driver():
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

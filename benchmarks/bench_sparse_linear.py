@@ -9,6 +9,11 @@ GB/s (weight bytes as that backend stores them plus x and y) and, on H100/H200, 
 roofline: the larger of the useful FLOPs (2·M·N·K·n/m, the multiplies by kept weights) at the
 dense tensor-core peak and the bytes at the HBM peak, over the measured time.
 
+On a CPU every call takes the next of enough copies of the layer that their dense weights fill
+twice the last-level cache (``--fill-bytes``), so each call reads its weight from memory as a
+layer does inside a model's forward; a lone small layer called again and again would run from
+cache and favour whichever side does more arithmetic per byte.
+
 Writes ``sparse-linear-<device>.json``, ``.md`` and one ``.svg`` plot per dtype (geometric-mean
 speedup over the shapes against M) under benchmarks/results/. ``--write-dispatch`` also stores,
 for this machine (CPU: ISA and model), per dtype, pattern, weight-size bucket and token bucket,
@@ -17,9 +22,11 @@ pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads. The CP
 records the CPU model, ISA flags, cache sizes and load averages.
 
     python benchmarks/bench_sparse_linear.py                 # GPU: LLaMA-7B/LLaMA-3-8B linears
-    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M 1-64 and 256
+    python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M 1-256 and 512
 """
 import argparse
+import copy
+import itertools
 import math
 import os
 import sys
@@ -27,7 +34,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from _common import environment, interleaved, roofline, svg_line_plot, timed, write_atomic, write_json
+from _common import (environment, interleaved, last_level_cache_bytes, roofline, svg_line_plot, timed,
+                     write_atomic, write_json)
 
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch
@@ -37,7 +45,7 @@ GPU_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 #: LLaMA-7B's linears: 64-180 MB in fp32, larger than a CPU's last-level cache, as in real decoding.
 CPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 #: The CPU dispatch table's token buckets (pyprune.nn.dispatch.TOKEN_BUCKETS) and a prefill past them.
-CPU_TOKENS = [1, 2, 4, 8, 16, 32, 64, 256]
+CPU_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PATTERNS = [(2, 4), (4, 8)]
 #: Largest error allowed, relative to the largest |output| of the fp32 reference.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -48,7 +56,7 @@ def weight_bytes(layer):
     return layer.values.numel() * layer.values.element_size() + layer.meta.numel()
 
 
-def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks):
+def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks, fill_bytes):
     out_features, in_features = shape
     n, m = pattern
     g = torch.Generator().manual_seed(0)
@@ -57,12 +65,15 @@ def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks
     dense = torch.nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
     with torch.no_grad():
         dense.weight.copy_(w * mask)
-    layers = {b: SparseLinear.from_dense(dense, pattern, backend=b) for b in backends}
+    copies = cold_copies(dense.weight, device, fill_bytes)
+    denses = [dense] + [copy.deepcopy(dense) for _ in range(copies - 1)]
+    layer_copies = {b: [SparseLinear.from_dense(d, pattern, backend=b) for d in denses] for b in backends}
+    layers = {b: layer_copies[b][0] for b in backends}
     rows = []
     for M in tokens:
         x = torch.randn(M, in_features, generator=g).to(dtype).to(device)
         base = {"shape": list(shape), "M": M, "dtype": str(dtype).replace("torch.", ""),
-                "pattern": f"{n}:{m}"}
+                "pattern": f"{n}:{m}", "weight_copies": copies}
         with torch.no_grad():
             reference = F.linear(x.float(), dense.weight.float())
             scale = reference.abs().max().item() or 1.0
@@ -83,8 +94,10 @@ def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks
                     checked[backend] = dict(row, status="wrong result")
                     continue
                 checked[backend] = row
-                candidates[backend] = lambda layer=layer: layer(x)
-            dense_fn = lambda: F.linear(x, dense.weight)  # noqa: E731
+                turn = itertools.cycle(layer_copies[backend])
+                candidates[backend] = lambda turn=turn: next(turn)(x)
+            dense_turn = itertools.cycle([d.weight for d in denses])
+            dense_fn = lambda: F.linear(x, next(dense_turn))  # noqa: E731
             if device.type == "cuda":
                 t_dense = timed(dense_fn, device, repeat)
                 times = {b: timed(fn, device, repeat) for b, fn in candidates.items()}
@@ -109,6 +122,14 @@ def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks
                       f"load {load}", flush=True)
             rows.append(row)
     return rows
+
+
+def cold_copies(weight, device, fill_bytes):
+    """How many copies of a layer to cycle through: on a CPU enough that their dense weights fill
+    ``fill_bytes`` (1 for a weight that does alone), on a GPU 1."""
+    if device.type != "cpu":
+        return 1
+    return max(1, math.ceil(fill_bytes / (weight.numel() * weight.element_size())))
 
 
 def geomean(values):
@@ -227,12 +248,14 @@ def run(args):
         torch.set_num_threads(args.threads)
     env = environment(device)
     env["dispatch_device"] = dispatch.device_key(device)
+    fill_bytes = 2 * last_level_cache_bytes() if args.fill_bytes is None else args.fill_bytes
+    env["weight_fill_bytes"] = fill_bytes
     rows = []
     for dtype in dtypes:
         for shape in shapes:
             for pattern in patterns:
                 rows += measure_shape(shape, dtype, pattern, tokens, backends, device, args.repeat,
-                                      roofline(device))
+                                      roofline(device), fill_bytes)
     return {"environment": env, "results": rows}
 
 
@@ -245,6 +268,9 @@ def main(argv=None):
     parser.add_argument("--patterns", nargs="*", help="N:M patterns (default 2:4 4:8)")
     parser.add_argument("--backends", nargs="*", choices=list(dispatch.BACKENDS))
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--fill-bytes", type=int, default=None,
+                        help="CPU: cycle through copies of each layer whose weights fill this many bytes "
+                             "(default twice the last-level cache; 0: one copy, called from cache)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="file stem (default sparse-linear-<cpu|cuda>)")

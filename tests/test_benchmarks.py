@@ -25,8 +25,8 @@ import crosscheck_wanda  # noqa: E402
 
 def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_path, monkeypatch):
     table = tmp_path / "table.json"
-    assert bench_sparse_linear.main(["--device", "cpu", "--shapes", "64x128", "--tokens", "1", "32",
-                                     "--dtypes", "float32", "--repeat", "1", "--output-dir",
+    assert bench_sparse_linear.main(["--device", "cpu", "--shapes", "64x128", "--tokens", "1", "300",
+                                     "--dtypes", "float32", "--repeat", "1", "--fill-bytes", str(1 << 20), "--output-dir",
                                      str(tmp_path), "--name", "sl", "--write-dispatch", str(table)]) == 0
     report = json.loads((tmp_path / "sl.json").read_text())
     device = dispatch.device_key(torch.device("cpu"))
@@ -38,6 +38,9 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
     ran = [r for r in rows if r["status"] == "ok"]
     assert {r["backend"] for r in ran} == {"kernel", "dense"}
     assert all(r["ms"] > 0 and r["speedup"] > 0 and r["max_rel_error"] <= 1e-4 for r in ran)
+    # each call takes the next of the copies that fill --fill-bytes (32 KiB weights in 1 MiB)
+    assert report["environment"]["weight_fill_bytes"] == 1 << 20
+    assert all(r["weight_copies"] == (1 << 20) // (64 * 128 * 4) for r in rows)
     assert all(r["status"].startswith("unavailable") for r in rows if r["backend"] not in ("kernel", "dense"))
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sl.md").read_text()
     assert (tmp_path / "sl-float32.svg").read_text().startswith("<svg")

@@ -31,7 +31,7 @@ FALLBACK_BACKEND = "dense"
 #: A sparse backend enters the table only where it measured at least this speedup over dense.
 MIN_SPEEDUP = 1.05
 #: Token counts up to the last are rounded up to the next one; more are ``many``.
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_table.json")
 
 
