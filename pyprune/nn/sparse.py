@@ -13,8 +13,8 @@ dispatch table says measured at least 1.05x dense on this machine for the dtype,
 size and token count, and dense where it says so or has no row (:mod:`pyprune.nn.dispatch`):
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
-  C++ kernel: a GEMV over kept weights for <= 256 tokens (8 per pass), block-wise decompression into BLAS
-  above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
+  C++ kernel: a GEMV over kept weights for <= 256 tokens (8 per pass), block-wise decompression
+  into BLAS above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
   keeps the pattern.
 * ``dense``: ``F.linear`` (cuBLAS/MKL/oneDNN) on the weight decompressed once and cached: as fast
   as the layer left dense, at the memory of the compressed and the dense form together.
