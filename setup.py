@@ -56,10 +56,9 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["pyprune", "pyprune.*"]) + ["pyprune.kernels"],
-    package_dir={"pyprune.kernels": "kernels"},
+    packages=find_packages(include=["pyprune", "pyprune.*"]),
     package_data={"pyprune.nn": ["dispatch_table.json"],
-                  "pyprune": ["corpora/*.txt", "corpora/*.md", "corpora/*.xz", "corpora/*/*.xz"]},
+                  "pyprune.inputs": ["corpora/*.txt", "corpora/*.md", "corpora/*.xz", "corpora/*/*.xz"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[
@@ -73,10 +72,10 @@ setup(
         "tqdm",
         "gguf",
         "accelerate",
-        "peft>=0.21",  # LoRA recovery (pyprune.recovery); tested with 0.21.2
+        "peft>=0.21",  # LoRA recovery (pyprune.runtime.recovery); tested with 0.21.2
     ],
     extras_require={
-        # zero-shot accuracy (pyprune.zeroshot, --tasks) and comparison figures (pyprune compare)
+        # zero-shot accuracy (pyprune.evaluation.zeroshot, --tasks) and comparison figures (pyprune compare)
         "eval": ["lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
         "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
     },

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 import torch
 
 import pyprune
-from pyprune import backend
+from pyprune.ops import backend
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
 #: torch.cuda.get_device_name, most specific first; other devices get no roofline.

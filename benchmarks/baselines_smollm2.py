@@ -17,9 +17,9 @@ from datetime import datetime, timezone
 import torch
 
 import pyprune
-from pyprune import data
-from pyprune.eval import perplexity
-from pyprune.models import load_model
+from pyprune.inputs import data
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.inputs.models import load_model
 from pyprune.patterns import NM, Structured, Unstructured
 
 RUNS = [  # (method, pattern, method options)

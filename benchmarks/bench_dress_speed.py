@@ -32,9 +32,9 @@ from _common import environment, write_atomic, write_json
 from bench_e2e import SHAPES as E2E_SHAPES
 from bench_e2e import prefill
 
-from pyprune.decode import greedy_generate
-from pyprune.eval import model_cost
-from pyprune.models import load_model
+from pyprune.runtime.decode import greedy_generate
+from pyprune.evaluation.perplexity import model_cost
+from pyprune.inputs.models import load_model
 from pyprune.nn import keep_hidden_channels_
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -4,7 +4,7 @@ Both models hold the same pruned weights (magnitude N:M on every decoder linear:
 the mask's quality, sets the speed); the sparse one has its pruned linears replaced by
 SparseLinear (``pyprune.nn.sparsify_``, backend from the dispatch table unless ``--backend``).
 Prefill: one forward over ``--prefill`` tokens. Decode: ``--decode`` greedy new tokens with the KV
-cache after an 8-token prompt (pyprune.decode.greedy_generate, as ``pyprune generate``). Dense
+cache after an 8-token prompt (pyprune.runtime.decode.greedy_generate, as ``pyprune generate``). Dense
 and sparse run in turn ``--repeat`` times in one process; medians are reported, with the weight
 memory of each model and whether both generated the same tokens.
 
@@ -22,8 +22,8 @@ import torch
 from _common import environment, write_atomic, write_json
 
 import pyprune
-from pyprune.decode import greedy_generate
-from pyprune.models import load_model
+from pyprune.runtime.decode import greedy_generate
+from pyprune.inputs.models import load_model
 from pyprune.nn import SparseLinear, sparsify_
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

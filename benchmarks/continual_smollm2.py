@@ -1,6 +1,6 @@
 """COPAL's continual table (Tables 2-3) on SmolLM2-135M: three domains, every order.
 
-For every pattern and method row, :func:`pyprune.continual.run` prunes SmolLM2-135M on the
+For every pattern and method row, :func:`pyprune.studies.continual.run` prunes SmolLM2-135M on the
 datasets one after another (every permutation by default), evaluates perplexity on all three
 after every step, and reports A-/M-PPL and A-/M-BWT. Domains: Austen prose (``austen``, the six
 novels), ``moby_dick`` and ``python`` source, all embedded in pyprune; the first half of each
@@ -28,9 +28,11 @@ import time
 import torch
 
 from _common import environment, previous_result, write_atomic, write_json
-from pyprune import continual, data, methods
-from pyprune.eval import perplexity
-from pyprune.models import load_model
+from pyprune.studies import continual
+from pyprune.inputs import data
+from pyprune import methods
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.inputs.models import load_model
 from pyprune.patterns import Unstructured, parse
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -25,11 +25,12 @@ import torch
 import transformers
 
 import pyprune
-from pyprune import data, ops
-from pyprune.engine import block_linears, block_prefix, decoder_blocks
-from pyprune.eval import perplexity
+from pyprune.inputs import data
+from pyprune import ops
+from pyprune.runtime.engine import block_linears, block_prefix, decoder_blocks
+from pyprune.evaluation.perplexity import perplexity
 from pyprune.methods.wanda import Wanda
-from pyprune.models import _rope_theta, load_model
+from pyprune.inputs.models import _rope_theta, load_model
 from pyprune.patterns import NM, Unstructured
 
 from _common import environment, write_atomic, write_json
@@ -57,8 +58,8 @@ def parse_args(argv):
     parser.add_argument("--wanda-repo", help="a checkout of locuslab/wanda (holding lib/prune.py)")
     parser.add_argument("--python", help="python of a virtualenv with torch, transformers 4.36.x and datasets "
                                          "(their lib/data.py imports it), where the authors' code runs")
-    parser.add_argument("--calib", default="emma", help="calibration text (a pyprune.data source)")
-    parser.add_argument("--eval", default="pride_and_prejudice", help="evaluation text (a pyprune.data source)")
+    parser.add_argument("--calib", default="emma", help="calibration text (a pyprune.inputs.data source)")
+    parser.add_argument("--eval", default="pride_and_prejudice", help="evaluation text (a pyprune.inputs.data source)")
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=8192, help="first N tokens of the evaluation text")
@@ -255,8 +256,8 @@ def main(argv=None):
 
     result = {
         "command": "python benchmarks/crosscheck_wanda.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "model": f"{MODEL} (pyprune.models.load_model)",
-        "calibration": f"pyprune.data.calibration_samples({args.calib!r}, nsamples={args.nsamples}, "
+        "model": f"{MODEL} (pyprune.inputs.models.load_model)",
+        "calibration": f"pyprune.inputs.data.calibration_samples({args.calib!r}, nsamples={args.nsamples}, "
                        f"seqlen={args.seqlen}, seed={args.seed})",
         "evaluation": f"first {eval_stream.numel()} tokens of {args.eval!r} in {args.seqlen}-token windows, "
                       f"exp(mean next-token NLL)",

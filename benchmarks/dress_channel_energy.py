@@ -16,9 +16,9 @@ import sys
 import torch
 
 from _common import environment, previous_result, write_atomic, write_json
-from pyprune import data
+from pyprune.inputs import data
 from pyprune.methods.dress import DReSS
-from pyprune.models import load_model
+from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

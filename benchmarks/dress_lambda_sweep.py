@@ -21,10 +21,10 @@ import torch
 
 from _common import environment, previous_result, write_atomic, write_json
 import pyprune
-from pyprune import data
-from pyprune.eval import perplexity
+from pyprune.inputs import data
+from pyprune.evaluation.perplexity import perplexity
 from pyprune.methods.dress import DReSS
-from pyprune.models import load_model
+from pyprune.inputs.models import load_model
 from pyprune.patterns import Structured
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -34,13 +34,14 @@ import torch
 
 from _common import environment, previous_result, svg_line_plot, write_atomic, write_json
 import pyprune
-from pyprune import data, zeroshot
-from pyprune.eval import perplexity
+from pyprune.inputs import data
+from pyprune.evaluation import zeroshot
+from pyprune.evaluation.perplexity import perplexity
 from pyprune.methods.dress import DReSS
-from pyprune.models import load_model
+from pyprune.inputs.models import load_model
 from pyprune.patterns import Structured
-from pyprune.recovery import lora_finetune
-from pyprune.training import fp32_master_weights, train
+from pyprune.runtime.recovery import lora_finetune
+from pyprune.runtime.training import fp32_master_weights, train
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULTS = {option.name: option.default for option in DReSS.options}
@@ -124,7 +125,7 @@ def markdown(result) -> str:
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:
         dense = result.get("dense_zero_shot", {})
-        lines += ["", "Zero-shot accuracy after LoRA (pyprune.zeroshot, acc ± stderr; rows run with --tasks); dense "
+        lines += ["", "Zero-shot accuracy after LoRA (pyprune.evaluation.zeroshot, acc ± stderr; rows run with --tasks); dense "
                   + ", ".join(f"{t} {v['acc']:.3f} ± {v['stderr']:.3f}" for t, v in sorted(dense.items()))
                   + (f", chance {next(iter(dense.values()))['chance']:g}" if dense else "") + ":", "",
                   "| channels | setting | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
@@ -170,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--arms", type=parse_arms, default=set(ARMS),
                         help=f"comma-separated rows of each channel choice to run (default all: {','.join(ARMS)})")
     parser.add_argument("--tasks", default="",
-                        help="comma-separated zero-shot tasks (pyprune.zeroshot) scored on each row's model "
+                        help="comma-separated zero-shot tasks (pyprune.evaluation.zeroshot) scored on each row's model "
                              "after LoRA, e.g. austen_continuation,moby_dick_continuation")
     parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
     parser.add_argument("--output", default=os.path.join(RESULTS, "dress-smollm2-135m.json"))

@@ -26,7 +26,7 @@ CHILD = r"""
 import json, resource, sys, torch
 import pyprune
 from pyprune import data, engine, robustness
-from pyprune.models import load_model
+from pyprune.inputs.models import load_model
 method, steps = sys.argv[1], int(sys.argv[2])
 model, tokenizer = load_model("smollm2-135m")
 model = model.to(torch.bfloat16)

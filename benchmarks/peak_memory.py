@@ -1,10 +1,10 @@
 """Peak resident memory of block-wise pruning with the weights in memory and offloaded to disk
-(``load_model(..., offload_dir=DIR)``, :mod:`pyprune.offload`), in bf16.
+(``load_model(..., offload_dir=DIR)``, :mod:`pyprune.io.offload`), in bf16.
 
 Every configuration runs in a fresh child process that loads the model, prunes it and saves the
 result with ``pyprune.save``; its peak resident set size is the kernel's high-water mark
 (``VmHWM`` of /proc/self/status, file-backed pages of memory-mapped safetensors included). Next
-to it stands pyprune's own estimate (:func:`pyprune.memory.prune_need`), the one a run is refused
+to it stands pyprune's own estimate (:func:`pyprune.runtime.memory.prune_need`), the one a run is refused
 by before it starts.
 
 Models: SmolLM2-135M (calibration: windows of Emma), and a LLaMA-7B-shaped model of random bf16
@@ -42,7 +42,7 @@ CHILD = r"""
 import json, os, sys, time, torch
 import pyprune
 from pyprune import data, memory, methods
-from pyprune.models import load_model
+from pyprune.inputs.models import load_model
 cfg = json.loads(sys.argv[1])
 def status(key):
     with open("/proc/self/status") as handle:
@@ -135,9 +135,10 @@ def main(argv=None):
     parser.add_argument("--results", default=RESULTS, help="directory of the results files")
     args = parser.parse_args(argv)
 
-    from pyprune import memory, methods
-    from pyprune.models import resolve_model_dir
-    from pyprune.offload import skeleton
+    from pyprune.runtime import memory
+    from pyprune import methods
+    from pyprune.inputs.models import resolve_model_dir
+    from pyprune.io.offload import skeleton
 
     smollm2 = resolve_model_dir("smollm2-135m")
     settings = {

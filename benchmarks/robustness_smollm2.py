@@ -1,7 +1,7 @@
 """MoreauPruner's robustness claim (Table 1) on SmolLM2-135M, with its controls.
 
 For every method, arithmetic, layer protocol, ratio and calibration seed: prune SmolLM2-135M with
-its weights in bf16 and in fp16 (:func:`pyprune.robustness.study`) and record the bf16/fp16
+its weights in bf16 and in fp16 (:func:`pyprune.studies.robustness.study`) and record the bf16/fp16
 agreement of the pruned groups, the rank correlation of all group scores per layer (Spearman), both
 pruned models' perplexities in fp32 (the common format) and the 2 x 2 pruned-in x evaluated-in.
 Controls: the Monte-Carlo floor (a second noise seed in bf16, for the methods with noise) and the
@@ -40,8 +40,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _common import environment, merge_rows, previous_result, write_atomic, write_json
-from pyprune import data, robustness
-from pyprune.models import load_model
+from pyprune.inputs import data
+from pyprune.studies import robustness
+from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("taylor", "smoothgrad", "moreau", "moreau-gs")

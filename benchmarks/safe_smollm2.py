@@ -25,9 +25,9 @@ import torch
 
 from _common import environment, merge_rows, previous_result, write_atomic, write_json
 import pyprune
-from pyprune import data
-from pyprune.eval import perplexity
-from pyprune.models import load_model
+from pyprune.inputs import data
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("wanda", "sparsegpt", "safe", "safe+")

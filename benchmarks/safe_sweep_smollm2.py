@@ -26,8 +26,10 @@ import torch
 
 from _common import environment, write_atomic, write_json
 import pyprune
-from pyprune import data, engine, ops
-from pyprune.models import load_model
+from pyprune.inputs import data
+from pyprune.runtime import engine
+from pyprune import ops
+from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEQLEN = 256

@@ -4,9 +4,9 @@ Rows: dense, Wanda 50% unstructured, SparseGPT 2:4 (both calibrated on ``--nsamp
 ``--seqlen`` random windows of Emma, as the baselines table) and LLM-Pruner's Taylor at a 20% ratio
 with the first 3 and the last layer dense (the same calibration). Each row: perplexity on
 the first ``--eval-tokens`` tokens of Pride and Prejudice in ``--seqlen`` windows, and lm-eval's
-acc / acc_norm on the first ``--items`` items of each local task (pyprune.zeroshot: the held-out
+acc / acc_norm on the first ``--items`` items of each local task (pyprune.evaluation.zeroshot: the held-out
 Austen, Moby Dick and Python texts). Every row is a report in ``pyprune prune --report``'s
-format; the table and the figure come from :mod:`pyprune.compare`. Results:
+format; the table and the figure come from :mod:`pyprune.studies.compare`. Results:
 benchmarks/results/zeroshot-smollm2-135m.{json,md,png,svg}, rewritten atomically after every row;
 a rerun with the same settings skips the rows already there.
 
@@ -23,9 +23,11 @@ import torch
 
 from _common import environment, previous_result, write_atomic, write_json
 import pyprune
-from pyprune import compare, data, zeroshot
-from pyprune.eval import perplexity
-from pyprune.models import load_model
+from pyprune.studies import compare
+from pyprune.inputs import data
+from pyprune.evaluation import zeroshot
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.inputs.models import load_model
 from pyprune.patterns import NM, Structured, Unstructured
 
 RUNS = [  # (method, pattern, method options)
@@ -107,7 +109,7 @@ def context_note(tokenizer, items):
 
 
 def write_results(path, result):
-    """JSON, the markdown table and the figure (pyprune.compare), each written atomically."""
+    """JSON, the markdown table and the figure (pyprune.studies.compare), each written atomically."""
     write_json(path, result)
     settings = result["settings"]
     stem = os.path.splitext(path)[0]

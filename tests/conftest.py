@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 def cpu_extension_is_built():
     """pyprune._C is part of the install: the cpu cases fail (never skip) without it. Files of C++
     kernel tests use it with ``pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")``."""
-    from pyprune import backend
+    from pyprune.ops import backend
     if backend.native_module("cpu") is None:
         pytest.fail("pyprune._C is not built", pytrace=False)
 
@@ -42,7 +42,7 @@ def _fingerprint(model):
 def smollm2():
     """The real SmolLM2-135M and its tokenizer, loaded once per test session and shared: a test that
     changes the model takes ``smollm2_copy``. The session ends with a check that nobody changed it."""
-    from pyprune.models import load_model
+    from pyprune.inputs.models import load_model
     model, tokenizer = load_model("smollm2-135m")
     before = _fingerprint(model)
     yield model, tokenizer

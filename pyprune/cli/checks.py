@@ -8,7 +8,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from .. import data
+from ..inputs import data
+
+#: the --dtype choices
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UsageError(Exception):
@@ -74,7 +77,7 @@ def check_model(model: str):
     from transformers import AutoConfig
 
     from .. import io
-    from ..models import resolve_model_dir
+    from ..inputs.models import resolve_model_dir
     directory = resolve_model_dir(model)
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
@@ -108,12 +111,11 @@ def check_offload(args, runner) -> None:
 
 
 def check_memory(args, runner, offload: bool) -> None:
-    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.memory.prune_need`, from
+    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.runtime.memory.prune_need`, from
     the config alone) exceeds the memory available, saying what --offload would need."""
-    from .. import memory
-    from ..models import resolve_model_dir
-    from ..offload import skeleton
-    from .options import DTYPES
+    from ..runtime import memory
+    from ..inputs.models import resolve_model_dir
+    from ..io.offload import skeleton
     if torch.device(args.device).type != "cpu":
         return
     model = skeleton(resolve_model_dir(args.model), DTYPES[args.dtype])

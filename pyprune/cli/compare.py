@@ -18,7 +18,7 @@ def register(sub, method) -> None:
 
 def run(args) -> int:
     """Reports -> one markdown table (best per column in bold) and a figure (PNG + SVG)."""
-    from .. import compare
+    from ..studies import compare
     reports = [compare.load_report(path) for path in args.reports]
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"--output {args.output} exists and is not a directory")

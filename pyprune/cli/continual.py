@@ -1,8 +1,8 @@
 """``pyprune continual``: COPAL's continual setting: prune on datasets one after another, evaluate
-all after each (:mod:`pyprune.continual`); the report is rewritten after every order and resumed."""
+all after each (:mod:`pyprune.studies.continual`); the report is rewritten after every order and resumed."""
 from __future__ import annotations
 
-from .. import data
+from ..inputs import data
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -54,7 +54,7 @@ def _sources(args):
 
 
 def run(args) -> int:
-    from .. import continual
+    from ..studies import continual
     pattern = options.pattern_from(args)
     runner = options.build_method(args)
     if not isinstance(pattern, runner.patterns):

@@ -1,7 +1,7 @@
 """``pyprune demo``: Wanda 2:4 on SmolLM2-135M, calibrated on Emma, measured on Pride and Prejudice."""
 from __future__ import annotations
 
-from .. import data
+from ..inputs import data
 from . import checks
 
 COMMAND = "demo"
@@ -16,9 +16,9 @@ def register(sub, method) -> None:
 
 
 def run(args) -> int:
-    from .. import pruning
-    from ..eval import perplexity
-    from ..models import load_model
+    from ..methods import pruning
+    from ..evaluation.perplexity import perplexity
+    from ..inputs.models import load_model
     calib_source, eval_source = "emma", "pride_and_prejudice"
     checks.check_counts(args, ("nsamples", "eval_tokens"))
     model, tokenizer = load_model("smollm2-135m")

@@ -33,7 +33,7 @@ def register(sub, method) -> None:
 def run(args) -> int:
     import torch
 
-    from ..decode import greedy_generate
+    from ..runtime.decode import greedy_generate
     from ..nn import SparseLinear, densify_slower_, detect_pattern, sparsify_
     checks.check_counts(args, ("max_new_tokens",), optional=("threads",))
     if not args.prompt.strip():

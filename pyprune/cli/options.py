@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional, Sequence
 
-import torch
 
-from .. import data, methods
+from ..inputs import data
+from .. import methods
 from ..patterns import NM, Structured, Unstructured, parse
-from .checks import UsageError
+from .checks import DTYPES, UsageError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def method_named_in(argv: Sequence[str]) -> Optional[str]:

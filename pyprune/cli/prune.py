@@ -58,7 +58,7 @@ def run(args) -> int:
                                  "--eval-seqlen")
     tasks = steps.zero_shot_tasks(args)
 
-    from .. import storage
+    from ..io import storage
     offload_dir = storage.make_temp_dir(args.output) if args.offload else None
     try:
         _prune(args, pattern, calib, streams, tasks, offload_dir)
@@ -70,7 +70,7 @@ def run(args) -> int:
 
 def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
-    from .. import pruning
+    from ..methods import pruning
     model, tok = steps.load(args, offload_dir=offload_dir)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet, **options.method_option_values(args))

@@ -1,7 +1,7 @@
 """``pyprune recover``: LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
 from __future__ import annotations
 
-from ..recovery import DEFAULTS as LORA
+from ..runtime.recovery import DEFAULTS as LORA
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -34,7 +34,7 @@ def register(sub, method) -> None:
 
 
 def run(args) -> int:
-    from .. import recovery
+    from ..runtime import recovery
     recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
     checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_max_tokens",))

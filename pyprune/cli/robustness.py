@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import robustness
+from ..studies import robustness
 from . import checks, options, steps
 
 COMMAND = "robustness"

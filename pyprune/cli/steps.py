@@ -7,7 +7,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .. import data, storage
+from ..inputs import data
+from ..io import storage
 from .checks import UsageError, first_line
 from .options import DTYPES
 
@@ -15,7 +16,7 @@ from .options import DTYPES
 def tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from ..models import resolve_model_dir
+    from ..inputs.models import resolve_model_dir
     try:
         return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
@@ -52,7 +53,7 @@ def eval_streams(tok, sources: List[str], seqlen: int, max_tokens: Optional[int]
 
 def evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool) -> list:
     """Perplexity of ``model`` on every stream, printed and returned as report entries."""
-    from ..eval import perplexity
+    from ..evaluation.perplexity import perplexity
     results = []
     for source, tokens in streams:
         ppl = perplexity(model, tokens, seqlen, batch_size=batch_size, progress=progress)
@@ -71,7 +72,7 @@ def zero_shot_tasks(args):
         if args.limit is not None:
             raise UsageError("--limit needs --tasks")
         return None
-    from .. import zeroshot
+    from ..evaluation import zeroshot
     names = [name.strip() for name in args.tasks.split(",")]
     try:
         return zeroshot.load_tasks(names)
@@ -81,7 +82,7 @@ def zero_shot_tasks(args):
 
 def zero_shot(model, tok, tasks, args) -> dict:
     """Zero-shot accuracy of ``model`` on the loaded ``tasks``, printed and returned."""
-    from .. import zeroshot
+    from ..evaluation import zeroshot
     results = zeroshot.evaluate(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
     for name, result in results.items():
         norm = "" if result["acc_norm"] is None else f", acc_norm {result['acc_norm']:.4f}"
@@ -92,8 +93,8 @@ def zero_shot(model, tok, tasks, args) -> dict:
 
 def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] = None):
     """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype; with ``offload_dir`` its
-    decoder blocks stay on disk (:mod:`pyprune.offload`)."""
-    from ..models import load_model
+    decoder blocks stay on disk (:mod:`pyprune.io.offload`)."""
+    from ..inputs.models import load_model
     return load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device, offload_dir=offload_dir)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
-from .. import engine, memory
+from ..runtime import engine, memory
 from ..io import model_fingerprint
 from ..patterns import NM, Pattern, Unstructured
 from .options import BLOCK_CHECKPOINT, Option, resolve
@@ -40,7 +40,7 @@ class Method(ABC):
     #: ``accumulate_across_calls``): a continual run keeps one per order instead of re-pruning from
     #: the dense model
     keeps_state: bool = False
-    #: why this method cannot prune an offloaded model (:mod:`pyprune.offload`); None when it can
+    #: why this method cannot prune an offloaded model (:mod:`pyprune.io.offload`); None when it can
     offload_refusal: Optional[str] = "it computes gradients through the whole model at once"
 
     def __init_subclass__(cls, **kwargs):
@@ -109,13 +109,13 @@ class Method(ABC):
 
     def working_bytes(self, block: nn.Module) -> int:
         """Estimated memory this method needs for ``block`` beyond its weights and the calibration
-        activations (:func:`pyprune.memory.prune_need`): an fp32 score and a mask of its largest
+        activations (:func:`pyprune.runtime.memory.prune_need`): an fp32 score and a mask of its largest
         linear layer."""
         return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
 
     def check_memory(self, model: nn.Module, calib: Optional[Tensor], batch_size: int) -> None:
         """NotEnoughMemory (a ValueError) when the estimated peak of this prune exceeds the
-        memory available, with what offloading would need (:mod:`pyprune.memory`)."""
+        memory available, with what offloading would need (:mod:`pyprune.runtime.memory`)."""
         nsamples, seqlen = calib.shape if calib is not None else (0, 0)
         need = memory.prune_need(model, self, nsamples, seqlen, batch_size)
         offload_need = None

@@ -32,7 +32,9 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from .. import engine, ops, storage
+from ..runtime import engine
+from .. import ops
+from ..io import storage
 from ..io import model_fingerprint
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights

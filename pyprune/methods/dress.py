@@ -16,7 +16,7 @@ Table 3); the kept width stays a multiple of the head count (and of ``multiple``
    is then scaled by the factor that keeps its output on the calibration data (``rescale_norms``,
    not in the paper; :meth:`DReSS.norm_scales`): sqrt(s·d/d') with s the kept channels' measured
    share of its input's energy, which is sqrt(d/d') only when the removed channels are empty.
-3. Optional RFT: :func:`pyprune.recovery.lora_finetune` on the held-out quarter of the windows
+3. Optional RFT: :func:`pyprune.runtime.recovery.lora_finetune` on the held-out quarter of the windows
    (the paper's 3:1 split), merged back into dense weights.
 
 ``steps=0`` slices without regularisation (the paper's "w/o R" ablation).
@@ -31,15 +31,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..conventions import kept_count, round_half_up
-from ..eval import model_cost
+from ..ops.conventions import kept_count, round_half_up
+from ..evaluation.perplexity import model_cost
 from ..io import model_fingerprint
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import hidden_stream
 from ..patterns import Structured
-from ..recovery import DEFAULTS as LORA
-from ..recovery import lora_finetune
-from ..training import Checkpoint, fp32_master_weights, train
+from ..runtime.recovery import DEFAULTS as LORA
+from ..runtime.recovery import lora_finetune
+from ..runtime.training import Checkpoint, fp32_master_weights, train
 from .base import Method
 from .options import Option, at_least_one, nonnegative, positive
 

@@ -1,7 +1,7 @@
 """Magnitude pruning: keep the largest |W| per row (or per layer), or n of every m."""
 from __future__ import annotations
 
-from .. import engine
+from ..runtime import engine
 from ..patterns import NM, Unstructured
 from .base import Method, apply_mask
 

@@ -89,7 +89,7 @@ def fraction(value) -> Optional[str]:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
-#: The block-wise methods' resume directory (:class:`pyprune.engine.BlockCheckpoint`).
+#: The block-wise methods' resume directory (:class:`pyprune.runtime.engine.BlockCheckpoint`).
 BLOCK_CHECKPOINT = Option("checkpoint", str, None, "block-wise methods (wanda, sparsegpt, copal, safe): directory "
                           "where every finished block is saved; a rerun with the same settings, calibration and "
                           "model resumes after the last one", optional=True)

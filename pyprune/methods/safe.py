@@ -3,8 +3,8 @@ and block by block on the reconstruction error (spec §1.11, Algorithm 1).
 
 For each decoder block, on its calibration inputs X (the outputs of the blocks already pruned):
 targets Y = dense block(X); the 7 linear weights train on fp32 masters with
-:class:`pyprune.optim.SafeOptimizer` on the reconstruction error f over seeded minibatches
-(:func:`pyprune.training.train_block`), Adam β = (0.9, 0.95), linear LR schedule with warm-up;
+:class:`pyprune.runtime.optim.SafeOptimizer` on the reconstruction error f over seeded minibatches
+(:func:`pyprune.runtime.training.train_block`), Adam β = (0.9, 0.95), linear LR schedule with warm-up;
 z₀ = proj(x₀), u₀ = 0, then after every ``dual_interval`` steps the z/u-step projects onto the
 pattern by |v| (SAFE) or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA) from the block's calibration inputs,
 §1.6.2); the block ends projected (Algorithm 1, line 15) and in the model's dtype. With
@@ -36,10 +36,11 @@ import math
 
 import torch
 
-from .. import engine, ops
-from ..optim import SafeOptimizer
+from ..runtime import engine
+from .. import ops
+from ..runtime.optim import SafeOptimizer
 from ..patterns import NM, Unstructured
-from ..training import fp32_master_weights, linear_warmup_decay, train_block
+from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
 from .base import Method
 from .options import BLOCK_CHECKPOINT, Option, at_least_one, nonnegative, positive
 

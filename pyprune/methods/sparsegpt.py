@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import engine
+from ..runtime import engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
 from .options import BLOCK_CHECKPOINT, Option, at_least_one, fraction

@@ -54,8 +54,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import engine
-from ..conventions import kept_count
+from ..runtime import engine
+from ..ops.conventions import kept_count
 from ..nn import compact
 from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields, head_dim, layouts_uniform
 from ..patterns import Structured
@@ -211,8 +211,8 @@ class StructuredMethod(Method):
 
     def calibration_gradients(self, model: nn.Module, params: Sequence[nn.Parameter], calib: Tensor, *,
                               batch_size: int, progress: bool = False) -> List[Tensor]:
-        """∇ of the mean calibration loss for each of ``params`` (:func:`pyprune.engine.loss_gradients`;
-        with the ``loss_scaling`` option through this prune's :class:`~pyprune.engine.LossScaler`)."""
+        """∇ of the mean calibration loss for each of ``params`` (:func:`pyprune.runtime.engine.loss_gradients`;
+        with the ``loss_scaling`` option through this prune's :class:`~pyprune.runtime.engine.LossScaler`)."""
         return engine.loss_gradients(model, params, calib, batch_size=batch_size, scaler=self.scaler,
                                      progress=progress, desc=self.name)
 

@@ -1,7 +1,7 @@
 """LLM-Pruner-style Taylor structured pruning (Ma et al., 2023) of LLaMA-family decoder blocks.
 
 Importance is first order (LLM-Pruner / MoreauPruner Eq. 3): the gradient of the mean next-token
-loss over the calibration tokens (:func:`pyprune.engine.loss_gradients`) times the weights,
+loss over the calibration tokens (:func:`pyprune.runtime.engine.loss_gradients`) times the weights,
 ``|W ⊙ ∇W|`` per element (:func:`pyprune.ops.taylor_score`). Grouping, the GQA rule, the layer
 range and compaction are :mod:`pyprune.methods.structured`'s, shared with MoreauPruner.
 """

@@ -44,7 +44,7 @@ def device_key(device: torch.device) -> str:
 def cpu_isa() -> str:
     """The instruction set pyprune's native CPU kernels run with here: ``avx2`` (AVX2+FMA+F16C,
     detected at run time) or ``generic`` (``none`` without the native extension)."""
-    from .. import backend
+    from ..ops import backend
     native = backend.native_module("cpu")
     if native is None:
         return "none"

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backend as _backend
+from ..ops import backend as _backend
 from .. import ops
-from ..conventions import pack_mask, sparse24_mma_meta, unpack_mask
+from ..ops.conventions import pack_mask, sparse24_mma_meta, unpack_mask
 from ..ops.linear import nm_linear_prechecked
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch

@@ -2,10 +2,10 @@
 
 Each op validates its arguments (ValueError/TypeError naming the argument), then runs as a
 ``torch.library`` custom op (with a fake implementation, so it traces under torch.compile) on the
-backend chosen by :mod:`pyprune.backend`: the csrc extension, a Triton kernel, or the
-pure-PyTorch reference in :mod:`pyprune.reference`.
+backend chosen by :mod:`pyprune.ops.backend`: the csrc extension, a Triton kernel, or the
+pure-PyTorch reference in :mod:`pyprune.ops.reference`.
 """
-from ..backend import BACKENDS, use_backend
+from .backend import BACKENDS, use_backend
 from .admm import admm_dual_update_
 from .sam import sam_adam_step_, sam_perturb_
 from .linear import nm_linear, sliced_linear

@@ -6,12 +6,12 @@ from typing import Callable, Dict
 
 import torch
 
-from .. import backend
+from . import backend
 
 
 def kernels(module: str):
-    """``pyprune.kernels.<module>``, imported on first use so TRITON_INTERPRET can be set first."""
-    return importlib.import_module(f"pyprune.kernels.{module}")
+    """``pyprune.ops.kernels.<module>``, imported on first use so TRITON_INTERPRET can be set first."""
+    return importlib.import_module(f"pyprune.ops.kernels.{module}")
 
 
 def native(name: str):

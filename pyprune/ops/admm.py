@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..conventions import kept_count
+from . import reference
+from .conventions import kept_count
 from . import _validate as check
 from ._dispatch import kernels, native, raise_on_nan_flag, run
 

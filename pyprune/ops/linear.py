@@ -4,8 +4,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backend, reference
-from ..conventions import unpack_mask
+from . import backend, reference
+from .conventions import unpack_mask
 from . import _validate as check
 from ._dispatch import kernels, native, run
 from .nm_format import _nm_decompress, check_compressed

@@ -8,12 +8,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..conventions import kept_count
+from . import reference
+from .conventions import kept_count
 from . import _validate as check
 from ._dispatch import kernels, native, raise_on_nan_flag, run
 
-# Score kinds shared with pyprune.kernels.scores and csrc: the input itself, |W|, |W|·sqrt(Σx²).
+# Score kinds shared with pyprune.ops.kernels.scores and csrc: the input itself, |W|, |W|·sqrt(Σx²).
 _GIVEN, _MAGNITUDE, _WANDA = 0, 1, 2
 _SCOPES = ("row", "tensor")
 

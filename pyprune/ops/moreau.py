@@ -11,7 +11,7 @@ threshold/‖δ_S‖₂); threshold 0 is plain MoreauPruner, threshold > 0 Morea
 z ~ N(0, 1) comes from a counter-based generator, so no noise tensor exists anywhere: it is
 Triton's ``tl.randn(seed, i)`` at the flat (row-major) element index i, i.e. Philox4x32-10 with
 counter (i mod 2**32, i >> 32, 0, 0) and key (seed mod 2**32, seed >> 32), then Box–Muller. The
-Triton kernel, the C++ kernel and :func:`pyprune.reference.standard_normal` produce the same
+Triton kernel, the C++ kernel and :func:`pyprune.ops.reference.standard_normal` produce the same
 Philox words and uniforms bit for bit; z then differs between them only by the rounding of log and
 cos (|Δz| < 2e-6). Callers derive a distinct seed in [0, 2**63) for every step and noise draw.
 
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backend, reference
+from . import backend, reference
 from . import _validate as check
 from ._dispatch import kernels, native, run
 

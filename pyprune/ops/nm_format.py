@@ -5,7 +5,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .. import reference
+from . import reference
 from . import _validate as check
 from ._dispatch import kernels, native, run
 

@@ -5,7 +5,7 @@ gradient-sized temporary is made."""
 import torch
 from torch import Tensor
 
-from .. import backend, reference
+from . import backend, reference
 from . import _validate as check
 from ._dispatch import kernels, native, run
 

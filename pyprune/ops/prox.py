@@ -2,7 +2,7 @@
 import torch
 from torch import Tensor
 
-from .. import reference
+from . import reference
 from . import _validate as check
 from ._dispatch import kernels, run
 

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backend, reference
+from . import backend, reference
 from . import _validate as check
 from ._dispatch import kernels, native, run
 

@@ -1,6 +1,0 @@
-"""Triton kernels of pyprune, installed as ``pyprune.kernels``; one module per family.
-
-Each module exposes launchers that take validated, contiguous tensors and return torch tensors;
-:mod:`pyprune.ops` is the only caller. Import this package only after deciding on
-``TRITON_INTERPRET`` (Triton reads it when a kernel is defined).
-"""

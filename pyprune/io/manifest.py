@@ -1,0 +1,59 @@
+"""The ``pyprune.json`` manifest of a saved model directory: its name, the versions this pyprune
+reads, and reading it or replacing the report it records (see :mod:`pyprune.io.model_dir`)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import storage
+
+#: Name of the file that records the pruned shapes inside a saved directory.
+MANIFEST = "pyprune.json"
+_FORMAT_VERSION = 2  # 2: sparse_layers
+_READABLE_VERSIONS = (1, 2)
+
+
+def _json_safe(value):
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _json_safe(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    """The ``pyprune.json`` of a saved directory ({} when it has none); ValueError naming the file
+    when it is not valid JSON or not a pyprune manifest of a format this version reads."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except ValueError as error:
+        raise ValueError(f"cannot load {directory}: {path} is not valid JSON ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "pyprune":
+        raise ValueError(f"cannot load {directory}: {path} is not a pyprune manifest (its format is "
+                         f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected 'pyprune')")
+    if manifest.get("version") not in _READABLE_VERSIONS:
+        raise ValueError(f"cannot load {directory}: {path} has version {manifest.get('version')!r}; this pyprune "
+                         f"reads versions {', '.join(map(str, _READABLE_VERSIONS))}")
+    return manifest
+
+
+def write_report(directory: str, report: Optional[Dict]) -> None:
+    """Replace the report recorded in the ``pyprune.json`` of a saved directory (atomically)."""
+    manifest = read_manifest(directory)
+    if not manifest:
+        raise FileNotFoundError(f"{directory} holds no {MANIFEST}: it was not written by pyprune.save")
+    storage.write_json(os.path.join(directory, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)

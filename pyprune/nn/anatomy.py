@@ -1,0 +1,63 @@
+"""Where a causal LM keeps its decoder blocks, and how to reach each one with its weights in memory.
+
+The engine, evaluation, saving and offload all walk a model's blocks through these functions; an
+offloaded model (:mod:`pyprune.io.offload`) keeps a block store on the model whose blocks are read
+one at a time by :func:`resident_blocks`.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, Tuple
+
+from torch import nn
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM (Llama, Mistral, Qwen2, SmolLM: model.model.layers;
+    OPT: model.model.decoder.layers)."""
+    base = getattr(model, "model", model)
+    for path in ("layers", "decoder.layers"):
+        node = base
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        if isinstance(node, nn.ModuleList) and len(node) > 0:
+            return node
+    raise ValueError(f"model {type(model).__name__} has no decoder blocks where pyprune looks for them "
+                     "(model.layers or model.decoder.layers); supported: LLaMA-family and OPT causal LMs")
+
+
+def block_prefix(model: nn.Module) -> str:
+    """Qualified name of the block list, e.g. 'model.layers'."""
+    blocks = decoder_blocks(model)
+    return next(name for name, module in model.named_modules() if module is blocks)
+
+
+#: the attribute of a model whose decoder blocks live on disk (:class:`pyprune.io.offload.OffloadedBlocks`)
+BLOCK_STORE = "pyprune_block_store"
+
+
+def block_store(model: nn.Module):
+    """The :class:`~pyprune.io.offload.OffloadedBlocks` of an offloaded model; None when its blocks
+    are in memory."""
+    return getattr(model, BLOCK_STORE, None)
+
+
+def resident_blocks(model: nn.Module, write: bool = False) -> Iterator[Tuple[int, nn.Module]]:
+    """(index, block) of every decoder block with its weights in memory: an offloaded model's
+    block is read before it is yielded and freed after (written back first with ``write``)."""
+    store = block_store(model)
+    for index, block in enumerate(decoder_blocks(model)):
+        if store is not None:
+            store.fetch(index, block)
+        yield index, block
+        if store is not None:
+            (store.store if write else store.release)(index, block)
+
+
+def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
+    """The prunable linear layers of a block, by their name inside the block (e.g. 'self_attn.q_proj')."""
+    return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+
+
+def first_tensor(output):
+    """A block's hidden states (blocks return a tuple in some transformers versions)."""
+    return output[0] if isinstance(output, (tuple, list)) else output

@@ -1,0 +1,294 @@
+"""The layer-wise calibration engine (the sequential procedure of SparseGPT and Wanda).
+
+Calibration tokens run through the embeddings once; the hidden states entering the first decoder
+block are captured with the keyword arguments the model passes to its blocks (position
+embeddings, attention mask, ...). Then block by block: a method sees a :class:`BlockContext`
+(the block, its current inputs, helpers to run it and to hook its linear layers), prunes the
+block, and the engine recomputes the block's outputs with the pruned weights as the next block's
+inputs. Memory stays at about one block of activations (inputs + outputs) plus the model, or plus
+one block and the weights outside the blocks when the model is offloaded (:mod:`pyprune.io.offload`).
+
+What the methods take from it:
+* Wanda / SparseGPT / COPAL: per-linear input and output captures -> :meth:`BlockContext.capture`;
+  COPAL's dense propagation sets :attr:`BlockContext.next_inputs`.
+* SAFE: the dense block's outputs as targets -> :meth:`BlockContext.forward` (SAFE⁺: the same
+  outputs and its input statistics -> :meth:`BlockContext.capture`), before
+  :func:`pyprune.runtime.training.train_block` trains the block's weights on them.
+* Taylor / MoreauPruner / SmoothGrad: full-model gradients -> :func:`loss_gradients` (with
+  :class:`LossScaler` for 16-bit models).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..io import storage
+from ..nn.anatomy import (BLOCK_STORE, block_linears, block_prefix, block_store, decoder_blocks, first_tensor,
+                           resident_blocks)
+
+
+class _BlockInputsCaptured(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, tokens: Tensor, batch_size: int):
+    """Hidden states entering the first block for every calibration sample, and the keyword
+    arguments the model passes to its blocks (the same for every batch of equal length)."""
+    blocks = decoder_blocks(model)
+    first = blocks[0]
+    device = next(model.parameters()).device
+    captured, kwargs_seen = [], {}
+
+    def catch(module, args, kwargs):
+        captured.append((args[0] if args else kwargs["hidden_states"]).detach())
+        if not kwargs_seen:
+            kwargs_seen.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _BlockInputsCaptured
+
+    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for start in range(0, tokens.shape[0], batch_size):
+            try:
+                model(input_ids=tokens[start:start + batch_size].to(device), use_cache=False)
+            except _BlockInputsCaptured:
+                pass
+    finally:
+        handle.remove()
+    kwargs_seen.pop("past_key_values", None)
+    kwargs_seen.pop("past_key_value", None)
+    kwargs_seen["use_cache"] = False
+    return torch.cat(captured), kwargs_seen
+
+
+@dataclass
+class BlockContext:
+    """One decoder block during layer-wise pruning, with its current calibration inputs."""
+
+    index: int
+    name: str
+    block: nn.Module
+    inputs: Tensor
+    block_kwargs: dict
+    batch_size: int
+    #: the next block's inputs when a method sets them (default: this block's outputs after it
+    #: is processed)
+    next_inputs: Optional[Tensor] = None
+
+    def linears(self) -> Dict[str, nn.Linear]:
+        return block_linears(self.block)
+
+    def forward(self, inputs: Optional[Tensor] = None, grad: bool = False) -> Tensor:
+        """The block's outputs for ``inputs`` (default: the calibration inputs), batch by batch."""
+        inputs = self.inputs if inputs is None else inputs
+        with torch.set_grad_enabled(grad):
+            outputs = [first_tensor(self.block(inputs[s:s + self.batch_size], **self.block_kwargs))
+                       for s in range(0, inputs.shape[0], self.batch_size)]
+        return torch.cat(outputs)
+
+    def capture(self, on_batch: Callable[[str, nn.Linear, Tensor, Tensor], None]) -> Tensor:
+        """Run the block once over the calibration inputs, calling ``on_batch(name, linear, x, y)``
+        with each linear layer's input and output of every batch; returns the block outputs."""
+        linears = self.linears()
+
+        def hook(name: str):
+            def observe(module, args, output) -> None:  # returns None: the output stays as it is
+                on_batch(name, module, args[0].detach(), output.detach())
+            return observe
+
+        handles = [module.register_forward_hook(hook(name)) for name, module in linears.items()]
+        try:
+            return self.forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@dataclass
+class BlockCheckpoint:
+    """Where layer-wise pruning saves every finished block (``block-<i>.safetensors``) and a
+    manifest (the run's ``key``, the number of finished blocks, their details). A rerun with the
+    same key loads the finished blocks and goes on from the next one; another key is refused
+    before anything changes. A restored block's outputs feed the next block: its pruned outputs,
+    or with ``dense_propagation`` its dense outputs (computed before its weights are restored)."""
+
+    directory: str
+    key: dict
+    dense_propagation: bool = False
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.directory, "blockwise.json")
+
+    def finished(self, parts: Optional[Sequence[str]] = None) -> Tuple[int, List]:
+        """(number of finished blocks, their details); ValueError for a checkpoint of another run
+        (compared in ``parts`` of the key if given, e.g. before the model and calibration exist)."""
+        if not os.path.exists(self.manifest_path):
+            return 0, []
+        try:
+            with open(self.manifest_path, encoding="utf-8") as handle:
+                manifest = json.load(handle)
+        except ValueError as error:
+            raise storage.StateError(f"checkpoint manifest {self.manifest_path} is not valid JSON ({error}); "
+                                     "remove it") from None
+        storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key, parts)
+        return manifest["finished"], manifest["details"]
+
+    def restore(self, block: nn.Module, index: int) -> None:
+        """Load the saved weights of finished block ``index`` into ``block``."""
+        from safetensors.torch import load_file
+        try:
+            state = load_file(self._block_path(index))
+        except Exception as error:  # safetensors raises its own error type for a broken file
+            raise storage.StateError(f"checkpoint block {self._block_path(index)} is not readable ({error}); "
+                                     "remove the checkpoint directory") from None
+        block.load_state_dict(state)
+
+    def save(self, index: int, block: nn.Module, details: List) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(self.directory, exist_ok=True)
+        with storage.atomic_path(self._block_path(index)) as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in block.state_dict().items()}, tmp)
+        storage.write_json(self.manifest_path, {"key": self.key, "finished": index + 1, "details": details})
+
+    def _block_path(self, index: int) -> str:
+        return os.path.join(self.directory, f"block-{index}.safetensors")
+
+
+def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], Optional[dict]], *,
+                  batch_size: int = 8, progress: bool = True, desc: str = "pruning",
+                  checkpoint: Optional[BlockCheckpoint] = None) -> List:
+    """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn (and may return
+    details, JSON-serialisable); the next block sees the outputs of the pruned blocks before it.
+    With ``checkpoint``, finished blocks are saved and a rerun resumes. An offloaded model's blocks
+    (:mod:`pyprune.io.offload`) are read one at a time and written back when done. Returns every
+    block's details."""
+    blocks = decoder_blocks(model)
+    store = block_store(model)
+    prefix = block_prefix(model)
+    finished, details = checkpoint.finished() if checkpoint is not None else (0, [])
+    was_training = model.training
+    model.eval()
+    try:
+        inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
+        for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
+            if store is not None:
+                store.fetch(index, blocks[index])
+            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
+            if index < finished:
+                if checkpoint.dense_propagation:
+                    ctx.next_inputs = ctx.forward()
+                checkpoint.restore(blocks[index], index)
+            else:
+                details.append(process_block(ctx))
+                if checkpoint is not None:
+                    checkpoint.save(index, blocks[index], details)
+            inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
+            if store is not None:
+                store.store(index, blocks[index])
+    finally:
+        model.train(was_training)
+    return details
+
+
+def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 4,
+                         progress: bool = True, desc: str = "gradients", zero_first: bool = True) -> None:
+    """Fill ``.grad`` of every trainable parameter with the gradient of the mean next-token loss
+    over all calibration tokens (summed over batches, weighted by batch size); with
+    ``zero_first=False`` it is added to the ``.grad`` already there."""
+    device = next(model.parameters()).device
+    if zero_first:
+        model.zero_grad(set_to_none=True)
+    total = tokens.shape[0]
+    for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
+        batch = tokens[start:start + batch_size].to(device)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        (loss * batch.shape[0] / total).backward()
+
+
+class LossScaler:
+    """Dynamic loss scaling of gradient passes in 16-bit formats, as ``torch.amp.GradScaler`` does:
+    the loss is multiplied by ``scale`` before backward, so that small gradients stay normal
+    numbers in fp16 instead of flushing to zero; after a pass with an inf or NaN gradient the scale
+    is multiplied by ``backoff_factor`` (the pass is redone), after ``growth_interval`` finite passes
+    in a row by ``growth_factor``. With the default factors the scale stays a power of two, so
+    scaling and unscaling are exact."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0; got {init_scale!r}")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1; got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.backoffs = 0
+        self._finite_in_a_row = 0
+
+    def update(self, finite: bool) -> None:
+        """Back off after a pass with non-finite gradients, grow after ``growth_interval`` finite ones."""
+        if finite:
+            self._finite_in_a_row += 1
+            if self._finite_in_a_row == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._finite_in_a_row = 0
+        else:
+            self.scale *= self.backoff_factor
+            self.backoffs += 1
+            self._finite_in_a_row = 0
+
+
+_MIN_LOSS_SCALE = 2.0 ** -24  # fp16's smallest subnormal: below it every scaled gradient is 0
+
+
+def loss_gradients(model: nn.Module, params: Sequence[nn.Parameter], tokens: Tensor, *, batch_size: int = 4,
+                   scaler: Optional[LossScaler] = None, progress: bool = False,
+                   desc: str = "gradients") -> List[Tensor]:
+    """∇ of the mean next-token loss over ``tokens`` for each of ``params`` (which require grad).
+
+    Without ``scaler``: :func:`accumulate_gradients`, and the ``.grad`` tensors themselves are
+    returned (the parameters' dtype; zeros for a parameter the loss does not reach). With a
+    :class:`LossScaler`: each batch's backward runs on the loss times ``scaler.scale``; a batch
+    with an inf or NaN gradient is redone at the backed-off scale, and the finite gradients are
+    unscaled into fp32 sums, which are returned (fp32), so a 16-bit gradient is rounded once, at
+    scale. A loss that is itself not finite raises FloatingPointError (no scale can help)."""
+    if scaler is None:
+        accumulate_gradients(model, tokens, batch_size=batch_size, progress=progress, desc=desc)
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    device = next(model.parameters()).device
+    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    total = tokens.shape[0]
+    try:
+        for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
+            batch = tokens[start:start + batch_size].to(device)
+            while True:
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"the loss of calibration batch {start // batch_size} is "
+                                             f"{loss.item()}; loss scaling cannot help")
+                scale = scaler.scale
+                (loss * (batch.shape[0] / total * scale)).backward()
+                finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+                scaler.update(finite)
+                if finite:
+                    break
+                if scaler.scale < _MIN_LOSS_SCALE:
+                    raise FloatingPointError(f"gradients of calibration batch {start // batch_size} are not "
+                                             f"finite even at loss scale {scale}")
+            for acc, p in zip(sums, params):
+                if p.grad is not None:
+                    acc.add_(p.grad, alpha=1.0 / scale)
+    finally:
+        model.zero_grad(set_to_none=True)
+    return sums

@@ -1,0 +1,236 @@
+"""Recovery fine-tuning ("RFT") of a pruned model with LoRA, merged back into dense weights.
+
+LLM-Pruner, MoreauPruner and DReSS all recover a pruned model by training low-rank adapters
+(LoRA, through Hugging Face ``peft``) on a little text and merging them into the weights.
+:func:`lora_finetune` does that for any model pyprune produces, structured ones included (each
+layer is wrapped at its own, possibly pruned, size): it wraps the decoder blocks' linear layers
+with LoRA adapters, trains them on next-token loss, merges them with ``merge_and_unload`` and
+hands back the same model object with the same module objects and parameter names, so
+:func:`pyprune.save` and plain ``from_pretrained`` treat it as any dense model.
+
+DReSS (Table 6 / App. D) uses rank 32, LoRA alpha 10 (scale alpha/rank = 0.3125), learning rate
+2e-5, batch 64 of 2048-token sequences, every other setting PEFT's default; see
+:func:`lora_finetune` for the CPU defaults here and how to get the paper's.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import engine
+from .training import train
+from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
+from ..nn.sliced import SlicedLinear
+from ..nn.sparse import SparseLinear
+
+__all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
+
+
+@dataclass(frozen=True)
+class LoraDefaults:
+    """The LoRA recovery defaults of :func:`lora_finetune`, ``pyprune recover`` and DReSS's
+    ``lora_*`` options: rank and alpha as DReSS (Table 6); lr and batch sized for a CPU (the paper:
+    2e-5 at batch 64)."""
+
+    rank: int = 32
+    alpha: float = 10.0
+    lr: float = 1e-4
+    batch_size: int = 4
+
+
+DEFAULTS = LoraDefaults()
+
+#: Every linear layer of a LLaMA-style decoder block. The papers do not name their LoRA targets;
+#: LLM-Pruner's post_training.py adapts these seven, PEFT's own default for llama is q_proj, v_proj.
+DEFAULT_TARGET_MODULES = ATTENTION_LINEARS + MLP_LINEARS
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_settings(*, steps: int, rank: int, alpha: float, lr: float, batch_size: int, seed: int,
+                   target_modules: Optional[Sequence[str]] = None) -> None:
+    """Raise ValueError naming the first bad setting of :func:`lora_finetune` (what needs no
+    model: the CLI calls it before loading one)."""
+    for name, value, low in (("steps", steps, 0), ("rank", rank, 1), ("batch_size", batch_size, 1)):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    for name, value in (("alpha", alpha), ("lr", lr)):
+        if not _is_number(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer; got {seed!r}")
+    if target_modules is not None and (isinstance(target_modules, str) or not target_modules or not all(
+            isinstance(name, str) and name for name in target_modules)):
+        raise ValueError(f"target_modules must be None or a non-empty list of module names (e.g. "
+                         f"['q_proj', 'v_proj']); got {target_modules!r}")
+
+
+def _check_tokens(model: nn.Module, tokens, batch_size: int) -> None:
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
+            or tokens.is_complex() or tokens.dtype == torch.bool:
+        described = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be a 2-D integer tensor [nsamples, seqlen] of token ids; got {described}"
+                         + (f" {tokens.dtype}" if isinstance(tokens, Tensor) else ""))
+    nsamples, seqlen = tokens.shape
+    if nsamples < 1 or seqlen < 2:
+        raise ValueError(f"tokens must hold at least one sample of at least 2 tokens (next-token loss); "
+                         f"got shape {tuple(tokens.shape)}")
+    if batch_size > nsamples:
+        raise ValueError(f"batch_size must be <= the number of samples in tokens ({nsamples}); got {batch_size}")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got ids {low}..{high}")
+
+
+def _targets(model: nn.Module, target_modules: Sequence[str]) -> Dict[str, nn.Linear]:
+    """The decoder blocks' nn.Linear layers named by ``target_modules`` (a layer's name inside its
+    block, or a suffix of it, as PEFT matches), by qualified name; every name must match one."""
+    prefix = engine.block_prefix(model)
+    found: Dict[str, nn.Linear] = {}
+    unmatched = set(target_modules)
+    available = set()
+    for index, block in enumerate(engine.decoder_blocks(model)):
+        for name, linear in engine.block_linears(block).items():
+            available.add(name.rsplit(".", 1)[-1])
+            hits = {t for t in target_modules if name == t or name.endswith("." + t)}
+            if hits:
+                found[f"{prefix}.{index}.{name}"] = linear
+                unmatched -= hits
+    if unmatched:
+        raise ValueError(f"target_modules {sorted(unmatched)} match no nn.Linear of the decoder blocks; "
+                         f"their linears: {', '.join(sorted(available))}")
+    return found
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module) or next(model.parameters(), None) is None:
+        raise ValueError(f"model must be a causal LM (nn.Module with parameters); got {type(model).__name__}")
+    if hasattr(model, "peft_config"):
+        raise ValueError("model already holds PEFT adapters (it has a peft_config); merge or unload them first")
+    engine.decoder_blocks(model)  # a ValueError naming the supported models otherwise
+    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
+    if special:
+        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
+                         f"{', ...' if len(special) > 3 else ''}): peft's LoRA wraps only nn.Linear and its merge "
+                         "writes dense weights; turn them back into nn.Linear first (SparseLinear.to_dense(), "
+                         "pyprune.nn.unslice_)")
+
+
+def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
+                  alpha: float = DEFAULTS.alpha, lr: float = DEFAULTS.lr, batch_size: int = DEFAULTS.batch_size,
+                  target_modules: Optional[Sequence[str]] = None,
+                  seed: int = 0, progress: bool = True) -> Dict:
+    """Recover a (pruned) causal LM with LoRA, in place, and merge the adapters into its weights.
+
+    ``tokens`` are ``[nsamples, seqlen]`` token ids (as :func:`pyprune.inputs.data.calibration_samples`
+    returns). LoRA adapters of ``rank`` and scale ``alpha / rank`` go on ``target_modules`` of
+    every decoder block (default :data:`DEFAULT_TARGET_MODULES`, all seven linears q/k/v/o/gate/
+    up/down; the DReSS paper does not name its targets and PEFT's default for llama is q_proj and
+    v_proj only, so pass ``["q_proj", "v_proj"]`` for that). A name matches a block linear whose
+    name inside the block is it or ends with ``.name``. Other LoRA settings are PEFT's defaults
+    (dropout 0, no bias training, Kaiming-uniform A and zero B, so training starts at the
+    model's own loss); adapters are fp32 also on a 16-bit model (PEFT's autocast).
+
+    Training: ``steps`` AdamW steps (torch defaults, weight decay 0 as transformers' Trainer,
+    constant ``lr``) of the mean next-token loss, each on ``batch_size`` samples drawn without
+    replacement from a permutation reshuffled every epoch; ``seed`` fixes the adapters'
+    initialisation and the order, and the caller's global RNG state is left as it was. The
+    model is in train mode while training.
+
+    Then the adapters are merged (``merge_and_unload``): ``model`` keeps its module objects and
+    classes, parameter names, dtype and device; only the targeted layers' weights changed; its
+    train/eval mode and ``requires_grad`` flags are restored and no peft attribute remains. If
+    training fails (e.g. a non-finite loss) the adapters are dropped unmerged and the model is
+    unchanged. ``steps=0`` returns the report without touching the model.
+
+    Defaults are for CPU runs: the paper's batch of 64 × 2048 tokens is 128 times the 4 × 256
+    tokens that already take ~17 s per step for SmolLM2-135M on one CPU thread, so
+    ``batch_size=4`` (with short samples); and since a CPU run can afford only tens to hundreds
+    of such small steps, ``lr=1e-4`` (LLM-Pruner's README recovery command) rather than the
+    paper's 2e-5.
+    The paper's settings are ``rank=32, alpha=10, lr=2e-5, batch_size=64`` on 2048-token samples
+    (rank and alpha are the defaults already).
+
+    Every argument is checked before the model is touched (ValueError naming it): ``steps`` < 0,
+    ``rank`` < 1, ``alpha`` or ``lr`` <= 0, ``batch_size`` < 1 or above ``nsamples``, ``tokens``
+    not 2-D integer ids in the vocabulary, a ``target_modules`` name that matches nothing, and a
+    model with pyprune SparseLinear/SlicedLinear layers (peft can wrap only nn.Linear).
+
+    Returns a report: the settings, ``target_modules`` (the names used), ``lora_layers``,
+    ``trainable_parameters`` (rank · (in + out) per wrapped layer), ``losses`` (every step),
+    ``first_loss``/``last_loss`` (None when ``steps=0``) and ``time_s``.
+    """
+    check_settings(steps=steps, rank=rank, alpha=alpha, lr=lr, batch_size=batch_size, seed=seed,
+                   target_modules=target_modules)
+    _check_model(model)
+    _check_tokens(model, tokens, batch_size)
+    names = tuple(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)
+    targets = _targets(model, names)
+    report = {
+        "steps": steps, "rank": rank, "alpha": float(alpha), "lr": float(lr), "batch_size": batch_size,
+        "seed": seed, "nsamples": int(tokens.shape[0]), "seqlen": int(tokens.shape[1]),
+        "target_modules": list(names), "lora_layers": len(targets),
+        "trainable_parameters": sum(rank * (m.in_features + m.out_features) for m in targets.values()),
+    }
+    start = time.perf_counter()
+    losses = _finetune(model, tokens, targets, steps=steps, rank=rank, alpha=float(alpha), lr=float(lr),
+                       batch_size=batch_size, seed=seed, progress=progress) if steps else []
+    report.update(losses=losses, first_loss=losses[0] if losses else None,
+                  last_loss=losses[-1] if losses else None, time_s=round(time.perf_counter() - start, 3))
+    return report
+
+
+def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *, steps: int, rank: int,
+              alpha: float, lr: float, batch_size: int, seed: int, progress: bool) -> List[float]:
+    """Wrap ``targets`` with LoRA, train, merge; the model's flags and config restored after."""
+    import peft
+
+    requires_grad = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    config = getattr(model, "config", None)
+    config_fields = dict(vars(config)) if config is not None else None  # peft resets pretraining_tp
+    device = next(model.parameters()).device
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets))
+    merged = False
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            # peft 0.21 reads the attribute transformers 5 renamed to is_activation_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, lora)
+        try:
+            params = [p for p in wrapped.parameters() if p.requires_grad]
+            wrapped.train()
+            with torch.enable_grad():
+                try:
+                    losses = train(wrapped, params, tokens, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                                   desc="lora", progress=progress)["loss"]
+                except FloatingPointError as error:
+                    raise FloatingPointError(f"{error}; the adapters are dropped and the model is left "
+                                             "unchanged") from None
+            wrapped.merge_and_unload()
+            merged = True
+        finally:
+            if not merged:
+                wrapped.unload()
+            for m, mode in modes:
+                m.train(mode)
+            for p, flag in requires_grad:
+                p.requires_grad_(flag)
+            if config_fields is not None:
+                vars(config).clear()
+                vars(config).update(config_fields)
+    return losses

@@ -1,0 +1,196 @@
+"""The training routines of the methods that train: :func:`train` for a whole model (DReSS's
+regularisation, LoRA recovery) and :func:`train_block` for one decoder block on its reconstruction
+error (SAFE; any block-wise reconstruction method). Both draw seeded shuffled minibatches; a
+16-bit model trains on fp32 master weights (:func:`fp32_master_weights`) and gets its dtype back.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from . import engine
+from ..io import storage
+
+
+def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
+    """Index batches without end: each epoch a fresh permutation cut into whole batches (the
+    last ``nsamples % batch_size`` samples of an epoch wait for the next one)."""
+    order = torch.empty(0, dtype=torch.long)
+    while True:
+        if order.numel() < batch_size:
+            order = torch.randperm(nsamples, generator=generator)
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+@contextlib.contextmanager
+def fp32_master_weights(model: nn.Module):
+    """Train ``model`` in fp32 and in train mode; its dtype and mode come back afterwards."""
+    dtype, was_training = next(model.parameters()).dtype, model.training
+    model.float().train()
+    try:
+        yield model
+    finally:
+        model.to(dtype).train(was_training)
+
+
+@dataclass
+class Checkpoint:
+    """Where and how often :func:`train` saves (a safetensors state of the model's and the
+    optimizer's tensors, the rest in its JSON metadata); ``key`` identifies the run (settings,
+    model), and a checkpoint with another key is refused."""
+
+    directory: str
+    every: int
+    key: dict
+    name: str = "train-checkpoint.safetensors"
+
+    KIND = "training checkpoint"
+    FORMATS = (1,)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.name)
+
+    def check(self, parts=None) -> None:
+        """ValueError when the directory holds a checkpoint of another run (compared in ``parts``
+        of the key if given: e.g. the settings alone, before the model is loaded)."""
+        if os.path.exists(self.path):
+            meta = storage.read_state_meta(self.path, self.KIND, self.FORMATS)
+            storage.check_key(f"checkpoint {self.path}", meta["key"], self.key, parts)
+
+    def save(self, model: nn.Module, optimizer, step: int, log: Dict) -> None:
+        tensors = {f"model.{name}": value for name, value in model.state_dict().items()}
+        saved = optimizer.state_dict()
+        scalars = {}
+        for index, values in saved["state"].items():
+            for name, value in values.items():
+                if isinstance(value, Tensor):
+                    tensors[f"optimizer.{index}.{name}"] = value
+                else:
+                    scalars[f"{index}.{name}"] = value
+        storage.save_state(self.path, tensors, {
+            "kind": self.KIND, "format": self.FORMATS[-1], "key": self.key, "step": step, "log": log,
+            "optimizer": {"param_groups": saved["param_groups"], "scalars": scalars}})
+
+    def load(self, model: nn.Module, optimizer, log: Dict) -> int:
+        """Restore a saved run into ``model``, ``optimizer`` and ``log``; the step to go on from."""
+        if not os.path.exists(self.path):
+            return 0
+        self.check()
+        tensors, meta = storage.load_state(self.path, self.KIND, self.FORMATS)  # the optimizer casts its state
+        model.load_state_dict({name[len("model."):]: value for name, value in tensors.items()
+                               if name.startswith("model.")})
+        state: Dict[int, dict] = {}
+        for name, value in list(tensors.items()) + list(meta["optimizer"]["scalars"].items()):
+            if not name.startswith("model."):
+                index, field = name.removeprefix("optimizer.").split(".", 1)
+                state.setdefault(int(index), {})[field] = value
+        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+        log.update(meta["log"])
+        return meta["step"]
+
+
+def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
+          batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
+          checkpoint: Optional[Checkpoint] = None, desc: str = "train", progress: bool = True) -> Dict[str, list]:
+    """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
+    loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
+    runs between backward and the step and returns values to log (e.g. a penalty). Returns the log:
+    ``loss`` per step and each logged value per step. A non-finite loss raises FloatingPointError.
+    With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end, and resumed from."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    batches = minibatches(tokens.shape[0], min(batch_size, tokens.shape[0]), torch.Generator().manual_seed(seed))
+    log: Dict[str, list] = {"loss": []}
+    start = checkpoint.load(model, optimizer, log) if checkpoint is not None else 0
+    for _ in range(start):  # the minibatches the finished steps drew
+        next(batches)
+    with tqdm(total=steps, initial=min(start, steps), desc=desc, unit="step", disable=not progress) as bar:
+        for step in range(start, steps):
+            batch = tokens[next(batches)].to(device=device, dtype=torch.long)
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{desc}: the training loss is {value} at step {step} (try a smaller lr)")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for key, extra in (after_backward() if after_backward is not None else {}).items():
+                log.setdefault(key, []).append(extra)
+            optimizer.step()
+            log["loss"].append(value)
+            if checkpoint is not None and ((step + 1) % checkpoint.every == 0 or step + 1 == steps):
+                checkpoint.save(model, optimizer, step + 1, log)
+            bar.set_postfix(loss=f"{value:.4f}")
+            bar.update()
+    optimizer.zero_grad(set_to_none=True)
+    return log
+
+
+def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """LR factor of step t: t/warmup up to ``warmup_steps``, then linear decay to 0 at ``total_steps``
+    (SAFE's "linear schedule with warm-up", Table 5)."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return factor
+
+
+def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.optim.Optimizer, *, steps: int,
+                batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True,
+                relative: bool = False) -> List[float]:
+    """``steps`` optimiser steps on the block's reconstruction error: the mean squared error between
+    the block's outputs for a minibatch of ``ctx.inputs`` and the same rows of ``targets`` (e.g. the
+    dense block's outputs), minibatches drawn by :func:`minibatches` (one graph per minibatch, never
+    one over the calibration set); with ``relative``, divided by the mean square of all ``targets``
+    (a minibatch estimate of ‖Y − Ŷ‖² / ‖Y‖², 1 for Ŷ = 0, unchanged when inputs and targets scale
+    together through a linear block). The minibatches and the block's keyword arguments are cast to
+    the block's dtype (fp32 inside :func:`fp32_master_weights`). ``optimizer.step`` gets a closure
+    (SAM evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step."""
+    dtype = next(ctx.block.parameters()).dtype
+    scale = float(targets.float().square().mean()) if relative else 1.0
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{desc}: relative reconstruction error needs targets with a finite, positive mean "
+                         f"square; got {scale}")
+    kwargs = _cast_floating(ctx.block_kwargs, dtype)
+    batches = minibatches(ctx.inputs.shape[0], min(batch_size, ctx.inputs.shape[0]),
+                          torch.Generator().manual_seed(seed))
+    losses = []
+    for _ in tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress):
+        index = next(batches)
+        inputs, wanted = ctx.inputs[index].to(dtype), targets[index].to(dtype)
+
+        def closure() -> Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(engine.first_tensor(ctx.block(inputs, **kwargs)), wanted) / scale
+            loss.backward()
+            return loss
+
+        loss = float(optimizer.step(closure).detach())
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{desc}: the reconstruction loss is {loss} (try a smaller lr)")
+        losses.append(loss)
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating tensor in it (also inside tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value

@@ -1,0 +1,284 @@
+"""Bad input to every CLI subcommand: exit status 2, one line naming the argument or file, nothing
+written or modified, and (where the answer is on disk) decided before any model loads."""
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import pyprune
+from pyprune import cli
+from pyprune.io import storage
+from pyprune.cli import steps
+from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny saved model, broken copies of it, texts and states: what the cases below point at."""
+    base = tmp_path_factory.mktemp("bad-input")
+    model = base / "tiny"
+    tiny_llama(hidden=64, heads=4, kv_heads=2).save_pretrained(model)
+    tiny_tokenizer().save_pretrained(model)
+    text = base / "text.txt"
+    text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
+    (base / "short.txt").write_text("the house is good")
+    (base / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (base / "a-directory").mkdir()
+    garbage = _copy_model(model, base / "garbage-config")
+    (garbage / "config.json").write_text("{ this is not json")
+    truncated = _copy_model(model, base / "truncated")
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    saved = base / "saved"
+    pyprune.save(tiny_llama(hidden=64, heads=4, kv_heads=2), tiny_tokenizer(), saved)
+    bad_manifest = _copy_model(saved, base / "bad-manifest")
+    (bad_manifest / "pyprune.json").write_text('{"format": "pyprune", version: 2}')
+    future = _copy_model(saved, base / "future-version")
+    manifest = json.loads((future / "pyprune.json").read_text())
+    (future / "pyprune.json").write_text(json.dumps(dict(manifest, version=99)))
+    state = base / "copal-state"
+    storage.save_state(str(state / "copal-state.safetensors"), {"G:x": torch.zeros(2)}, {
+        "kind": "COPAL state", "format": 2, "steps": [],
+        "key": {"settings": {"perturbation": "proportional", "epsilon": 0.5, "perturbation_seed": 0,
+                             "propagate": "pruned", "pattern": "2:4", "scope": None}, "model": "elsewhere"}})
+    cut_state = base / "cut-state"
+    cut_state.mkdir()
+    whole = (state / "copal-state.safetensors").read_bytes()
+    (cut_state / "copal-state.safetensors").write_bytes(whole[:len(whole) - 4])
+    dress = base / "dress-checkpoint"
+    dress.mkdir()
+    (dress / "dress-regularise.safetensors").write_bytes(b"\x80\x04K\x01.")  # a pickle, not a state
+    (base / "block-checkpoint").mkdir()
+    storage.write_json(str(base / "block-checkpoint" / "blockwise.json"), {
+        "key": {"method": "sparsegpt", "settings": {}, "pattern": "2:4", "scope": None, "model": "m",
+                "calibration": "c"}, "finished": 1, "details": [None]})
+    (base / "broken-checkpoint").mkdir()
+    (base / "broken-checkpoint" / "blockwise.json").write_text("{ not json")
+    (base / "continual.json").write_text("{ not json")
+    (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
+    return base
+
+
+def _copy_model(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for item in source.iterdir():
+        (target / item.name).write_bytes(item.read_bytes())
+    return target
+
+
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+NO_DEVICE = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+WANDA = ["--method", "wanda", "--pattern", "2:4"]
+
+#: (case id, argv with {placeholders} under the fixture's directory, the error's regex, environment)
+CASES = [
+    ("prune-eval-seqlen-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
+                             "--eval-seqlen", "0"], r"--eval-seqlen must be >= 1; got 0", {}),
+    ("prune-eval-max-tokens-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
+                                 "--eval-max-tokens", "0"], r"--eval-max-tokens must be >= 1", {}),
+    ("prune-eval-shorter-than-a-window", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval",
+                                          "{short.txt}", "--eval-seqlen", "16"],
+     r"--eval .*short.txt has 4 tokens, fewer than one window of --eval-seqlen 16", {}),
+    ("prune-eval-dataset-offline", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "wikitext2"],
+     r"--eval wikitext2: dataset 'wikitext2' (could not be loaded|needs the 'datasets' package)", OFFLINE),
+    ("prune-calib-dataset-offline", ["prune", "--model", "{tiny}", *WANDA, "--calib", "ptb"],
+     r"--calib ptb: dataset 'ptb' (could not be loaded|needs the 'datasets' package)", OFFLINE),
+    ("prune-device-missing", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--device", NO_DEVICE],
+     rf"--device {NO_DEVICE}: (this torch build .* has no usable cuda device|there are \d+ cuda devices)", {}),
+    ("prune-device-nonsense", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--device", "gpu0"],
+     r"--device 'gpu0' is not a torch device", {}),
+    ("prune-garbage-config", ["prune", "--model", "{garbage-config}", *WANDA, "--calib", "{text.txt}"],
+     r"garbage-config/config.json is not a valid model config", {}),
+    ("prune-truncated-weights", ["prune", "--model", "{truncated}", *WANDA, "--calib", "{text.txt}"],
+     r"truncated/model.safetensors is truncated", {}),
+    ("prune-report-directory", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--report",
+                                "{a-directory}"], r"--report .*a-directory is a directory", {}),
+    ("prune-invalid-manifest", ["prune", "--model", "{bad-manifest}", *WANDA, "--calib", "{text.txt}"],
+     r"bad-manifest/pyprune.json is not valid JSON", {}),
+    ("prune-future-manifest", ["prune", "--model", "{future-version}", *WANDA, "--calib", "{text.txt}"],
+     r"future-version/pyprune.json has version 99; this pyprune reads versions 1, 2", {}),
+    ("prune-binary-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{binary.txt}"],
+     r"binary.txt is not UTF-8 text", {}),
+    ("prune-ratio-0", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0", "--calib", "{text.txt}"],
+     r"--ratio must be in \(0, 1\): 0 removes nothing", {}),
+    ("prune-copal-state-other-settings", ["prune", "--model", "{tiny}", "--method", "copal", "--pattern", "2:4",
+                                          "--calib", "{text.txt}", "--state", "{copal-state}"],
+     r"COPAL state .*copal-state was made with other settings: epsilon 0.5 \(now 0.01\)", {}),
+    ("prune-copal-state-truncated", ["prune", "--model", "{tiny}", "--method", "copal", "--pattern", "2:4",
+                                     "--calib", "{text.txt}", "--state", "{cut-state}"],
+     r"cut-state/copal-state.safetensors is not a readable safetensors state", {}),
+    ("prune-dress-checkpoint-pickle", ["prune", "--model", "{tiny}", "--method", "dress", "--ratio", "0.25",
+                                       "--calib", "{text.txt}", "--checkpoint", "{dress-checkpoint}"],
+     r"dress-regularise.safetensors is not a readable safetensors state", {}),
+    ("prune-block-checkpoint-other-method", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}",
+                                             "--checkpoint", "{block-checkpoint}"],
+     r"checkpoint .*block-checkpoint was made with other settings: method 'sparsegpt' \(now 'wanda'\)", {}),
+    ("prune-block-checkpoint-invalid-json", ["prune", "--model", "{tiny}", "--method", "safe", "--pattern", "2:4",
+                                             "--calib", "{text.txt}", "--checkpoint", "{broken-checkpoint}"],
+     r"checkpoint manifest .*broken-checkpoint/blockwise.json is not valid JSON", {}),
+    ("prune-offload-without-output", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--offload"],
+     r"--offload needs --output", {}),
+    ("prune-offload-gradient-method", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0.25", "--calib",
+                                       "{text.txt}", "--offload", "--output", "{new}"],
+     r"--offload: method 'taylor' cannot prune an offloaded model: it computes gradients through the whole model", {}),
+    ("prune-offload-eval", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--offload", "--output",
+                            "{new}", "--eval", "{text.txt}"], r"--offload evaluates nothing", {}),
+    ("eval-seqlen-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "0"],
+     r"--seqlen must be >= 1; got 0", {}),
+    ("eval-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
+     r"--max-tokens must be >= 1", {}),
+    ("eval-data-shorter-than-a-window", ["eval", "--model", "{tiny}", "--data", "{short.txt}", "--seqlen", "16"],
+     r"--data .*short.txt has 4 tokens, fewer than one window of --seqlen 16", {}),
+    ("eval-data-offline", ["eval", "--model", "{tiny}", "--data", "c4"],
+     r"--data c4: dataset 'c4' (could not be loaded|needs the 'datasets' package)", OFFLINE),
+    ("eval-report-directory", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--report", "{a-directory}"],
+     r"--report .*a-directory is a directory", {}),
+    ("eval-device-missing", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--device", NO_DEVICE],
+     rf"--device {NO_DEVICE}", {}),
+    ("eval-garbage-config", ["eval", "--model", "{garbage-config}", "--data", "{text.txt}"],
+     r"config.json is not a valid model config", {}),
+    ("eval-future-manifest", ["eval", "--model", "{future-version}", "--data", "{text.txt}"],
+     r"pyprune.json has version 99", {}),
+    ("recover-eval-seqlen-0", ["recover", "--model", "{tiny}", "--calib", "{text.txt}", "--steps", "1", "--eval",
+                               "{text.txt}", "--eval-seqlen", "0", "--output", "{new}"], r"--eval-seqlen must be >= 1", {}),
+    ("recover-binary-calib", ["recover", "--model", "{tiny}", "--calib", "{binary.txt}", "--steps", "1", "--seqlen",
+                              "16", "--output", "{new}"], r"binary.txt is not UTF-8 text", {}),
+    ("recover-truncated-weights", ["recover", "--model", "{truncated}", "--calib", "{text.txt}", "--steps", "1",
+                                   "--output", "{new}"], r"model.safetensors is truncated", {}),
+    ("recover-report-directory", ["recover", "--model", "{tiny}", "--calib", "{text.txt}", "--steps", "1", "--output",
+                                  "{new}", "--report", "{a-directory}"], r"is a directory", {}),
+    ("robustness-ratio-0", ["robustness", "--model", "{tiny}", "--method", "taylor", "--ratio", "0", "--calib",
+                            "{text.txt}", "--eval", "{text.txt}", "--report", "{new}.json"],
+     r"--ratio must be in \(0, 1\): 0 removes nothing", {}),
+    ("robustness-eval-shorter-than-a-window", ["robustness", "--model", "{tiny}", "--method", "taylor", "--ratio",
+                                               "0.25", "--calib", "{text.txt}", "--eval", "{short.txt}", "--report",
+                                               "{new}.json"], r"fewer than one window of --eval-seqlen 128", {}),
+    ("robustness-device-missing", ["robustness", "--model", "{tiny}", "--method", "taylor", "--ratio", "0.25",
+                                   "--calib", "{text.txt}", "--eval", "{text.txt}", "--report", "{new}.json", "--device",
+                                   NO_DEVICE], rf"--device {NO_DEVICE}", {}),
+    ("continual-invalid-report", ["continual", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.5",
+                                  "--datasets", "emma", "persuasion", "--report", "{continual.json}"],
+     r"--report .*continual.json is not valid JSON", {}),
+    ("continual-eval-seqlen-0", ["continual", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.5",
+                                 "--datasets", "emma", "persuasion", "--eval-seqlen", "0", "--report", "{new}.json"],
+     r"--eval-seqlen must be >= 1", {}),
+    ("continual-eval-shorter-than-a-window", ["continual", "--model", "{tiny}", "--method", "wanda", "--sparsity",
+                                              "0.5", "--datasets", "{text.txt}", "emma", "--eval", "{short.txt}", "{text.txt}",
+                                              "--eval-seqlen", "16", "--seqlen", "8", "--nsamples", "2",
+                                              "--report", "{new}.json"],
+     r"--eval .*short.txt has 4 tokens, fewer than one window", {}),
+    ("continual-garbage-config", ["continual", "--model", "{garbage-config}", "--method", "wanda", "--sparsity",
+                                  "0.5", "--datasets", "emma", "persuasion", "--report", "{new}.json"],
+     r"config.json is not a valid model config", {}),
+    ("compare-missing-report", ["compare", "{report.json}", "{nowhere.json}", "--output", "{new}"],
+     r"nowhere.json", {}),
+    ("compare-output-is-a-file", ["compare", "{report.json}", "--output", "{text.txt}"],
+     r"--output .*text.txt exists and is not a directory", {}),
+    ("generate-max-new-tokens-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--max-new-tokens", "0"],
+     r"--max-new-tokens must be >= 1; got 0", {}),
+    ("generate-empty-prompt", ["generate", "--model", "{tiny}", "--prompt", "  "], r"--prompt is empty", {}),
+    ("generate-garbage-config", ["generate", "--model", "{garbage-config}", "--prompt", "hello"],
+     r"config.json is not a valid model config", {}),
+    ("generate-device-missing", ["generate", "--model", "{tiny}", "--prompt", "hello", "--device", NO_DEVICE],
+     rf"--device {NO_DEVICE}", {}),
+    ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
+    ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
+]
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading a model fails the test: every case here is decided before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr("pyprune.inputs.models.load_model", refuse)
+    monkeypatch.setattr("pyprune.io.load", refuse)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(files, case, capsys, monkeypatch, no_model_loads,
+                                                           tmp_path):
+    _, argv, message, env = case
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    argv = [re.sub(r"\{([^}]+)\}", lambda m: str(files / m.group(1)), arg) for arg in argv]
+    before = _snapshot(files)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert err.startswith(f"pyprune {argv[0]}: error: ")
+    assert _snapshot(files) == before
+    assert not list(files.rglob(f"*{storage._TAG}*"))
+
+
+def test_the_table_covers_every_subcommand():
+    commands = {case[1][0] for case in CASES}
+    subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert commands == set(subparsers.choices)
+    print(f"{len(CASES)} bad-input cases over {len(commands)} subcommands")
+
+
+def test_ctrl_c_is_one_line_with_status_130_and_writes_nothing(files, capsys, monkeypatch, tmp_path):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("pyprune.inputs.models.load_model", interrupted)
+    output = tmp_path / "out"
+    assert cli.main(["prune", "--model", str(files / "tiny"), *WANDA, "--calib", str(files / "text.txt"),
+                     "--output", str(output), "--report", str(tmp_path / "r.json")]) == 130
+    assert capsys.readouterr().err.strip() == "pyprune prune: interrupted"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The model is saved before it is evaluated: an evaluation that fails leaves a loadable prune."""
+    model_dir, text = tiny_model_dir
+    output = tmp_path / "out"
+
+    def broken(*args, **kwargs):
+        raise ValueError("evaluation failed")
+    monkeypatch.setattr(steps, "evaluate", broken)
+    assert cli.main(["prune", "--model", str(model_dir), *WANDA, "--calib", str(text), "--nsamples", "2",
+                     "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16", "--output", str(output),
+                     "--quiet"]) == 2
+    assert "evaluation failed" in capsys.readouterr().err
+    model, _ = pyprune.load(output)
+    assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"]["2:4"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2"),
+    ({"format": "other"}, "is not a pyprune manifest"),
+])
+def test_load_refuses_an_unknown_format_or_version(files, tmp_path, change, message):
+    directory = _copy_model(files / "saved", tmp_path / "saved")
+    manifest = json.loads((directory / "pyprune.json").read_text())
+    (directory / "pyprune.json").write_text(json.dumps(dict(manifest, **change)))
+    with pytest.raises(ValueError, match=message):
+        pyprune.load(directory)
+
+
+def test_reports_record_the_run(tiny_model_dir, tmp_path):
+    """prune and eval reports: device, dtype, batch size, thread count, pyprune and torch versions."""
+    model_dir, text = tiny_model_dir
+    prune_report, eval_report = tmp_path / "prune.json", tmp_path / "eval.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--batch-size", "3", "--report", str(prune_report), "--quiet"]) == 0
+    assert cli.main(["eval", "--model", str(model_dir), "--data", str(text), "--seqlen", "16", "--dtype",
+                     "bfloat16", "--report", str(eval_report), "--quiet"]) == 0
+    expected = {"device": "cpu", "batch_size": 3, "threads": torch.get_num_threads(),
+                "pyprune": pyprune.__version__, "torch": torch.__version__, "dtype": "float32"}
+    report = json.loads(prune_report.read_text())
+    assert {key: report[key] for key in expected} == expected
+    report = json.loads(eval_report.read_text())
+    assert {key: report[key] for key in expected} == dict(expected, batch_size=8, dtype="bfloat16")

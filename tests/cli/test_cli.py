@@ -1,0 +1,303 @@
+"""The command line: bad input gives a one-line error, exit status 2, and writes nothing."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyprune import cli
+
+EMMA = "emma"  # the embedded corpus
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "obs", "--pattern", "2:4"], "method must be one of"),
+    (["--method", "wanda", "--pattern", "2:5:3"], "pattern must look like N:M"),
+    (["--method", "wanda", "--pattern", "0.5"], "--pattern takes N:M"),
+    (["--method", "wanda", "--sparsity", "1.2"], r"sparsity must be a number in \[0, 1\)"),
+    (["--method", "wanda", "--sparsity", "0.5", "--pattern", "2:4"], "exactly one of"),
+    (["--method", "wanda", "--ratio", "0.2"], "method 'wanda' supports Unstructured, NM patterns"),
+    (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
+    (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
+    (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
+    (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
+    (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
+    (["--method", "wanda", "--pattern", "2:4", "--calib", "emma:third_half"], "emma:third_half' is neither"),
+])
+def test_bad_prune_arguments(tmp_path, capsys, args, message):
+    output = tmp_path / "out"
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA, "--output", str(output)] + args
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert __import__("re").search(message, err), err
+    assert not output.exists()
+
+
+def test_existing_output_is_refused(tmp_path, capsys):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    argv = ["prune", "--model", "smollm2-135m", "--method", "wanda", "--pattern", "2:4",
+            "--calib", EMMA, "--output", str(output)]
+    assert cli.main(argv) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert os.listdir(output) == ["keep.txt"]
+
+
+def test_help_documents_every_command():
+    out = subprocess.run([sys.executable, "-m", "pyprune.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("prune", "eval", "demo"):
+        assert command in out
+    prune_help = subprocess.run([sys.executable, "-m", "pyprune.cli", "prune", "--help"],
+                                capture_output=True, text=True, check=True).stdout
+    for flag in ("--model", "--method", "--sparsity", "--pattern", "--ratio", "--calib", "--nsamples",
+                 "--seqlen", "--seed", "--eval", "--output", "--report", "--device", "--dtype"):
+        assert flag in prune_help
+
+
+def test_argparse_errors_exit_with_status_2():
+    result = subprocess.run([sys.executable, "-m", "pyprune.cli", "prune", "--method", "wanda"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "required" in result.stderr
+
+
+@pytest.mark.parametrize("method_args,check", [
+    (["--method", "wanda", "--pattern", "2:4"], "2:4"),
+    (["--method", "sparsegpt", "--sparsity", "0.5"], "unstructured 0.5"),
+    (["--method", "taylor", "--ratio", "0.25"], "structured 0.25"),
+    (["--method", "moreau-gs", "--ratio", "0.25", "--steps", "2"], "structured 0.25"),
+    (["--method", "smoothgrad", "--ratio", "0.25", "--passes", "2"], "structured 0.25"),
+    (["--method", "safe", "--sparsity", "0.5", "--epochs", "1", "--lr", "1e-3"], "unstructured 0.5"),
+    (["--method", "safe+", "--pattern", "2:4", "--epochs", "1", "--dual-interval", "2", "--rho", "0.01",
+      "--lam", "0.01"], "2:4"),
+])
+def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, method_args, check):
+    import json
+
+    import pyprune
+    model_dir, text = tiny_model_dir
+    output, report_path = tmp_path / "out", tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), *method_args, "--calib", str(text), "--nsamples", "4",
+            "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16", "--output", str(output),
+            "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    report = json.loads(report_path.read_text())
+    assert report["method"] == method_args[1] and report["pattern"] == check
+    assert report["time_s"] >= 0 and 0 < report["sparsity"] < 1
+    assert [e["data"] for e in report["eval"]] == [str(text)]
+    assert report["eval"][0]["tokens"] > 0 and report["eval"][0]["perplexity"] > 1
+    model, _ = pyprune.load(str(output))
+    if check == "2:4":
+        assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"]["2:4"]
+    assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0
+
+
+def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path):
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "moreau-gs", "--ratio", "0.5",
+                     "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--steps", "2",
+                     "--eta", "0.001", "--group", "columns", "--heads", "false", "--report", str(report_path),
+                     "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["options"] == {"first_layer": 0, "last_layer": None, "heads": False, "channels": True,
+                                 "loss_scaling": False, "rho": 0.2, "gamma": 0.0002, "steps": 2, "noise_draws": 1, "noise_std": 0.05,
+                                 "noise_seed": 0, "eta": 0.001, "group": "columns"}
+    assert all(e["heads"] == 4 for e in report["structure"])  # heads=false kept every head
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "taylor", "--ratio", "0.2", "--rho", "0.1"], "method 'taylor' has no option rho"),
+    (["--method", "moreau", "--ratio", "0.2", "--gamma", "0.06"], "gamma of method 'moreau' must be < rho"),
+    (["--method", "sparsegpt", "--pattern", "2:4", "--blocksize", "0"], "blocksize of method 'sparsegpt' must be >= 1"),
+    (["--method", "safe", "--pattern", "2:4", "--dual-interval", "0"], "dual_interval of method 'safe' must be >= 1"),
+    (["--method", "safe+", "--pattern", "2:4", "--lam", "-1"], "lam of method 'safe+' must be >= 0"),
+    (["--method", "safe", "--pattern", "2:4", "--lr", "0"], "lr of method 'safe' must be > 0"),
+    (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
+    (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
+    (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports Unstructured, NM patterns"),
+])
+def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_method_option_choices_are_checked_by_argparse(tmp_path, capsys):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", "--method", "moreau-gs",
+            "--ratio", "0.2", "--group", "heads"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and "invalid choice: 'heads'" in capsys.readouterr().err
+
+
+def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--report", str(report_path), "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+
+
+def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
+    argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--method", "wanda", "--pattern", "2:4"]
+    assert cli.main(argv) == 2
+    assert "method 'wanda' needs --calib" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_end_to_end():
+    """The README's first command: Wanda 2:4 on SmolLM2-135M from the embedded Austen texts."""
+    import re
+    result = subprocess.run([sys.executable, "-m", "pyprune.cli", "demo", "--nsamples", "4",
+                             "--eval-tokens", "2048", "--quiet"], capture_output=True, text=True,
+                            timeout=1200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "every linear layer of every block is 2:4 = True" in result.stdout
+    dense, pruned = map(float, re.search(r"dense ([\d.]+) -> pruned ([\d.]+)", result.stdout).groups())
+    assert 10 < dense < 60 and dense < pruned < 50 * dense
+
+
+def test_prune_can_store_sparse_layers(tiny_model_dir, tmp_path):
+    import json
+
+    import pyprune
+    from pyprune.nn import SparseLinear
+    model_dir, text = tiny_model_dir
+    output, report_path, eval_path = tmp_path / "out", tmp_path / "report.json", tmp_path / "eval.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "wanda", "--pattern", "4:8",
+                     "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--eval", str(text),
+                     "--eval-seqlen", "16", "--output", str(output), "--report", str(report_path),
+                     "--sparse-layers", "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    model, _ = pyprune.load(str(output))
+    layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+    assert report["sparse_layers"] == len(layers) > 0 and all(str(m.pattern) == "4:8" for m in layers)
+    assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16",
+                     "--report", str(eval_path), "--quiet"]) == 0
+    evaluated = json.loads(eval_path.read_text())
+    ppl = evaluated["eval"][0]["perplexity"]
+    assert abs(ppl - report["eval"][0]["perplexity"]) < 1e-3 * ppl
+
+
+def _help(*argv) -> str:
+    out = subprocess.run([sys.executable, "-m", "pyprune.cli", *argv, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    return " ".join(out.split())
+
+
+def test_a_subcommand_offers_only_the_named_methods_options():
+    """Options belong to a method: none without --method, that method's alone with it."""
+    assert "--rho" not in _help("prune") and "--channels" not in _help("prune")
+    taylor = _help("prune", "--method", "taylor")
+    assert "--channels" in taylor and "--rho" not in taylor and "DReSS" not in taylor
+    dress = _help("prune", "--method", "dress")
+    assert "--channels" in dress and "--heads" not in dress
+    continual = _help("continual", "--method", "copal")
+    assert "--epsilon" in continual and "--calib CALIB" not in continual and "--ratio" not in continual
+    assert "--nsamples" in continual and "16 for copal" in continual
+
+
+def test_calibration_defaults_are_listed_per_method():
+    text = _help("prune")
+    for name, cls in __import__("pyprune").methods.METHODS.items():
+        assert f"{cls.calibration[0]} for" in text and name in text
+
+
+def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path, capsys):
+    """--channels true|false of the structured methods is no longer taken by DReSS's choices."""
+    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA]
+    assert cli.main(base + ["--method", "taylor", "--ratio", "0.2", "--channels", "false"]) == 2
+    assert "never-loaded" in capsys.readouterr().err  # got past parsing, to the model check
+    assert cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "last"]) == 2
+    assert "never-loaded" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "false"])
+    assert "invalid choice: 'false'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["continual", "--method", "safe", "--sparsity", "0.5", "--datasets", "emma", "persuasion"],
+     "--method for continual must be one of copal, sparsegpt, wanda; got 'safe'"),
+    (["robustness", "--method", "dress", "--ratio", "0.2", "--calib", "emma", "--eval", "emma"],
+     "--method for robustness must be one of moreau, moreau-gs, smoothgrad, taylor; got 'dress'"),
+    (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--lam", "1"],
+     "method 'wanda' has no option lam; its options: checkpoint"),
+    (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--no-such-flag"],
+     "unrecognized arguments: --no-such-flag"),
+    (["continual", "--method", "copal", "--sparsity", "0.5", "--datasets", "emma", "persuasion", "--state", "s"],
+     "the continual runner keeps COPAL's state in memory"),
+])
+def test_method_and_option_errors_name_what_is_allowed(tmp_path, capsys, argv, message):
+    argv = argv + ["--model", str(tmp_path / "never-loaded")]
+    if argv[0] != "prune":
+        argv += ["--report", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_method_is_registered_by_defining_it():
+    """A new method is one module: subclassing Method with a name registers it for every entry point."""
+    from pyprune import methods
+    from pyprune.methods.magnitude import Magnitude
+
+    class Halved(Magnitude):
+        name = "test-halved"
+        commands = ("prune", "continual")
+    try:
+        assert methods.get("test-halved").name == "test-halved"
+        assert "test-halved" in methods.serving("continual") and "test-halved" not in methods.serving("robustness")
+        with pytest.raises(ValueError, match="method name 'wanda' is taken by pyprune.methods.wanda.Wanda"):
+            type("Clash", (Magnitude,), {"name": "wanda"})
+    finally:
+        methods.METHODS.pop("test-halved")
+
+
+def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """``pyprune generate`` on a model saved with SparseLinear layers: the text the same weights
+    give as plain dense linears, and the speed line."""
+    import pyprune
+    from pyprune.runtime.decode import greedy_generate
+    from pyprune.nn import SparseLinear
+    model_dir, _ = tiny_model_dir
+    output = tmp_path / "out"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(output), "--sparse-layers", "--quiet"]) == 0
+    capsys.readouterr()
+    prompt = "the man was good"
+    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5",
+                     "--sparse-where", "all"]) == 0
+    text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    # by default a layer without a measured sparse speed-up (here: an empty dispatch table) runs dense
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "no-table.json"))
+    assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    default_text, default_speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert default_text == text and "; 0 SparseLinear layers, 14 N:M layers as nn.Linear," in default_speed
+    model, tok = pyprune.load(str(output))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseLinear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.to_dense())
+    ids = tok(prompt, return_tensors="pt").input_ids
+    expected = greedy_generate(model, ids, 5).tokens[0].tolist()
+    assert text == tok.decode(ids[0].tolist() + expected, skip_special_tokens=True)
+    assert speed.startswith("[5 new tokens; prefill of") and "tokens/s; 14 SparseLinear layers (2:4), 0 N:M layers" in speed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "  "], "--prompt is empty"),
+    (["--prompt", "a", "--threads", "0"], "--threads must be >= 1"),
+])
+def test_bad_generate_arguments(tmp_path, capsys, args, message):
+    assert cli.main(["generate", "--model", str(tmp_path / "never-loaded")] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

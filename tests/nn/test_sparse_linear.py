@@ -1,0 +1,462 @@
+"""SparseLinear is a drop-in nn.Linear for N:M weights: same outputs as the dense masked layer on
+every backend that runs here, the state of the compressed form only, save/load through pyprune,
+and sparsify_ on a pruned model."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import pyprune
+from pyprune.ops import reference as R
+from pyprune.nn import SparseLinear, densify_slower_, dispatch, sparsify_
+from pyprune.nn.sparse import detect_pattern, sparse_layers
+from pyprune.patterns import NM
+
+from tests.helpers import DTYPES, HAS_CUDA, assert_close, assert_linear_close, random_tokens, randn, tiny_llama
+
+PATTERNS = [(2, 4), (4, 8), (1, 4)]
+
+
+def _pruned_linear(in_features, out_features, n, m, dtype=torch.float32, bias=True, seed=0):
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(randn((out_features, in_features), dtype, seed=seed))
+        mask = R.nm_mask(linear.weight.float().abs(), n, m)
+        linear.weight.mul_(mask)
+    return linear, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", PATTERNS)
+@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+@pytest.mark.parametrize("shape", [(2, 5, 64), (1, 64), (3, 1, 64)])
+def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
+    linear, _ = _pruned_linear(64, 40, n, m, dtype)
+    layer = SparseLinear.from_dense(linear, (n, m), backend=backend)
+    x = randn(shape, dtype, seed=1)
+    with torch.no_grad():
+        assert_linear_close(layer(x), x, linear.weight, linear.bias)
+    assert layer(x).dtype == dtype and layer(x).shape == (*shape[:-1], 40)
+
+
+def test_stores_the_compressed_form_only():
+    linear, mask = _pruned_linear(128, 32, 2, 4, torch.bfloat16)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    state = layer.state_dict()
+    assert set(state) == {"values", "meta", "bias", "_extra_state"}
+    assert state["_extra_state"].tolist() == [2, 4, 128]
+    assert state["values"].shape == (32, 64) and state["meta"].shape == (32, 16)
+    assert state["meta"].dtype == torch.uint8
+    assert torch.equal(layer.weight, linear.weight)
+    weight_bytes = sum(state[name].numel() * state[name].element_size() for name in ("values", "meta"))
+    assert weight_bytes * 16 == linear.weight.numel() * 2 * 9  # 9/16 of the dense bf16 bytes
+
+
+def test_from_dense_refuses_a_weight_that_is_not_n_m_sparse_unless_given_a_mask():
+    linear = nn.Linear(16, 4)
+    before = linear.weight.detach().clone()
+    with pytest.raises(ValueError, match="not 2:4 sparse.*mask="):
+        SparseLinear.from_dense(linear, "2:4")
+    mask = R.nm_mask(linear.weight.detach().abs(), 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", mask=mask)
+    assert torch.equal(layer.weight, before * mask)
+    assert torch.equal(linear.weight, before)  # the source layer is untouched
+
+
+def test_from_dense_keeps_every_nonzero_of_a_sparser_weight():
+    linear, _ = _pruned_linear(32, 6, 1, 4)  # 1:4 also satisfies 2:4
+    assert torch.equal(SparseLinear.from_dense(linear, "2:4").weight, linear.weight)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(pattern="0.5"), "pattern must be N:M"),
+    (dict(pattern="3:4", backend="fast"), "backend must be 'auto' or one of kernel, dense"),
+    (dict(pattern="2:3"), "M=3 to divide the input features"),
+])
+def test_bad_arguments_name_the_argument(bad, match):
+    linear, _ = _pruned_linear(16, 4, 1, 4)
+    with pytest.raises(ValueError, match=match):
+        SparseLinear.from_dense(linear, **bad)
+
+
+def test_state_dict_round_trip_and_device_dtype_moves():
+    linear, _ = _pruned_linear(64, 24, 4, 8)
+    layer = SparseLinear.from_dense(linear, "4:8")
+    fresh = SparseLinear(64, 24, n=4, m=8)
+    fresh.load_state_dict(layer.state_dict())
+    x = randn((3, 64), seed=2)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), layer(x))
+        with pytest.raises(ValueError, match="x must have 64 features"):
+            fresh(x[:, :32])
+        half = fresh.to(torch.bfloat16)
+        assert half.values.dtype == torch.bfloat16 and half.meta.dtype == torch.uint8
+        expected = nn.functional.linear(x.bfloat16().float(), half.weight.float(), half.bias.float())
+        assert_close(half(x.bfloat16()), expected, torch.bfloat16)
+    assert "pattern=4:8" in repr(layer)
+
+
+def test_load_refuses_another_pattern_or_a_broken_mask():
+    linear, _ = _pruned_linear(64, 8, 4, 8)
+    state = SparseLinear.from_dense(linear, "4:8").state_dict()
+    with pytest.raises(ValueError, match="state is 4:8 with 64 inputs; this layer is 2:4"):
+        SparseLinear(64, 8).load_state_dict(state)  # same tensor shapes as 2:4
+    broken = dict(state, meta=state["meta"] | 1)  # a fifth kept element in some group
+    with pytest.raises(ValueError, match="meta is not a 4:8 mask"):
+        SparseLinear(64, 8, n=4, m=8).load_state_dict(broken)
+
+
+def test_deepcopy_and_pickle_drop_backend_caches():
+    import copy
+    import pickle
+    linear, _ = _pruned_linear(64, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    layer._cache["dense"] = ("key", torch.zeros(1000))
+    assert copy.deepcopy(layer)._cache == {} and pickle.loads(pickle.dumps(layer))._cache == {}
+    assert layer._cache  # the original keeps its cache
+
+
+def test_backend_cache_follows_the_stored_weight():
+    # The cache behind the GPU backends (SparseLinear._cached, which cusparselt, cutlass and mma_sp
+    # use), exercised on CPU: one build per state of values and meta.
+    linear, _ = _pruned_linear(64, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    other, _ = _pruned_linear(64, 8, 2, 4, seed=5)  # another mask
+    other = SparseLinear.from_dense(other, "2:4")
+    builds = []
+
+    def cached_weight():
+        def build():
+            builds.append(layer.values.dtype)
+            return layer.weight.clone()
+        return layer._cached("test", build)
+
+    first = cached_weight()
+    assert cached_weight() is first and len(builds) == 1
+    with torch.no_grad():
+        layer.values.mul_(2)  # in place: seen through the version counter
+    assert torch.equal(cached_weight(), 2 * first) and len(builds) == 2
+    layer.values.data.mul_(0.5)  # bypasses the version counter, so the cached form is stale ...
+    assert torch.equal(cached_weight(), 2 * first) and len(builds) == 2
+    layer._cusparselt_algorithms[1] = 7
+    layer.invalidate()  # ... until invalidate() drops every cached form
+    assert layer._cache == {} and layer._cusparselt_algorithms == {}
+    assert torch.equal(cached_weight(), first) and len(builds) == 3
+    layer.meta.copy_(other.meta)  # a new mask for the same values
+    assert torch.equal(cached_weight(), R.nm_decompress(layer.values.detach(), other.meta, 2, 4))
+    assert len(builds) == 4
+    layer.values = nn.Parameter(3 * other.values)  # replaced
+    assert torch.equal(cached_weight(), 3 * other.weight) and len(builds) == 5
+    layer.to(torch.bfloat16)  # moved
+    assert cached_weight().dtype == torch.bfloat16 and builds[-1] == torch.bfloat16 and len(builds) == 6
+    assert cached_weight().dtype == torch.bfloat16 and len(builds) == 6
+
+
+def test_training_keeps_the_pattern():
+    linear, mask = _pruned_linear(32, 8, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(3):
+        loss = layer(randn((4, 32), seed=step)).square().sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert not layer.weight[~mask].any()
+    assert not torch.equal(layer.weight, linear.weight)
+
+
+def test_gpu_only_backends_refuse_cpu_tensors_clearly():
+    linear, _ = _pruned_linear(64, 16, 2, 4, torch.float16)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="cusparselt")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cusparselt.*needs CUDA tensors"):
+        layer(randn((1, 64), torch.float16))
+
+
+def _dispatch_key(layer, dtype, tokens):
+    return dispatch.entry_key(dispatch.device_key(torch.device("cpu")), dtype, str(layer.pattern),
+                              dispatch.shape_bucket(layer.out_features, layer.in_features),
+                              dispatch.token_bucket(tokens))
+
+
+def test_dispatch_table_picks_a_measured_backend(tmp_path, monkeypatch):
+    linear, _ = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    table = {"entries": {_dispatch_key(layer, torch.float32, 1): {"backend": "kernel"},
+                         _dispatch_key(layer, torch.float32, 4): {"backend": "dense"},
+                         _dispatch_key(layer, torch.float32, 64): {"backend": "cutlass"}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
+    with torch.no_grad():
+        assert layer.choose_backend(torch.zeros(1, 64)) == "kernel"
+        assert layer.choose_backend(torch.zeros(3, 64)) == "dense"  # 3 tokens: the bucket of 4
+        # the measured winner cannot run on CPU: dense, never slower than dense
+        assert layer.choose_backend(torch.zeros(9, 64)) == "dense"
+        # no row for 2 tokens, for bf16, for another weight size, or for another machine: dense
+        assert layer.choose_backend(torch.zeros(2, 64)) == "dense"
+        assert layer.choose_backend(torch.zeros(1, 64, dtype=torch.bfloat16)) == "dense"
+        wide = SparseLinear.from_dense(_pruned_linear(128, 16, 2, 4)[0], "2:4")
+        assert wide.choose_backend(torch.zeros(1, 128)) == "dense"
+    x = torch.zeros(4, 64, requires_grad=True)
+    assert layer.choose_backend(x) == "kernel"  # gradients always go through the kernel
+
+
+def test_dispatch_key_names_the_cpu_isa_and_model():
+    isa, model = dispatch.cpu_isa(), dispatch.cpu_model()
+    assert isa in ("avx2", "generic", "none") and model
+    assert dispatch.device_key(torch.device("cpu")) == f"cpu/{isa}/{model}"
+    assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 256, 257)] == \
+        ["1", "2", "4", "4", "8", "8", "16", "64", "64", "128", "256", "many"]
+    assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
+
+
+def test_dense_backend_caches_the_decompressed_weight_until_values_change():
+    linear, _ = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    x = randn((2, 64))
+    with torch.no_grad():
+        first = layer(x)
+        cached = layer._cache["dense"][1]
+        torch.testing.assert_close(first, linear(x))
+        layer(x)
+        assert layer._cache["dense"][1] is cached  # decompressed once
+        layer.values.mul_(2)
+        torch.testing.assert_close(layer(x), 2 * linear(x) - linear.bias)
+
+
+def test_detect_pattern():
+    two_four, _ = _pruned_linear(32, 4, 2, 4)
+    four_eight, _ = _pruned_linear(32, 4, 4, 8)
+    assert detect_pattern(two_four.weight) == NM(2, 4)
+    assert detect_pattern(four_eight.weight) == NM(4, 8)
+    assert detect_pattern(nn.Linear(32, 4).weight) is None
+
+
+def _nm_pruned_llama(n=2, m=4, seed=0):
+    model = tiny_llama(seed=seed, hidden=64, intermediate=128, layers=2)
+    pyprune.prune(model, "magnitude", f"{n}:{m}", progress=False)
+    return model
+
+
+def test_sparsify_replaces_the_pruned_layers_and_keeps_the_logits():
+    model = _nm_pruned_llama()
+    tokens = random_tokens((2, 12), seed=5)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    replaced = sparsify_(model)
+    assert len(replaced) == 2 * 7 and set(replaced.values()) == {"2:4"}
+    assert isinstance(model.model.layers[0].mlp.down_proj, SparseLinear)
+    assert type(model.lm_head) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_sparsify_leaves_dense_layers_alone():
+    model = tiny_llama(layers=1)
+    assert sparsify_(model) == {}
+    assert sparsify_(model, "4:8") == {}
+
+
+def test_sparsify_faster_at_converts_only_the_layers_the_table_says_pay(tmp_path, monkeypatch):
+    """``faster_at=T``: a layer becomes SparseLinear only where the dispatch table names a sparse
+    backend at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns back the
+    SparseLinear layers that have no such row. Logits are unchanged either way."""
+    model = _nm_pruned_llama()
+    tokens = random_tokens((2, 12), seed=7)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    k_proj = model.model.layers[0].self_attn.k_proj  # k and v: the only weights of 2^11 elements
+    key = dispatch.entry_key(dispatch.device_key(torch.device("cpu")), torch.float32, "2:4",
+                             dispatch.shape_bucket(k_proj.out_features, k_proj.in_features), "1")
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
+    paying = {f"model.layers.{i}.self_attn.{kind}_proj" for i in (0, 1) for kind in "kv"}
+    assert set(sparsify_(model, faster_at=1)) == paying
+    assert sparsify_(model, faster_at=4) == {}  # no row for 4 tokens
+    others = set(sparsify_(model))  # without faster_at: every remaining N:M layer
+    assert len(others) == 10 and not others & paying
+    assert set(densify_slower_(model, 1)) == others
+    assert set(sparse_layers(model)) == paying and type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=1e-5, atol=1e-5)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="faster_at must be"):
+            sparsify_(model, faster_at=bad)
+    with pytest.raises(ValueError, match="faster_at must be a token count"):
+        densify_slower_(model, None)
+
+
+def test_save_and_load_restore_the_same_sparse_layers(tmp_path):
+    model = _nm_pruned_llama(4, 8)
+    sparsify_(model)
+    tokens = random_tokens((2, 12), seed=6)
+    with torch.no_grad():
+        before = model(input_ids=tokens).logits
+    manifest = pyprune.save(model, None, str(tmp_path / "out"))
+    assert len(manifest["sparse_layers"]) == 14 and not manifest["config_compatible"]
+    loaded, _ = pyprune.load(str(tmp_path / "out"))
+    layers = {name: type(m) for name, m in loaded.named_modules() if isinstance(m, SparseLinear)}
+    assert set(layers) == set(manifest["sparse_layers"])
+    assert loaded.model.layers[1].self_attn.q_proj.pattern == NM(4, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, before)
+    stored = os.path.getsize(tmp_path / "out" / "model.safetensors")
+    dense_dir = tmp_path / "dense"
+    pyprune.save(_nm_pruned_llama(4, 8), None, str(dense_dir))
+    assert stored < os.path.getsize(dense_dir / "model.safetensors")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["kernel", "dense", "cusparselt", "cutlass", "mma_sp"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
+    linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    x = randn((tokens, 256), dtype, seed=7).cuda()
+    if not layer.supports(backend, x):
+        pytest.skip(f"{backend} is not available here: {layer.unsupported_reason(backend, x)}")
+    with torch.no_grad():
+        expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cusparselt", "cutlass", "mma_sp"])
+def test_cuda_backend_caches_follow_value_and_mask_updates(backend):
+    # These backends keep a form derived from values/meta (_cache[backend]); it must be rebuilt
+    # when either changes in place, and after invalidate() for writes through .data.
+    dtype = torch.float16
+    linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    other = SparseLinear.from_dense(_pruned_linear(256, 128, 2, 4, dtype, seed=5)[0].cuda(), "2:4")
+    x = randn((8, 256), dtype, seed=3).cuda()
+    if not layer.supports(backend, x):
+        pytest.skip(f"{backend} is not available on this GPU: {layer.unsupported_reason(backend, x)}")
+
+    def expected(weight):
+        return nn.functional.linear(x.float(), weight.float(), layer.bias.float())
+
+    weight = layer.weight
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).float(), expected(weight), rtol=2e-2, atol=2e-2)
+        entry = layer._cache[backend]
+        layer(x)
+        assert layer._cache[backend] is entry  # built once, then reused
+        layer.values.mul_(2)
+        torch.testing.assert_close(layer(x).float(), expected(2 * weight), rtol=2e-2, atol=2e-2)
+        assert layer._cache[backend] is not entry
+        layer.values.data.mul_(0.5)  # bypasses the version counter
+        if backend != "mma_sp":  # (mma_sp caches only the mask's layout, and reads values directly)
+            stale = layer(x).float()  # the cached copy still holds the doubled values
+            torch.testing.assert_close(stale, expected(2 * weight), rtol=2e-2, atol=2e-2)
+        layer.invalidate()
+        torch.testing.assert_close(layer(x).float(), expected(weight), rtol=2e-2, atol=2e-2)
+        layer.values.copy_(other.values)
+        layer.meta.copy_(other.meta)  # another mask: the metadata must be rebuilt too
+        torch.testing.assert_close(layer(x).float(), expected(other.weight), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,out_features,in_features", [(1, 24, 64), (13, 130, 96), (70, 64, 512)])
+def test_mma_sp_kernel_and_compress(dtype, tokens, out_features, in_features):
+    from pyprune.ops import backend
+    cuda = backend.native_module("cuda")
+    if cuda is None:  # setup.py builds it wherever CUDA is usable
+        pytest.fail("a CUDA device is here but pyprune._C_cuda is not built; reinstall with "
+                    "`pip install --no-build-isolation -e .`", pytrace=False)
+    w = randn((out_features, in_features), dtype, seed=8).cuda()
+    mask = R.nm_mask(w.float().abs(), 2, 4)
+    values, meta = cuda.sparse24_compress(w, mask)
+    ref_values, packed = R.nm_compress(w, mask, 2, 4)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(meta, R.sparse24_mma_meta(packed, in_features))
+    x, bias = randn((tokens, in_features), dtype, seed=9).cuda(), randn((out_features,), dtype, seed=10).cuda()
+    expected = nn.functional.linear(x.float(), (w * mask).float(), bias.float())
+    torch.testing.assert_close(cuda.sparse24_linear(x, values, meta, bias).float(), expected,
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_compaction_refuses_sparse_layers():
+    from pyprune.nn import keep_mlp_channels_
+    model = _nm_pruned_llama()
+    sparsify_(model)
+    block = model.model.layers[0]
+    with pytest.raises(TypeError, match="compact the model before pyprune.nn.sparsify_"):
+        keep_mlp_channels_(block, torch.arange(64))
+    assert isinstance(block.mlp.gate_proj, SparseLinear) and block.mlp.gate_proj.out_features == 128
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+def test_traces_into_one_graph_under_torch_compile(backend):
+    linear, _ = _pruned_linear(64, 32, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4", backend=backend)
+    x = randn((3, 64), seed=11)
+    with torch.no_grad():
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_generate_with_sparse_layers_matches_dense():
+    model = _nm_pruned_llama()
+    prompt = random_tokens((1, 6), seed=12)
+    dense_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    sparsify_(model)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), dense_tokens)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64), (20, 64)])  # GEMV, GEMV, tl.dot kernel
+def test_kernel_backend_runs_the_triton_kernels(dtype, shape):
+    from pyprune.ops import use_backend
+    linear, _ = _pruned_linear(64, 48, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear, "2:4", backend="kernel")
+    x = randn(shape, dtype, seed=13)
+    with torch.no_grad(), use_backend("triton"):
+        got = layer(x)
+    assert_linear_close(got, x, linear.weight, linear.bias)
+
+
+def test_autocast_casts_like_nn_linear_and_trains_the_stored_values():
+    linear, mask = _pruned_linear(64, 16, 2, 4)
+    layer = SparseLinear.from_dense(linear, "2:4")
+    x = randn((4, 64), seed=14)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        reference = linear(x)
+    assert out.dtype == reference.dtype == torch.bfloat16
+    assert_close(out, reference.float(), torch.bfloat16)
+    out.float().sum().backward()
+    assert layer.values.grad is not None and layer.values.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_inference_skips_the_custom_op_and_matches_it(dtype, monkeypatch):
+    # no grad, eager, CPU, <= 64 tokens: straight to the C++ GEMV (the op's dispatch costs more
+    # than a small layer's GEMV); with gradients the custom op (and its autograd) still runs
+    from pyprune.ops import linear as linear_ops
+    dense, _ = _pruned_linear(96, 40, 2, 4, dtype=dtype)
+    layer = SparseLinear.from_dense(dense, "2:4", backend="kernel")
+    x = randn((3, 5, 96), dtype=dtype, seed=4)
+    with torch.no_grad():
+        expected = linear_ops._nm_linear(x, layer.values, layer.meta, 2, 4, layer.bias)
+
+    def refuse(*args):
+        raise AssertionError("the custom op ran")
+
+    monkeypatch.setattr(linear_ops, "_nm_linear", refuse)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (3, 5, 40) and torch.equal(got, expected)
+    with pytest.raises(AssertionError, match="the custom op ran"):
+        layer(x)  # values require grad: autograd needs the op
+    with torch.no_grad(), pytest.raises(AssertionError, match="the custom op ran"):
+        layer(randn((257, 96), dtype=dtype, seed=5))  # past the GEMV's 256 tokens

@@ -1,0 +1,119 @@
+"""The layer-wise engine and evaluation on a tiny random Llama."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyprune.runtime import engine
+from pyprune.evaluation.perplexity import perplexity, sparsity_report
+from tests.helpers import random_tokens, tiny_llama
+
+
+def test_blockwise_pass_reproduces_the_model_hidden_states():
+    model = tiny_llama(layers=3)
+    tokens = random_tokens((5, 24))
+    seen = []
+    engine.run_blockwise(model, tokens, lambda ctx: seen.append((ctx.index, ctx.name, ctx.inputs.clone())),
+                         batch_size=2, progress=False)
+    hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states
+    assert [(i, n) for i, n, _ in seen] == [(i, f"model.layers.{i}") for i in range(3)]
+    for index, _, inputs in seen:
+        torch.testing.assert_close(inputs, hidden[index], rtol=1e-5, atol=1e-5)
+
+
+def test_capture_sees_every_linear_input_and_output():
+    model = tiny_llama()
+    tokens = random_tokens((4, 16))
+    inputs = {}
+
+    def process(ctx):
+        if ctx.index == 0:
+            ctx.capture(lambda name, linear, x, y: inputs.setdefault(name, []).append((x, y)))
+
+    engine.run_blockwise(model, tokens, process, batch_size=3, progress=False)
+    linears = engine.block_linears(model.model.layers[0])
+    assert set(inputs) == set(linears)
+    hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states[0]
+    normed = model.model.layers[0].input_layernorm(hidden)
+    x = torch.cat([batch[0] for batch in inputs["self_attn.q_proj"]])
+    torch.testing.assert_close(x, normed, rtol=1e-5, atol=1e-5)
+    y = torch.cat([batch[1] for batch in inputs["self_attn.q_proj"]])
+    torch.testing.assert_close(y, linears["self_attn.q_proj"](normed), rtol=1e-5, atol=1e-5)
+
+
+def test_block_forward_with_grad_gives_gradients_through_one_block():
+    model = tiny_llama()
+    tokens = random_tokens((2, 8))
+    grads = []  # per call: the block's parameter gradients of mean(output²)
+
+    def process(ctx):
+        out = ctx.forward(grad=True)
+        out.square().mean().backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in ctx.block.parameters()])
+        ctx.block.zero_grad(set_to_none=True)
+
+    engine.run_blockwise(model, tokens, process, progress=False)
+    blocks = model.model.layers
+    assert len(grads) == len(blocks) == 2
+    # the same gradients through the whole model: each block's output, differentiated w.r.t. its
+    # own parameters (earlier blocks are unchanged, so each block sees the same inputs)
+    outputs = []
+
+    def keep_output(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [block.register_forward_hook(keep_output) for block in blocks]
+    try:
+        model(input_ids=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for block, out, got in zip(blocks, outputs, grads):
+        params = list(block.parameters())
+        expected = torch.autograd.grad(out.square().mean(), params, retain_graph=True)
+        assert all(g is not None for g in got)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
+
+
+def test_accumulate_gradients_is_the_gradient_of_the_mean_loss():
+    model = tiny_llama()
+    tokens = random_tokens((6, 12))
+    engine.accumulate_gradients(model, tokens, batch_size=4, progress=False)
+    batched = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    for got, expected in zip(batched, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_perplexity_is_exp_of_mean_token_nll():
+    model = tiny_llama()
+    stream = random_tokens((100,), seed=3)
+    windows = stream[:96].reshape(3, 32)
+    with torch.no_grad():
+        logits = model(input_ids=windows).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    assert math.isclose(perplexity(model, stream, 32, batch_size=2, progress=False), math.exp(float(nll)),
+                        rel_tol=1e-5)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        perplexity(model, stream[:10], 32, progress=False)
+
+
+def test_sparsity_report_measures_zeros_and_nm_validity():
+    model = tiny_llama()
+    report = sparsity_report(model)
+    assert report["sparsity"] == 0.0 and not report["nm_valid"]["2:4"]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in engine.block_linears(layer).values():
+                linear.weight.view(-1, 4)[:, :2] = 0
+    report = sparsity_report(model)
+    assert report["sparsity"] == 0.5 and report["nm_valid"]["2:4"] and report["nm_valid"]["4:8"]
+    assert len(report["layers"]) == 2 * 7
+
+
+def test_model_without_blocks_is_rejected():
+    with pytest.raises(ValueError, match="has no decoder blocks"):
+        engine.decoder_blocks(torch.nn.Linear(4, 4))
