@@ -49,6 +49,10 @@ def _native_extensions():
 
 ext_modules, cmdclass = _native_extensions()
 
+# major versions pinned: mkdocs.yml and docs/hooks/ use the APIs of these
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2",
+        "mkdocstrings-python>=2.0,<3"]
+
 setup(
     name="pyprune",
     version="0.1.0",
@@ -77,7 +81,9 @@ setup(
     extras_require={
         # zero-shot accuracy (pyprune.evaluation.zeroshot, --tasks) and comparison figures (pyprune compare)
         "eval": ["lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
-        "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
+        # the docs site (mkdocs.yml; tests/test_docs.py builds it, so "test" carries the same packages)
+        "docs": DOCS,
+        "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8", *DOCS],
     },
     entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
 )
