@@ -25,7 +25,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CHILD = r"""
 import json, resource, sys, torch
 import pyprune
-from pyprune import data, engine, robustness
+from pyprune.inputs import data
+from pyprune.runtime import engine
+from pyprune.studies import robustness
 from pyprune.inputs.models import load_model
 method, steps = sys.argv[1], int(sys.argv[2])
 model, tokenizer = load_model("smollm2-135m")

@@ -41,7 +41,9 @@ LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num
 CHILD = r"""
 import json, os, sys, time, torch
 import pyprune
-from pyprune import data, memory, methods
+from pyprune import methods
+from pyprune.inputs import data
+from pyprune.runtime import memory
 from pyprune.inputs.models import load_model
 cfg = json.loads(sys.argv[1])
 def status(key):

@@ -25,7 +25,7 @@ IDS = [method for method, _ in BLOCKWISE]
 _KILLED_RUNS = """
 import json, os, signal, sys
 import pyprune
-from pyprune import engine
+from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_llama
 save = engine.BlockCheckpoint.save
 def save_then_die(self, index, block, details):
