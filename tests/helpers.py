@@ -115,3 +115,55 @@ def tiny_tokenizer():
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="</s>")
+
+
+#: the decoder families the tests build tiny random models of (see :func:`tiny_decoder`)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "gpt_neox", "mixtral",
+            "qwen2_moe")
+
+
+def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, vocab=128, window=8,
+                 attn_implementation="sdpa"):
+    """A small random-weight causal LM of ``family`` (eval mode, fp32). Families with sliding-window
+    attention get a ``window`` shorter than the tests' sequences and alternate local and global
+    layers where the family does (Gemma 2/3, Qwen2/3), so each block's attention mask and (Gemma 3)
+    RoPE differ from the first block's."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  max_position_embeddings=256)
+    gqa = dict(num_key_value_heads=kv_heads, intermediate_size=2 * hidden)
+    alternating = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+    configs = {
+        "llama": lambda: (tf.LlamaConfig, tf.LlamaForCausalLM, dict(**common, **gqa)),
+        "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(**common, **gqa, sliding_window=window)),
+        "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM,
+                          dict(**common, **gqa, use_sliding_window=True, sliding_window=window,
+                               layer_types=alternating)),
+        "qwen3": lambda: (tf.Qwen3Config, tf.Qwen3ForCausalLM,
+                          dict(**common, **gqa, head_dim=32, use_sliding_window=True, sliding_window=window,
+                               layer_types=alternating)),
+        "gemma2": lambda: (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                           dict(**common, **gqa, head_dim=32, sliding_window=window, layer_types=alternating)),
+        "gemma3": lambda: (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                           dict(**common, **gqa, head_dim=32, sliding_window=window, layer_types=alternating,
+                                rope_local_base_freq=10_000.0)),
+        "phi3": lambda: (tf.Phi3Config, tf.Phi3ForCausalLM, dict(**common, **gqa, pad_token_id=0)),
+        "opt": lambda: (tf.OPTConfig, tf.OPTForCausalLM,
+                        dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                             num_attention_heads=heads, ffn_dim=2 * hidden, max_position_embeddings=256,
+                             word_embed_proj_dim=hidden, pad_token_id=1)),
+        "gpt_neox": lambda: (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
+                             dict(**common, intermediate_size=2 * hidden)),
+        "mixtral": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM,
+                            dict(**common, **gqa, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                              dict(**common, **gqa, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)),
+    }
+    if family not in configs:
+        raise ValueError(f"family must be one of {', '.join(configs)}; got {family!r}")
+    config_class, model_class, fields = configs[family]()
+    config = config_class(**fields)
+    config._attn_implementation = attn_implementation
+    return model_class(config).eval()

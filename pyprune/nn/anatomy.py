@@ -11,18 +11,29 @@ from typing import Dict, Iterator, Tuple
 from torch import nn
 
 
+#: where decoder families keep their block list, below the decoder module
+_BLOCK_PATHS = ("layers", "decoder.layers", "language_model.layers", "model.layers")
+
+
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of a causal LM (Llama, Mistral, Qwen2, SmolLM: model.model.layers;
-    OPT: model.model.decoder.layers)."""
-    base = getattr(model, "model", model)
-    for path in ("layers", "decoder.layers"):
-        node = base
-        for part in path.split("."):
-            node = getattr(node, part, None)
-        if isinstance(node, nn.ModuleList) and len(node) > 0:
-            return node
+    """The decoder blocks of a causal LM, looked up under the decoder transformers names
+    (``get_decoder()``), then under ``model.model`` and the model itself: ``model.layers`` (Llama,
+    Mistral, Qwen, Gemma, Phi-3, Mixtral, ...), ``gpt_neox.layers``, OPT's ``decoder.layers`` and a
+    wrapped language model's ``language_model.layers``."""
+    get_decoder = getattr(model, "get_decoder", None)
+    bases = [get_decoder() if callable(get_decoder) else None, getattr(model, "model", None), model]
+    for base in bases:
+        if not isinstance(base, nn.Module):
+            continue
+        for path in _BLOCK_PATHS:
+            node = base
+            for part in path.split("."):
+                node = getattr(node, part, None)
+            if isinstance(node, nn.ModuleList) and len(node) > 0:
+                return node
     raise ValueError(f"model {type(model).__name__} has no decoder blocks where pyprune looks for them "
-                     "(model.layers or model.decoder.layers); supported: LLaMA-family and OPT causal LMs")
+                     f"({', '.join(_BLOCK_PATHS)} under its decoder); supported: decoder-only causal LMs "
+                     "whose blocks sit in one of those lists")
 
 
 def block_prefix(model: nn.Module) -> str:

@@ -37,19 +37,69 @@ class _BlockInputsCaptured(Exception):
     pass
 
 
+#: keyword arguments of a block call that belong to generation, not to one forward
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, tokens: Tensor, batch_size: int):
-    """Hidden states entering the first block for every calibration sample, and the keyword
-    arguments the model passes to its blocks (the same for every batch of equal length)."""
+def capture_block_arguments(model: nn.Module, tokens: Tensor) -> List[dict]:
+    """The keyword arguments the model passes to each of its blocks (attention mask, position
+    embeddings, ...), recorded per block: models with several layer types (Gemma 2/3, Qwen2/3 with
+    sliding windows) give each type its own mask and, in Gemma 3, its own RoPE.
+
+    They are recorded for one sample, ``tokens[:1]``, with every block replaced by a recorder that
+    passes the hidden states on unchanged (no block runs, so offloaded blocks stay on disk); with
+    batch size 1 they broadcast over a batch of any size, a last partial batch included. Every
+    calibration sample has the same length and no padding, so the arguments are the same for all."""
     blocks = decoder_blocks(model)
-    first = blocks[0]
     device = next(model.parameters()).device
-    captured, kwargs_seen = [], {}
+    recorded: List[dict] = []
+
+    def recorder(index: int):
+        def record(hidden_states=None, *args, **kwargs):
+            recorded.append({key: value for key, value in kwargs.items() if key not in _CACHE_KWARGS})
+            recorded[-1]["use_cache"] = False
+            if index == len(blocks) - 1:
+                raise _BlockInputsCaptured
+            return hidden_states
+        return record
+
+    own_forwards = [block.__dict__.get("forward") for block in blocks]  # e.g. accelerate's hooks
+    for index, block in enumerate(blocks):
+        block.forward = recorder(index)  # an instance attribute shadows the class's forward
+    try:
+        _decoder(model)(input_ids=tokens[:1].to(device), use_cache=False)
+    except _BlockInputsCaptured:
+        pass
+    finally:
+        for block, own in zip(blocks, own_forwards):
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+    if len(recorded) != len(blocks):
+        raise RuntimeError(f"{type(model).__name__} called {len(recorded)} of its {len(blocks)} decoder blocks "
+                           "in a forward; pyprune cannot record their arguments")
+    return recorded
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The model without its LM head where transformers says which module that is."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) else model
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, tokens: Tensor, batch_size: int) -> Tuple[Tensor, List[dict]]:
+    """Hidden states entering the first block for every calibration sample, and each block's
+    keyword arguments (:func:`capture_block_arguments`)."""
+    first = decoder_blocks(model)[0]
+    device = next(model.parameters()).device
+    captured = []
 
     def catch(module, args, kwargs):
         captured.append((args[0] if args else kwargs["hidden_states"]).detach())
-        if not kwargs_seen:
-            kwargs_seen.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
         raise _BlockInputsCaptured
 
     handle = first.register_forward_pre_hook(catch, with_kwargs=True)
@@ -61,10 +111,7 @@ def capture_block_inputs(model: nn.Module, tokens: Tensor, batch_size: int):
                 pass
     finally:
         handle.remove()
-    kwargs_seen.pop("past_key_values", None)
-    kwargs_seen.pop("past_key_value", None)
-    kwargs_seen["use_cache"] = False
-    return torch.cat(captured), kwargs_seen
+    return torch.cat(captured), capture_block_arguments(model, tokens)
 
 
 @dataclass
@@ -176,11 +223,11 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     was_training = model.training
     model.eval()
     try:
-        inputs, block_kwargs = capture_block_inputs(model, tokens, batch_size)
+        inputs, block_arguments = capture_block_inputs(model, tokens, batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             if store is not None:
                 store.fetch(index, blocks[index])
-            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_kwargs, batch_size)
+            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size)
             if index < finished:
                 if checkpoint.dense_propagation:
                     ctx.next_inputs = ctx.forward()

@@ -81,12 +81,13 @@ def weight_bytes(model: nn.Module, offloaded: bool) -> int:
     return total - sum(blocks) + max(blocks) if offloaded else total
 
 
-def activation_bytes(config, nsamples: int, seqlen: int, batch_size: int, dtype: torch.dtype,
+def activation_bytes(config, intermediate: int, nsamples: int, seqlen: int, batch_size: int, dtype: torch.dtype,
                      dense_propagation: bool = False) -> int:
     """A block's calibration inputs and outputs (and dense outputs) for every sample, plus one
-    batch's intermediate tensors inside a block."""
+    batch's intermediate tensors inside a block (``intermediate``: the block's widest linear output,
+    the MLP's width in every family whatever its config calls it)."""
     item = torch.finfo(dtype).bits // 8
-    hidden, intermediate = config.hidden_size, config.intermediate_size
+    hidden = config.hidden_size
     heads = config.num_attention_heads
     copies = 3 if dense_propagation else 2
     stored = copies * nsamples * seqlen * hidden * item
@@ -106,7 +107,8 @@ def prune_need(model: nn.Module, method, nsamples: int, seqlen: int, batch_size:
     largest = max(anatomy.decoder_blocks(model), key=_bytes)
     activations = 0
     if method.needs_calibration:
-        activations = activation_bytes(model.config, nsamples, seqlen, batch_size, dtype,
+        intermediate = max(linear.out_features for linear in anatomy.block_linears(largest).values())
+        activations = activation_bytes(model.config, intermediate, nsamples, seqlen, batch_size, dtype,
                                        getattr(method, "propagate", None) == "dense")
     return Need(weight_bytes(model, offloaded), activations, method.working_bytes(largest))
 

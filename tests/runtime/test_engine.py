@@ -1,4 +1,4 @@
-"""The layer-wise engine and evaluation on a tiny random Llama."""
+"""The layer-wise engine and evaluation on tiny random models (every family for the block inputs)."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from pyprune.runtime import engine
 from pyprune.evaluation.perplexity import perplexity, sparsity_report
-from tests.helpers import random_tokens, tiny_llama
+from tests.helpers import FAMILIES, random_tokens, tiny_decoder, tiny_llama
 
 
 def test_blockwise_pass_reproduces_the_model_hidden_states():
@@ -20,6 +20,39 @@ def test_blockwise_pass_reproduces_the_model_hidden_states():
     assert [(i, n) for i, n, _ in seen] == [(i, f"model.layers.{i}") for i in range(3)]
     for index, _, inputs in seen:
         torch.testing.assert_close(inputs, hidden[index], rtol=1e-5, atol=1e-5)
+
+
+#: every family with both attention implementations, but Gemma 2, which transformers runs eager only
+FAMILY_CASES = [(family, impl) for family in FAMILIES for impl in ("eager", "sdpa")
+                if (family, impl) != ("gemma2", "sdpa")]
+
+
+@pytest.mark.parametrize("family,attn_implementation", FAMILY_CASES)
+def test_block_inputs_equal_the_full_forward_hidden_states_in_every_family(family, attn_implementation):
+    """Each block gets its own arguments (a sliding-window block its own mask; Gemma 3's local blocks
+    their own RoPE): the inputs the engine propagates through dense blocks equal the model's own hidden
+    states at every block, with a last partial batch (5 samples, batch size 2) and windows shorter
+    than the sequence."""
+    model = tiny_decoder(family, attn_implementation=attn_implementation)
+    tokens = random_tokens((5, 24))
+    seen = []
+    engine.run_blockwise(model, tokens, lambda ctx: seen.append(ctx.inputs.clone()), batch_size=2, progress=False)
+    with torch.no_grad():
+        hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states
+    assert len(seen) == len(engine.decoder_blocks(model)) == 4
+    for index, inputs in enumerate(seen):
+        torch.testing.assert_close(inputs, hidden[index], rtol=1e-5, atol=1e-5, msg=f"block {index}")
+
+
+def test_block_arguments_follow_each_layer_type():
+    """Gemma 3 alternates local (sliding, RoPE base 10k) and global layers: the arguments recorded
+    for a local block differ from a global block's in both the mask and the position embeddings."""
+    model = tiny_decoder("gemma3", attn_implementation="eager")
+    arguments = engine.capture_block_arguments(model, random_tokens((3, 24)))
+    local, global_ = arguments[0], arguments[1]
+    assert not torch.equal(local["attention_mask"], global_["attention_mask"])
+    assert not torch.equal(local["position_embeddings"][0], global_["position_embeddings"][0])
+    assert torch.equal(arguments[2]["attention_mask"], local["attention_mask"])
 
 
 def test_capture_sees_every_linear_input_and_output():
@@ -117,3 +150,39 @@ def test_sparsity_report_measures_zeros_and_nm_validity():
 def test_model_without_blocks_is_rejected():
     with pytest.raises(ValueError, match="has no decoder blocks"):
         engine.decoder_blocks(torch.nn.Linear(4, 4))
+
+
+DENSE_FAMILIES = [(family, impl) for family, impl in FAMILY_CASES
+                  if family not in ("mixtral", "qwen2_moe") and impl == ("eager" if family == "gemma2" else "sdpa")]
+
+
+@pytest.mark.parametrize("family,attn_implementation", DENSE_FAMILIES)
+def test_wanda_masks_equal_a_sequential_full_forward_reference(family, attn_implementation):
+    """Wanda 2:4 through the engine prunes every block exactly as a reference that, block after
+    block, runs the whole (partly pruned) model to collect that block's linear inputs; 5 samples in
+    batches of 2."""
+    import copy
+
+    import pyprune
+    from pyprune import ops
+    model = tiny_decoder(family, attn_implementation=attn_implementation)
+    reference = copy.deepcopy(model)
+    tokens = random_tokens((5, 24))
+    pyprune.prune(model, "wanda", "2:4", tokens, batch_size=2, progress=False)
+    with torch.no_grad():
+        for block in engine.decoder_blocks(reference):
+            linears = engine.block_linears(block)
+            stats = {name: torch.zeros(linear.in_features) for name, linear in linears.items()}
+            def observe(module, args, output, name):
+                ops.accumulate_sqnorm_(stats[name], args[0])  # returns None: the output stays
+
+            handles = [linear.register_forward_hook(lambda m, a, o, name=name: observe(m, a, o, name))
+                       for name, linear in linears.items()]
+            for start in range(0, 5, 2):
+                reference(input_ids=tokens[start:start + 2], use_cache=False)
+            for handle in handles:
+                handle.remove()
+            for name, linear in linears.items():
+                linear.weight.mul_(ops.score_nm_mask(linear.weight, 2, 4, stats[name]))
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(got == 0, want == 0), name
