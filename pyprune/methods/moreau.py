@@ -125,19 +125,19 @@ def smoothed_scores(params: Sequence[nn.Parameter], gradient: Callable[[], None]
     return [s.reshape(p.shape) for p, s in zip(params, scores)]
 
 
-def _noise_std() -> Any:
+def _noise_std_option() -> Any:
     return option(0.05, "Moreau/SmoothGrad: noise σ as a fraction of |w| per element (paper: 0.05)", nonnegative)
 
 
-def _noise_seed() -> Any:
+def _noise_seed_option() -> Any:
     return option(0, "Moreau/SmoothGrad: seed of the Philox noise", nonnegative)
 
 
-def _rho(default: float) -> Any:
+def _rho_option(default: float) -> Any:
     return option(default, "Moreau: envelope parameter ρ", positive)
 
 
-def _gamma(default: float) -> Any:
+def _gamma_option(default: float) -> Any:
     return option(default, "Moreau: step size γ (< ρ)", positive)
 
 
@@ -176,13 +176,13 @@ class MoreauPruner(StructuredMethod):
     """MoreauPruner: structured pruning by |MoreauGrad ⊙ w| (Algorithm 1 without step 7)."""
 
     name = "moreau"
-    rho: float = _rho(0.05)
-    gamma: float = _gamma(1e-3)
+    rho: float = _rho_option(0.05)
+    gamma: float = _gamma_option(1e-3)
     steps: int = option(10, "Moreau: optimisation length T (paper: 10)", at_least_one)
     noise_draws: int = option(1, "Moreau: noise vectors m averaged per step (Algorithm 1's m; the paper gives "
                               "no value, default 1)", at_least_one)
-    noise_std: float = _noise_std()
-    noise_seed: int = _noise_seed()
+    noise_std: float = _noise_std_option()
+    noise_seed: int = _noise_seed_option()
     #: MoreauPruner-GS's options, fixed: no group threshold
     eta, group = 0.0, "rows"
 
@@ -215,8 +215,8 @@ class MoreauPrunerGS(MoreauPruner):
     """MoreauPruner-GS: MoreauGrad with the group-sparse prox η‖δ‖₂,₁ (Algorithm 1 with step 7)."""
 
     name = "moreau-gs"
-    rho: float = _rho(0.2)
-    gamma: float = _gamma(2e-4)
+    rho: float = _rho_option(0.2)
+    gamma: float = _gamma_option(2e-4)
     eta: float = option(5e-6, "Moreau-GS: group-sparsity η; the threshold is γ·η (paper: 5e-6)", nonnegative)
     group: str = option("rows", "Moreau-GS: the ℓ2,1 groups: rows (output channels) or columns (input channels)",
                         choices=tuple(_GROUPS))
@@ -229,8 +229,8 @@ class SmoothGrad(StructuredMethod):
     passes: int = option(100, "SmoothGrad: noisy passes K (paper: 100)", at_least_one)
     average: str = option("scores", "SmoothGrad: average the importance scores (v2 paper) or the gradients "
                           "(v1 paper)", choices=_AVERAGES)
-    noise_std: float = _noise_std()
-    noise_seed: int = _noise_seed()
+    noise_std: float = _noise_std_option()
+    noise_seed: int = _noise_seed_option()
 
     def element_scores(self, model, params, calib, *, batch_size, progress) -> Dict[int, Tensor]:
         with gradients_for(model, params):
