@@ -118,7 +118,6 @@ class Method(ABC):
         """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
 
-
 class BlockwiseMethod(Method):
     """A method that prunes the decoder blocks one at a time (:func:`pyprune.runtime.engine.run_blockwise`):
     it can prune an offloaded model, and resume from its finished blocks (its ``checkpoint`` option,

@@ -135,18 +135,21 @@ class BlockCheckpoint:
         return cls(directory, key, dense_propagation)
 
     def finished(self, parts: Optional[Sequence[str]] = None) -> Tuple[int, List]:
-        """(number of finished blocks, their details); StateError for a checkpoint of another run
-        (compared in ``parts`` of the key if given, e.g. before the model and calibration exist)."""
+        """(number of finished blocks, their details), each finished block's state checked from its
+        header; StateError for a checkpoint of another run (compared in ``parts`` of the key if
+        given, e.g. before the model and calibration exist) or a finished block without its state."""
         index = self.states.read_index(self.INDEX, parts)
-        return (0, []) if index is None else (index["finished"], index["details"])
+        if index is None:
+            return 0, []
+        for block in range(index["finished"]):
+            if self.states.meta(self._name(block), parts) is None:
+                raise storage.StateError(f"checkpoint {self.states.directory} lists block {block} as finished but "
+                                         f"has no {self._name(block)}; remove the checkpoint directory")
+        return index["finished"], index["details"]
 
     def restore(self, block: nn.Module, index: int) -> None:
-        """Load the saved weights of finished block ``index`` into ``block``."""
-        state = self.states.load(self._name(index))
-        if state is None:
-            raise storage.StateError(f"checkpoint {self.states.directory} lists block {index} as finished but "
-                                     f"has no {self._name(index)}; remove the checkpoint directory")
-        block.load_state_dict(state[0])
+        """Load the saved weights of finished block ``index`` (checked by :meth:`finished`) into ``block``."""
+        block.load_state_dict(self.states.load(self._name(index))[0])
 
     def save(self, index: int, block: nn.Module, details: List) -> None:
         """Save finished block ``index``, then the index that lists it (``details``: every block's so far)."""

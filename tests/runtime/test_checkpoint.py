@@ -106,7 +106,8 @@ def _prune_blocks(model, dense, checkpoint=None, stop_at=None, seen=None):
 def test_a_block_run_resumes_after_its_finished_blocks_to_the_same_model(tmp_path, dense_propagation):
     def checkpoint(model):
         return engine.BlockCheckpoint.of_run(str(tmp_path), "test", {"a": 1}, "2:4", model,
-                                             random_tokens((4, 16), seed=1), dense_propagation)
+                                             None if model is None else random_tokens((4, 16), seed=1),
+                                             dense_propagation)
 
     straight = tiny_llama(seed=0, layers=3)
     details = _prune_blocks(straight, dense_propagation)
@@ -119,6 +120,9 @@ def test_a_block_run_resumes_after_its_finished_blocks_to_the_same_model(tmp_pat
     assert seen == [2]
     for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
         assert torch.equal(a, b), name
+    (tmp_path / "block-1.safetensors").unlink()
+    with pytest.raises(StateError, match="lists block 1 as finished but has no block-1.safetensors"):
+        checkpoint(None).finished(parts=["method", "settings"])
     other = tiny_llama(seed=1, layers=3)
     with pytest.raises(StateError, match="another model"):
         _prune_blocks(other, dense_propagation, checkpoint(other))
