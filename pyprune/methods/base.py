@@ -123,7 +123,7 @@ class BlockwiseMethod(Method):
     it can prune an offloaded model, and resume from its finished blocks (its ``checkpoint`` option,
     which a subclass declares last: ``checkpoint: Optional[str] = block_checkpoint()``)."""
 
-    offload_refusal = None
+    offload_refusal: Optional[str] = None
     checkpoint: Optional[str]
 
     def __init_subclass__(cls, **kwargs):

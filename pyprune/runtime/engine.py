@@ -143,13 +143,15 @@ class BlockCheckpoint:
             return 0, []
         for block in range(index["finished"]):
             if self.states.meta(self._name(block), parts) is None:
-                raise storage.StateError(f"checkpoint {self.states.directory} lists block {block} as finished but "
-                                         f"has no {self._name(block)}; remove the checkpoint directory")
+                raise self._missing(block)
         return index["finished"], index["details"]
 
     def restore(self, block: nn.Module, index: int) -> None:
-        """Load the saved weights of finished block ``index`` (checked by :meth:`finished`) into ``block``."""
-        block.load_state_dict(self.states.load(self._name(index))[0])
+        """Load the saved weights of finished block ``index`` into ``block``."""
+        state = self.states.load(self._name(index))
+        if state is None:
+            raise self._missing(index)
+        block.load_state_dict(state[0])
 
     def save(self, index: int, block: nn.Module, details: List) -> None:
         """Save finished block ``index``, then the index that lists it (``details``: every block's so far)."""
@@ -159,6 +161,10 @@ class BlockCheckpoint:
     @staticmethod
     def _name(index: int) -> str:
         return f"block-{index}.safetensors"
+
+    def _missing(self, index: int) -> storage.StateError:
+        return storage.StateError(f"checkpoint {self.states.directory} lists block {index} as finished but has no "
+                                  f"{self._name(index)}; remove the checkpoint directory")
 
 
 def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], Optional[dict]], *,
