@@ -121,8 +121,8 @@ def check_memory(args, runner, offload: bool) -> None:
     model = skeleton(resolve_model_dir(args.model), DTYPES[args.dtype])
     nsamples, seqlen = (args.nsamples, args.seqlen) if runner.needs_calibration else (0, 0)
     try:
-        memory.check_prune(model, runner, nsamples, seqlen, args.batch_size, f"--model {args.model} with {args.method}",
-                           offloaded=offload, offload_hint="--offload")
+        memory.check_prune(model, runner, nsamples, seqlen, args.batch_size,
+                           f"--model {args.model} with {args.method}", offloaded=offload, offload_hint="--offload")
     except memory.NotEnoughMemory as error:
         raise UsageError(str(error)) from None
 

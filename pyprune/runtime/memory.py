@@ -27,8 +27,7 @@ from torch import nn
 from ..nn import anatomy
 
 __all__ = ["Need", "NotEnoughMemory", "available_bytes", "prune_need", "check", "check_prune", "check_load",
-           "resident_bytes",
-           "weight_bytes", "RUNTIME"]
+           "resident_bytes", "weight_bytes", "RUNTIME"]
 
 #: the resident memory of a Python process with torch and transformers loaded (measured ~0.5 GiB)
 RUNTIME = 600 * 2**20
