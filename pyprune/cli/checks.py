@@ -111,8 +111,8 @@ def check_offload(args, runner) -> None:
 
 
 def check_memory(args, runner, offload: bool) -> None:
-    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.runtime.memory.prune_need`, from
-    the config alone) exceeds the memory available, saying what --offload would need."""
+    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.runtime.memory.check_prune`,
+    from the config alone) exceeds the memory available, saying what --offload would need."""
     from ..runtime import memory
     from ..inputs.models import resolve_model_dir
     from ..io.offload import skeleton
@@ -120,13 +120,9 @@ def check_memory(args, runner, offload: bool) -> None:
         return
     model = skeleton(resolve_model_dir(args.model), DTYPES[args.dtype])
     nsamples, seqlen = (args.nsamples, args.seqlen) if runner.needs_calibration else (0, 0)
-    need = memory.prune_need(model, runner, nsamples, seqlen, args.batch_size, offloaded=offload)
-    offload_need = None
-    if not offload and runner.offload_refusal is None:
-        offload_need = memory.prune_need(model, runner, nsamples, seqlen, args.batch_size, offloaded=True)
     try:
-        memory.check(need, f"--model {args.model} with {args.method}", offload_need=offload_need,
-                     offload_hint="--offload")
+        memory.check_prune(model, runner, nsamples, seqlen, args.batch_size,
+                           f"--model {args.model} with {args.method}", offloaded=offload, offload_hint="--offload")
     except memory.NotEnoughMemory as error:
         raise UsageError(str(error)) from None
 

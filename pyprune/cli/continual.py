@@ -106,5 +106,5 @@ def run(args) -> int:
     report["run"] = steps.run_info(args)
     print(f"{args.method} {pattern} ({report['init']}): A-PPL {report['a_ppl']:.3f}, M-PPL {report['m_ppl']:.3f}, "
           f"A-BWT {report['a_bwt']:.3f}, M-BWT {report['m_bwt']:.3f} over {len(report['matrix'])} order(s)")
-    steps.write_report(args, report)
+    steps.output_report(args, report)
     return 0

@@ -35,5 +35,5 @@ def run(args) -> int:
     if tasks is not None:
         report["tasks"] = steps.zero_shot(model, tok, tasks, args)
     if args.report:
-        steps.write_report(args, {**report, **steps.run_info(args)})
+        steps.output_report(args, {**report, **steps.run_info(args)})
     return 0

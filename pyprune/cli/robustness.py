@@ -56,5 +56,5 @@ def run(args) -> int:
           f"of the fp16 run {report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement "
           f"{report['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
           + f", channel rank correlation {report['spearman']['channels']:.4f} ({args.arithmetic})")
-    steps.write_report(args, report)
+    steps.output_report(args, report)
     return 0

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..inputs import data
-from ..io import storage
+from ..io.manifest import write_report
 from .checks import UsageError, first_line
 from .options import DTYPES
 
@@ -105,10 +105,11 @@ def run_info(args) -> dict:
             "threads": torch.get_num_threads(), "pyprune": __version__, "torch": torch.__version__}
 
 
-def write_report(args, report: dict) -> None:
-    """``report`` to --report (atomically), when given."""
+def output_report(args, report: dict, model_dir: Optional[str] = None) -> None:
+    """``report`` into the saved ``model_dir`` (when given) and to --report (when given), by
+    :func:`pyprune.io.write_report`."""
+    write_report(report, model_dir=model_dir, report_file=args.report)
     if args.report:
-        storage.write_json(args.report, report)
         print(f"wrote {args.report}")
 
 
@@ -118,10 +119,8 @@ def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable
     finished prune or training is never lost; then ``evaluate_into(report)``, which adds its
     results and says whether it evaluated anything; then the report, into the saved directory too."""
     from ..io import save
-    from ..io import write_report as write_saved_report
     if args.output:
         save(model, tok, args.output, report=report)
         print(f"saved the {what} to {args.output}")
-    if evaluate_into(report) and args.output:
-        write_saved_report(args.output, report)
-    write_report(args, report)
+    evaluated = evaluate_into(report)
+    output_report(args, report, model_dir=args.output if evaluated else None)

@@ -6,7 +6,6 @@
 * :mod:`pyprune.io.storage` — atomic writes, run states and checkpoints as safetensors.
 """
 from .manifest import MANIFEST, read_manifest, write_report
-from .model_dir import check_weights, load, model_fingerprint, model_layout, save
+from .model_dir import check_weights, load, model_layout, save
 
-__all__ = ["save", "load", "check_weights", "model_layout", "model_fingerprint", "read_manifest",
-           "write_report", "MANIFEST"]
+__all__ = ["save", "load", "check_weights", "model_layout", "read_manifest", "write_report", "MANIFEST"]

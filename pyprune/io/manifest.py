@@ -1,5 +1,6 @@
-"""The ``pyprune.json`` manifest of a saved model directory: its name, the versions this pyprune
-reads, and reading it or replacing the report it records (see :mod:`pyprune.io.model_dir`)."""
+"""The ``pyprune.json`` manifest of a saved model directory (see :mod:`pyprune.io.model_dir`): its
+name, the versions this pyprune reads, and reading it; and :func:`write_report`, the one writer of
+a run's report (into a saved directory's manifest and/or a JSON file)."""
 from __future__ import annotations
 
 import json
@@ -51,9 +52,15 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     return manifest
 
 
-def write_report(directory: str, report: Optional[Dict]) -> None:
-    """Replace the report recorded in the ``pyprune.json`` of a saved directory (atomically)."""
-    manifest = read_manifest(directory)
-    if not manifest:
-        raise FileNotFoundError(f"{directory} holds no {MANIFEST}: it was not written by pyprune.save")
-    storage.write_json(os.path.join(directory, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+def write_report(report: Optional[Dict], *, model_dir: Optional[str] = None,
+                 report_file: Optional[str] = None) -> None:
+    """Write ``report`` where asked, each file atomically: into the ``pyprune.json`` of the saved
+    directory ``model_dir`` (replacing the report it records), then as JSON to ``report_file``
+    (e.g. the CLI's ``--report``)."""
+    if model_dir is not None:
+        manifest = read_manifest(model_dir)
+        if not manifest:
+            raise FileNotFoundError(f"{model_dir} holds no {MANIFEST}: it was not written by pyprune.save")
+        storage.write_json(os.path.join(model_dir, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+    if report_file is not None:
+        storage.write_json(report_file, report)

@@ -23,7 +23,6 @@ last, and the directory is renamed into place. A failure leaves no output direct
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ from . import offload, storage
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, read_manifest
 from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields
 
-__all__ = ["save", "load", "check_weights", "model_layout", "model_fingerprint"]
+__all__ = ["save", "load", "check_weights", "model_layout"]
 
 
 
@@ -247,16 +246,3 @@ def _load_strict(model: nn.Module, state: Dict[str, torch.Tensor], directory: st
     if untied:
         raise ValueError(f"cannot load {directory}: weights missing from the checkpoint: {untied[:5]}")
     model.load_state_dict(state, strict=False)
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """What identifies a model for a continual state, pruned or not: its architecture, dtype and
-    input embeddings (never pruned)."""
-    config = getattr(model, "config", None)
-    fields = {key: getattr(config, key, None) for key in (
-        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "vocab_size")}
-    embedding = model.get_input_embeddings().weight.detach()
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + str(embedding.dtype).encode())
-    digest.update(embedding.float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:32]

@@ -7,7 +7,8 @@
 * States and checkpoints are safetensors files whose JSON metadata holds the rest
   (:func:`save_state`, :func:`read_state_meta`, :func:`load_state`): nothing pyprune reads from a
   user path is unpickled. Each records the ``key`` of the run that made it (settings, model,
-  calibration); :func:`check_key` refuses another run's, naming what differs.
+  calibration); :func:`check_key` refuses another run's, naming what differs. Resumable runs are
+  built on them in :mod:`pyprune.runtime.checkpoint`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 and how it runs."""
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional, Tuple, Type
 
@@ -10,9 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from ..runtime import engine, memory
-from ..io import model_fingerprint
 from ..patterns import NM, Pattern, Unstructured
-from .options import BLOCK_CHECKPOINT, Option, resolve
+from .options import Option, collect, resolve
 
 #: Every method class by name, filled as its module is imported (:meth:`Method.__init_subclass__`).
 REGISTRY: Dict[str, Type["Method"]] = {}
@@ -21,10 +19,11 @@ REGISTRY: Dict[str, Type["Method"]] = {}
 class Method(ABC):
     """A pruning method. ``prune`` changes the model in place and returns report details.
 
-    Its options are declared once in ``options``; ``Method(**values)`` converts and checks them
-    (:func:`pyprune.methods.options.resolve`, then :meth:`check_options`) and sets each as an
-    attribute; ``settings`` holds them all for the report. A subclass that sets ``name`` registers
-    itself: a new method is one module in this package.
+    Its options are declared once, as annotated class attributes (``lr: float = option(...)``,
+    :mod:`pyprune.methods.options`), collected in order into ``options``; ``Method(**values)``
+    converts and checks them (:func:`pyprune.methods.options.resolve`, then :meth:`check_options`)
+    into ``settings``, which the report records and ``self.lr`` reads. A subclass that sets
+    ``name`` registers itself: a new method is one module in this package.
     """
 
     name: str = ""
@@ -33,6 +32,7 @@ class Method(ABC):
     patterns: Tuple[Type, ...] = ()
     needs_calibration: bool = True
     default_scope = "row"
+    #: the declared options in order (:func:`pyprune.methods.options.collect`)
     options: Tuple[Option, ...] = ()
     #: default calibration (nsamples, seqlen) of the CLI
     calibration: Tuple[int, int] = (64, 512)
@@ -45,6 +45,7 @@ class Method(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        cls.options = collect(cls, cls.options)
         if not cls.__dict__.get("name"):
             return
         known = REGISTRY.get(cls.name)
@@ -55,8 +56,6 @@ class Method(ABC):
     def __init__(self, **values: Any):
         self.settings: Dict[str, Any] = resolve(self.options, values, self.name)
         self.check_options(self.settings)
-        for key, value in self.settings.items():
-            setattr(self, key, value)
 
     def check_options(self, settings: Dict[str, Any]) -> None:
         """Constraints between options (each option alone is checked by its declaration)."""
@@ -66,11 +65,8 @@ class Method(ABC):
         cannot honour; nothing by default."""
 
     def check_config(self, config, pattern: Pattern) -> None:
-        """Reject a pattern the model's config rules out, or a block checkpoint of other settings,
-        before the model's weights are loaded."""
-        checkpoint = self.block_checkpoint(None, self.resolve(pattern), None)
-        if checkpoint is not None:
-            checkpoint.finished(parts=("method", "settings", "pattern", "scope"))
+        """Reject a pattern the model's config rules out, or saved state of other settings, before
+        the model's weights are loaded; nothing by default."""
 
     def resolve(self, pattern: Pattern) -> Pattern:
         """Unstructured patterns without a scope get this method's default scope."""
@@ -101,10 +97,13 @@ class Method(ABC):
     def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor] = None, *,
               batch_size: int = 8, progress: bool = True) -> Dict:
         """Prune ``model`` in place; return details for the report. Checks everything first
-        (:meth:`check`, :meth:`check_calibration`), then runs :meth:`_prune` on the resolved pattern."""
+        (:meth:`check`, :meth:`check_calibration`, the memory it needs:
+        :func:`pyprune.runtime.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
         self.check(model, pattern)
         self.check_calibration(calib)
-        self.check_memory(model, calib, batch_size)
+        nsamples, seqlen = calib.shape if calib is not None else (0, 0)
+        memory.check_prune(model, self, nsamples, seqlen, batch_size, f"pruning with {self.name}",
+                           resident=memory.resident_bytes(model), offload_hint="load_model(..., offload_dir=DIR)")
         return self._prune(model, self.resolve(pattern), calib, batch_size=batch_size, progress=progress)
 
     def working_bytes(self, block: nn.Module) -> int:
@@ -113,43 +112,48 @@ class Method(ABC):
         linear layer."""
         return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
 
-    def check_memory(self, model: nn.Module, calib: Optional[Tensor], batch_size: int) -> None:
-        """NotEnoughMemory (a ValueError) when the estimated peak of this prune exceeds the
-        memory available, with what offloading would need (:mod:`pyprune.runtime.memory`)."""
-        nsamples, seqlen = calib.shape if calib is not None else (0, 0)
-        need = memory.prune_need(model, self, nsamples, seqlen, batch_size)
-        offload_need = None
-        if engine.block_store(model) is None and self.offload_refusal is None:
-            offload_need = memory.prune_need(model, self, nsamples, seqlen, batch_size, offloaded=True)
-        memory.check(need, f"pruning with {self.name}", resident=memory.resident_bytes(model),
-                     offload_need=offload_need, offload_hint="load_model(..., offload_dir=DIR)")
-
     @abstractmethod
     def _prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
                batch_size: int, progress: bool) -> Dict:
         """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
+
+class BlockwiseMethod(Method):
+    """A method that prunes the decoder blocks one at a time (:func:`pyprune.runtime.engine.run_blockwise`):
+    it can prune an offloaded model, and resume from its finished blocks (its ``checkpoint`` option,
+    which a subclass declares last: ``checkpoint: Optional[str] = block_checkpoint()``)."""
+
+    offload_refusal: Optional[str] = None
+    checkpoint: Optional[str]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name") and "checkpoint" not in {declared.name for declared in cls.options}:
+            raise TypeError(f"block-wise method {cls.name!r} must declare checkpoint: Optional[str] = "
+                            "block_checkpoint()")
+
+    def check_config(self, config, pattern: Pattern) -> None:
+        """A block checkpoint of other settings is refused from its index, before the model loads."""
+        checkpoint = self.block_checkpoint(None, self.resolve(pattern), None)
+        if checkpoint is not None:
+            checkpoint.finished(parts=("method", "settings", "pattern", "scope"))
+
     def block_checkpoint(self, model: Optional[nn.Module], pattern: Pattern,
                          calib: Optional[Tensor]) -> Optional[engine.BlockCheckpoint]:
-        """Where block-wise pruning saves its finished blocks (the ``checkpoint`` option; None
-        without it), keyed by this run's settings, pattern, model and calibration tokens (None
-        before they exist)."""
-        if BLOCK_CHECKPOINT not in self.options or self.checkpoint is None:
+        """Where block-wise pruning saves its finished blocks (None without ``checkpoint``), keyed by
+        this run's settings, pattern, model and calibration tokens (None before they exist)."""
+        if self.checkpoint is None:
             return None
-        key = {"method": self.name, "settings": {k: v for k, v in self.settings.items() if k != "checkpoint"},
-               "pattern": str(pattern), "scope": getattr(pattern, "scope", None),
-               "model": None if model is None else model_fingerprint(model),
-               "calibration": None if calib is None else hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]}
-        return engine.BlockCheckpoint(self.checkpoint, key, dense_propagation=getattr(self, "propagate", None) == "dense")
+        settings = {k: v for k, v in self.settings.items() if k != "checkpoint"}
+        return engine.BlockCheckpoint.of_run(self.checkpoint, self.name, settings, pattern, model, calib,
+                                             dense_propagation=getattr(self, "propagate", None) == "dense")
 
 
-class LayerwiseMaskMethod(Method):
+class LayerwiseMaskMethod(BlockwiseMethod):
     """Unstructured / N:M methods that prune each linear layer of each block from statistics
     of that layer's calibration inputs (the layer-wise engine)."""
 
     patterns = (Unstructured, NM)
-    options = (BLOCK_CHECKPOINT,)
-    offload_refusal = None
 
     @abstractmethod
     def new_stats(self, name: str, linear: nn.Linear):

@@ -24,7 +24,6 @@ rewritten atomically after every step.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import zlib
 from typing import Dict, Optional
@@ -35,10 +34,10 @@ from torch import Tensor, nn
 from ..runtime import engine
 from .. import ops
 from ..io import storage
-from ..io import model_fingerprint
+from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights
-from .options import BLOCK_CHECKPOINT, Option, positive
+from .options import block_checkpoint, option, positive
 
 STATE_FILE = "copal-state.safetensors"
 _KIND = "COPAL state"
@@ -63,18 +62,15 @@ class Copal(LayerwiseMaskMethod):
     offload_refusal = "it keeps every layer's dense weights across calls"
     commands = ("prune", "continual")
 
-    options = (
-        Option("state", str, None, "COPAL: directory of the continual state; resumed when it holds one, "
-               "rewritten after every step", optional=True),
-        Option("perturbation", str, "proportional",
-               "COPAL: perturbation model of dY (paper unspecified): proportional (dW=eps*W, dX=eps*X) or "
-               "gaussian", choices=("proportional", "gaussian")),
-        Option("epsilon", float, 0.01, "COPAL: perturbation size eps", positive),
-        Option("perturbation_seed", int, 0, "COPAL: seed of the gaussian perturbations"),
-        Option("propagate", str, "pruned", "COPAL: the next block's calibration inputs come from this block "
-               "pruned or dense", choices=("pruned", "dense")),
-        BLOCK_CHECKPOINT,
-    )
+    state: Optional[str] = option(None, "COPAL: directory of the continual state; resumed when it holds one, "
+                                  "rewritten after every step")
+    perturbation: str = option("proportional", "COPAL: perturbation model of dY (paper unspecified): proportional "
+                               "(dW=eps*W, dX=eps*X) or gaussian", choices=("proportional", "gaussian"))
+    epsilon: float = option(0.01, "COPAL: perturbation size eps", positive)
+    perturbation_seed: int = option(0, "COPAL: seed of the gaussian perturbations")
+    propagate: str = option("pruned", "COPAL: the next block's calibration inputs come from this block "
+                            "pruned or dense", choices=("pruned", "dense"))
+    checkpoint: Optional[str] = block_checkpoint()
 
     def __init__(self, **values):
         super().__init__(**values)
@@ -159,7 +155,7 @@ class Copal(LayerwiseMaskMethod):
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         if not self._loaded and self.state is not None:
             self._load(self.state)
-        digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()[:16]
+        digest = tokens_digest(calib)
         if any(step["calib_sha256"] == digest for step in self.steps):
             raise ValueError("COPAL: these calibration tokens were already accumulated "
                              f"(step {[s['calib_sha256'] for s in self.steps].index(digest) + 1}); "

@@ -33,15 +33,15 @@ from torch import Tensor, nn
 from .. import ops
 from ..ops.conventions import kept_count, round_half_up
 from ..evaluation.perplexity import model_cost
-from ..io import model_fingerprint
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import hidden_stream
 from ..patterns import Structured
 from ..runtime.recovery import DEFAULTS as LORA
 from ..runtime.recovery import lora_finetune
-from ..runtime.training import Checkpoint, fp32_master_weights, train
+from ..runtime.checkpoint import model_fingerprint
+from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .base import Method
-from .options import Option, at_least_one, nonnegative, positive
+from .options import at_least_one, nonnegative, option, positive
 
 
 
@@ -58,32 +58,29 @@ class DReSS(Method):
     #: windows whose residual stream ranks the channels for ``channels="quiet"``
     energy_windows = 64
 
-    options = (
-        Option("norm", str, "l2", "DReSS: penalty norm per channel slice (l2 = DReSS-l2, l1 = DReSS-l1)",
-               choices=("l2", "l1")),
-        Option("lam", float, 1.0, "DReSS: penalty weight lambda (paper 1e-3; AdamW normalises the gradient, so "
-               "from ~1 on each penalised weight moves ~lr per step toward 0, while 1e-3 hardly moves them "
-               "in a CPU budget of steps)", nonnegative),
-        Option("steps", int, 150, "DReSS: regularisation steps (0 = slice without regularising)", nonnegative),
-        Option("lr", float, 1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)",
-               positive),
-        Option("train_batch", int, 4, "DReSS: calibration windows per training step", at_least_one),
-        Option("channels", str, "quiet", "DReSS: which hidden channels go: quiet = least residual-stream "
-               "energy on the calibration data (avoids massive-activation channels; not in the paper), "
-               "last (the paper's default), first, spread", choices=("quiet", "last", "first", "spread")),
-        Option("multiple", int, 1, "DReSS: keep a multiple of this many channels (e.g. 8 or 64 for "
-               "tensor cores), besides a multiple of the head count", at_least_one),
-        Option("rescale_norms", bool, True, "DReSS: scale each sliced norm by sqrt(s*d/d'), s the kept channels' "
-               "measured share of its input's energy on the calibration data (not in the paper)"),
-        Option("lora_steps", int, 0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative),
-        Option("lora_rank", int, LORA.rank, "DReSS: LoRA rank (paper 32)", at_least_one),
-        Option("lora_alpha", float, LORA.alpha, "DReSS: LoRA scaling factor alpha (paper 10)", positive),
-        Option("lora_lr", float, LORA.lr, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive),
-        Option("checkpoint", str, None, "DReSS: directory for regularisation checkpoints; a rerun with the "
-               "same settings resumes from it", optional=True),
-        Option("checkpoint_every", int, 10, "DReSS: steps between checkpoints", at_least_one),
-        Option("train_seed", int, 0, "DReSS: seed of the minibatch order (and of LoRA)"),
-    )
+    norm: str = option("l2", "DReSS: penalty norm per channel slice (l2 = DReSS-l2, l1 = DReSS-l1)",
+                       choices=("l2", "l1"))
+    lam: float = option(1.0, "DReSS: penalty weight lambda (paper 1e-3; AdamW normalises the gradient, so "
+                        "from ~1 on each penalised weight moves ~lr per step toward 0, while 1e-3 hardly moves them "
+                        "in a CPU budget of steps)", nonnegative)
+    steps: int = option(150, "DReSS: regularisation steps (0 = slice without regularising)", nonnegative)
+    lr: float = option(1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)", positive)
+    train_batch: int = option(4, "DReSS: calibration windows per training step", at_least_one)
+    channels: str = option("quiet", "DReSS: which hidden channels go: quiet = least residual-stream "
+                           "energy on the calibration data (avoids massive-activation channels; not in the paper), "
+                           "last (the paper's default), first, spread", choices=("quiet", "last", "first", "spread"))
+    multiple: int = option(1, "DReSS: keep a multiple of this many channels (e.g. 8 or 64 for "
+                           "tensor cores), besides a multiple of the head count", at_least_one)
+    rescale_norms: bool = option(True, "DReSS: scale each sliced norm by sqrt(s*d/d'), s the kept channels' "
+                                 "measured share of its input's energy on the calibration data (not in the paper)")
+    lora_steps: int = option(0, "DReSS: LoRA recovery steps after slicing (0 = none)", nonnegative)
+    lora_rank: int = option(LORA.rank, "DReSS: LoRA rank (paper 32)", at_least_one)
+    lora_alpha: float = option(LORA.alpha, "DReSS: LoRA scaling factor alpha (paper 10)", positive)
+    lora_lr: float = option(LORA.lr, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive)
+    checkpoint: Optional[str] = option(None, "DReSS: directory for regularisation checkpoints; a rerun with the "
+                                       "same settings resumes from it")
+    checkpoint_every: int = option(10, "DReSS: steps between checkpoints", at_least_one)
+    train_seed: int = option(0, "DReSS: seed of the minibatch order (and of LoRA)")
 
     # -- which channels ------------------------------------------------------------------------
 
@@ -143,7 +140,7 @@ class DReSS(Method):
         if checkpoint is not None:
             checkpoint.check()
 
-    def _checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[Checkpoint]:
+    def _checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[TrainingCheckpoint]:
         """Where the regularisation saves, keyed by its settings and the dense model (not yet
         loaded: None) (None without ``checkpoint``)."""
         if not self.checkpoint:
@@ -151,7 +148,7 @@ class DReSS(Method):
         key = {"settings": {k: self.settings[k] for k in (
             "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
             "model": model_fingerprint(model) if model is not None else None}
-        return Checkpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
+        return TrainingCheckpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
     # -- regularise, slice, recover ----------------------------------------------------------------
 
@@ -260,7 +257,7 @@ class DReSS(Method):
                 norm.weight.mul_(scales[name])
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor,
-                    checkpoint: Optional[Checkpoint], progress: bool) -> Dict:
+                    checkpoint: Optional[TrainingCheckpoint], progress: bool) -> Dict:
         """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's
         gradient is added by :func:`pyprune.ops.channel_penalty_` after each backward."""
         index = channels.to(next(model.parameters()).device)

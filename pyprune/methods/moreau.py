@@ -25,14 +25,14 @@ SmoothGrad (spec §1.11): K noisy passes with the same noise, averaging either t
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import ops
-from .options import Option, at_least_one, nonnegative, positive
+from .options import at_least_one, nonnegative, option, positive
 from .structured import StructuredMethod, gradients_for
 
 _GROUPS = {"rows": 0, "columns": 1}
@@ -125,22 +125,20 @@ def smoothed_scores(params: Sequence[nn.Parameter], gradient: Callable[[], None]
     return [s.reshape(p.shape) for p, s in zip(params, scores)]
 
 
-def _noise_options(noise_default: float = 0.05) -> tuple:
-    return (
-        Option("noise_std", float, noise_default, "Moreau/SmoothGrad: noise σ as a fraction of |w| per "
-               "element (paper: 0.05)", nonnegative),
-        Option("noise_seed", int, 0, "Moreau/SmoothGrad: seed of the Philox noise", nonnegative),
-    )
+def _noise_std_option() -> Any:
+    return option(0.05, "Moreau/SmoothGrad: noise σ as a fraction of |w| per element (paper: 0.05)", nonnegative)
 
 
-def _moreau_options(rho: float, gamma: float) -> tuple:
-    return StructuredMethod.options + (
-        Option("rho", float, rho, "Moreau: envelope parameter ρ", positive),
-        Option("gamma", float, gamma, "Moreau: step size γ (< ρ)", positive),
-        Option("steps", int, 10, "Moreau: optimisation length T (paper: 10)", at_least_one),
-        Option("noise_draws", int, 1, "Moreau: noise vectors m averaged per step (Algorithm 1's m; the "
-               "paper gives no value, default 1)", at_least_one),
-    ) + _noise_options()
+def _noise_seed_option() -> Any:
+    return option(0, "Moreau/SmoothGrad: seed of the Philox noise", nonnegative)
+
+
+def _rho_option(default: float) -> Any:
+    return option(default, "Moreau: envelope parameter ρ", positive)
+
+
+def _gamma_option(default: float) -> Any:
+    return option(default, "Moreau: step size γ (< ρ)", positive)
 
 
 def moreau_diagnostics(weights: Sequence[Tensor], deltas: Sequence[Tensor], *, rho: float, gamma: float,
@@ -178,7 +176,14 @@ class MoreauPruner(StructuredMethod):
     """MoreauPruner: structured pruning by |MoreauGrad ⊙ w| (Algorithm 1 without step 7)."""
 
     name = "moreau"
-    options = _moreau_options(rho=0.05, gamma=1e-3)
+    rho: float = _rho_option(0.05)
+    gamma: float = _gamma_option(1e-3)
+    steps: int = option(10, "Moreau: optimisation length T (paper: 10)", at_least_one)
+    noise_draws: int = option(1, "Moreau: noise vectors m averaged per step (Algorithm 1's m; the paper gives "
+                              "no value, default 1)", at_least_one)
+    noise_std: float = _noise_std_option()
+    noise_seed: int = _noise_seed_option()
+    #: MoreauPruner-GS's options, fixed: no group threshold
     eta, group = 0.0, "rows"
 
     def check_options(self, settings):
@@ -210,23 +215,22 @@ class MoreauPrunerGS(MoreauPruner):
     """MoreauPruner-GS: MoreauGrad with the group-sparse prox η‖δ‖₂,₁ (Algorithm 1 with step 7)."""
 
     name = "moreau-gs"
-    options = _moreau_options(rho=0.2, gamma=2e-4) + (
-        Option("eta", float, 5e-6, "Moreau-GS: group-sparsity η; the threshold is γ·η (paper: 5e-6)",
-               nonnegative),
-        Option("group", str, "rows", "Moreau-GS: the ℓ2,1 groups: rows (output channels) or columns "
-               "(input channels)", choices=tuple(_GROUPS)),
-    )
+    rho: float = _rho_option(0.2)
+    gamma: float = _gamma_option(2e-4)
+    eta: float = option(5e-6, "Moreau-GS: group-sparsity η; the threshold is γ·η (paper: 5e-6)", nonnegative)
+    group: str = option("rows", "Moreau-GS: the ℓ2,1 groups: rows (output channels) or columns (input channels)",
+                        choices=tuple(_GROUPS))
 
 
 class SmoothGrad(StructuredMethod):
     """SmoothGrad: LLM-Pruner with gradients (or scores) averaged over noisy weights."""
 
     name = "smoothgrad"
-    options = StructuredMethod.options + (
-        Option("passes", int, 100, "SmoothGrad: noisy passes K (paper: 100)", at_least_one),
-        Option("average", str, "scores", "SmoothGrad: average the importance scores (v2 paper) or the "
-               "gradients (v1 paper)", choices=_AVERAGES),
-    ) + _noise_options()
+    passes: int = option(100, "SmoothGrad: noisy passes K (paper: 100)", at_least_one)
+    average: str = option("scores", "SmoothGrad: average the importance scores (v2 paper) or the gradients "
+                          "(v1 paper)", choices=_AVERAGES)
+    noise_std: float = _noise_std_option()
+    noise_seed: int = _noise_seed_option()
 
     def element_scores(self, model, params, calib, *, batch_size, progress) -> Dict[int, Tensor]:
         with gradients_for(model, params):

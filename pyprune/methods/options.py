@@ -1,6 +1,7 @@
-"""Declared method options: each method lists its options once (name, type, default, help, check),
-and ``pyprune.prune(**options)``, the CLI flags, ``--help`` and the report's ``options`` all come
-from that declaration.
+"""Declared method options: each method declares its options once, as annotated class attributes
+(``lr: float = option(5e-3, "help", positive)``), and ``pyprune.prune(**options)``, the CLI flags,
+``--help`` and the report's ``options`` all come from that declaration; ``method.lr`` reads the
+value the method was built with, typed for a type checker by the annotation.
 
 A check returns an error message or None; a method's :meth:`~pyprune.methods.base.Method.check_options`
 adds the constraints between options (e.g. MoreauPruner's γ < ρ). Every error names the option
@@ -9,22 +10,56 @@ and what is allowed, and is raised before a model is loaded or touched.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+import types
+import typing
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+#: the types an option can have
+TYPES = (int, float, bool, str)
 
-@dataclass(frozen=True)
+
+def option(default: Any, help: str, check: Optional[Callable[[Any], Optional[str]]] = None, *,
+           choices: Tuple[str, ...] = ()) -> Any:
+    """Declare an option of a method as a class attribute: ``name: type = option(default, help)``.
+    Typed ``Any`` (as ``dataclasses.field``) so that the annotation is what a type checker sees."""
+    return Option(default, help, check, choices)
+
+
 class Option:
-    """One method option. ``type`` is int, float, bool or str; ``default`` None means "unset"
-    (allowed only where ``optional``); ``choices`` restricts a str option."""
+    """One method option: its ``name`` and ``type`` come from the class attribute that declares it
+    (an ``Optional[...]`` annotation makes it ``optional``: None means "unset"); ``choices``
+    restricts a str option. On a method object it reads the value the method was built with."""
 
-    name: str
-    type: type
-    default: Any
-    help: str
-    check: Optional[Callable[[Any], Optional[str]]] = None
-    choices: Tuple[str, ...] = ()
-    optional: bool = False
+    def __init__(self, default: Any, help: str, check: Optional[Callable[[Any], Optional[str]]] = None,
+                 choices: Tuple[str, ...] = ()):
+        self.default, self.help, self.check, self.choices = default, help, check, tuple(choices)
+        self.name: str = ""
+        self.type: type = object
+        self.optional = False
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if self.name:
+            raise TypeError(f"option {self.name} is declared twice ({owner.__qualname__}.{name}); build each "
+                            "declaration with its own option(...) call")
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        return self if instance is None else instance.settings[self.name]
+
+    def __set__(self, instance, value) -> None:
+        raise AttributeError(f"option {self.name} of method {instance.name!r} is set when the method is built")
+
+    def bind(self, annotation: Any) -> None:
+        """Take this option's type from its class attribute's (evaluated) annotation."""
+        kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+            else (annotation,)
+        self.optional = type(None) in kinds
+        kinds = tuple(kind for kind in kinds if kind is not type(None))
+        if len(kinds) != 1 or kinds[0] not in TYPES:
+            raise TypeError(f"option {self.name} must be annotated with one of int, float, bool, str (or "
+                            f"Optional of one); got {annotation!r}")
+        self.type = kinds[0]
 
     @property
     def flag(self) -> str:
@@ -60,6 +95,27 @@ class Option:
         return value
 
 
+def collect(cls: type, inherited: Sequence[Option]) -> Tuple[Option, ...]:
+    """The options of the class ``cls``: the ``inherited`` ones of its base, each in its place or
+    replaced there by a redeclaration in ``cls``, then the new ones of its body in their order.
+    Each takes its type from its annotation."""
+    options = {declared.name: declared for declared in inherited}
+    annotations = cls.__dict__.get("__annotations__", {})
+    module = vars(sys.modules[cls.__module__])
+    for name, value in cls.__dict__.items():
+        if name in options and not isinstance(value, Option):
+            raise TypeError(f"{cls.__qualname__}.{name} hides the option {name} of its base; redeclare it "
+                            "with option(...)")
+        if isinstance(value, Option):
+            if name not in annotations:
+                raise TypeError(f"{cls.__qualname__}.{name}: declare an option with its type, e.g. "
+                                f"{name}: float = option(...)")
+            annotation = annotations[name]
+            value.bind(eval(annotation, module) if isinstance(annotation, str) else annotation)
+            options[name] = value
+    return tuple(options.values())
+
+
 def resolve(declared: Sequence[Option], given: Dict[str, Any], method: str) -> Dict[str, Any]:
     """Every declared option's value: the given one (converted and checked) or the default.
     An option the method does not declare is an error that lists the ones it has."""
@@ -89,7 +145,7 @@ def fraction(value) -> Optional[str]:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
-#: The block-wise methods' resume directory (:class:`pyprune.runtime.engine.BlockCheckpoint`).
-BLOCK_CHECKPOINT = Option("checkpoint", str, None, "block-wise methods (wanda, sparsegpt, copal, safe): directory "
-                          "where every finished block is saved; a rerun with the same settings, calibration and "
-                          "model resumes after the last one", optional=True)
+def block_checkpoint() -> Any:
+    """The ``checkpoint`` option of a block-wise method (:class:`pyprune.runtime.engine.BlockCheckpoint`)."""
+    return option(None, "block-wise methods (wanda, sparsegpt, copal, safe): directory where every finished "
+                  "block is saved; a rerun with the same settings, calibration and model resumes after the last one")

@@ -33,6 +33,7 @@ away.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -41,15 +42,15 @@ from .. import ops
 from ..runtime.optim import SafeOptimizer
 from ..patterns import NM, Unstructured
 from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
-from .base import Method
-from .options import BLOCK_CHECKPOINT, Option, at_least_one, nonnegative, positive
+from .base import BlockwiseMethod
+from .options import at_least_one, block_checkpoint, nonnegative, option, positive
 
 
 def _below_one(value):
     return None if 0 <= value < 1 else "must be in [0, 1)"
 
 
-class Safe(Method):
+class Safe(BlockwiseMethod):
     """SAFE: the z-step projects by magnitude."""
 
     name = "safe"
@@ -61,34 +62,29 @@ class Safe(Method):
     calibration = (64, 256)
     #: SAFE⁺ scores the projection with P = diag(AᵀA)
     weighted_projection = False
-    offload_refusal = None
 
-    options = (
-        Option("epochs", int, 3, "SAFE: passes over the calibration samples per block (paper: 30; "
-               "the default fits the default 64 calibration windows: 96 steps at batch 2)", at_least_one),
-        Option("train_batch", int, 2, "SAFE: calibration samples per training step (paper: 8)",
-               at_least_one),
-        Option("lr", float, 5e-3, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, "
-               "for LLaMA weights ~8x smaller than SmolLM2's)", positive),
-        Option("warmup_epochs", float, 1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative),
-        Option("rho", float, 2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative),
-        Option("lam", float, 100.0, "SAFE: augmented-Lagrangian penalty λ; with penalty 'decoupled' each step "
-               "closes lr·λ of the distance to z − u (paper: 1e-3, inside Adam on the 'mse' loss)", nonnegative),
-        Option("penalty", str, "decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step "
-               "x -= lr·λ(x − z + u) after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before "
-               "Adam's moments (the authors' code)", choices=("decoupled", "adam")),
-        Option("loss", str, "relative", "SAFE: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (λ means the same in "
-               "every block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse")),
-        Option("train_norms", bool, False, "SAFE: also train the block's other parameters (RMSNorm gains) with "
-               "the same SAM-Adam, unconstrained"),
-        Option("dual_interval", int, 8, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one),
-        Option("beta2", float, 0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one),
-        Option("final_projection", str, "same",
-               "SAFE: metric of the last projection: 'same' as the z-step, or 'euclidean' (|x|, Alg. 1 line 15)",
-               choices=("same", "euclidean")),
-        Option("train_seed", int, 0, "SAFE: seed of the minibatch order"),
-        BLOCK_CHECKPOINT,
-    )
+    epochs: int = option(3, "SAFE: passes over the calibration samples per block (paper: 30; the default fits the "
+                         "default 64 calibration windows: 96 steps at batch 2)", at_least_one)
+    train_batch: int = option(2, "SAFE: calibration samples per training step (paper: 8)", at_least_one)
+    lr: float = option(5e-3, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, for LLaMA weights "
+                       "~8x smaller than SmolLM2's)", positive)
+    warmup_epochs: float = option(1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative)
+    rho: float = option(2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative)
+    lam: float = option(100.0, "SAFE: augmented-Lagrangian penalty λ; with penalty 'decoupled' each step closes lr·λ "
+                        "of the distance to z − u (paper: 1e-3, inside Adam on the 'mse' loss)", nonnegative)
+    penalty: str = option("decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step x -= lr·λ(x − z + u) "
+                          "after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before Adam's "
+                          "moments (the authors' code)", choices=("decoupled", "adam"))
+    loss: str = option("relative", "SAFE: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (λ means the same in every "
+                       "block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse"))
+    train_norms: bool = option(False, "SAFE: also train the block's other parameters (RMSNorm gains) with the same "
+                               "SAM-Adam, unconstrained")
+    dual_interval: int = option(8, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one)
+    beta2: float = option(0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one)
+    final_projection: str = option("same", "SAFE: metric of the last projection: 'same' as the z-step, or "
+                                   "'euclidean' (|x|, Alg. 1 line 15)", choices=("same", "euclidean"))
+    train_seed: int = option(0, "SAFE: seed of the minibatch order")
+    checkpoint: Optional[str] = block_checkpoint()
 
     def check_options(self, settings):
         if settings["penalty"] == "decoupled" and settings["lr"] * settings["lam"] > 1:

@@ -15,6 +15,7 @@ default) keeps exactly the block's share over all its rows, scope "row" keeps it
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from torch import Tensor
 from ..runtime import engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
-from .options import BLOCK_CHECKPOINT, Option, at_least_one, fraction
+from .options import at_least_one, block_checkpoint, fraction, option
 
 
 class _Hessian:
@@ -44,12 +45,9 @@ class SparseGPT(LayerwiseMaskMethod):
     can_accumulate = True  # H is the mean of 2·x xᵀ over every token seen, of every dataset
     commands = ("prune", "continual")
 
-    options = (
-        Option("blocksize", int, 128, "SparseGPT: columns per lazy-update block", at_least_one),
-        Option("percdamp", float, 0.01, "SparseGPT: Hessian dampening, a fraction of mean(diag H)",
-               fraction),
-        BLOCK_CHECKPOINT,
-    )
+    blocksize: int = option(128, "SparseGPT: columns per lazy-update block", at_least_one)
+    percdamp: float = option(0.01, "SparseGPT: Hessian dampening, a fraction of mean(diag H)", fraction)
+    checkpoint: Optional[str] = block_checkpoint()
 
     def working_bytes(self, block):
         """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the

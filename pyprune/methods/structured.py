@@ -60,7 +60,7 @@ from ..nn import compact
 from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields, head_dim, layouts_uniform
 from ..patterns import Structured
 from .base import Method
-from .options import Option
+from .options import option
 
 ElementScores = Callable[[nn.Parameter], Optional[Tensor]]
 
@@ -193,15 +193,13 @@ class StructuredMethod(Method):
     patterns = (Structured,)
     commands = ("prune", "robustness")
     calibration = (10, 128)  # LLM-Pruner's and MoreauPruner's batch: 10 samples of 128 tokens
-    options = (
-        Option("first_layer", int, 0, "structured: first pruned decoder layer (negative: from the end)"),
-        Option("last_layer", int, None, "structured: last pruned decoder layer, inclusive (default: the "
-               "last; negative: from the end)", optional=True),
-        Option("heads", bool, True, "structured: prune attention heads"),
-        Option("channels", bool, True, "structured: prune MLP channels"),
-        Option("loss_scaling", bool, False, "structured: dynamic loss scaling of the gradient passes (scale, "
-               "back off on inf, as torch.amp.GradScaler), for fp16 models"),
-    )
+    first_layer: int = option(0, "structured: first pruned decoder layer (negative: from the end)")
+    last_layer: Optional[int] = option(None, "structured: last pruned decoder layer, inclusive (default: the "
+                                       "last; negative: from the end)")
+    heads: bool = option(True, "structured: prune attention heads")
+    channels: bool = option(True, "structured: prune MLP channels")
+    loss_scaling: bool = option(False, "structured: dynamic loss scaling of the gradient passes (scale, "
+                                "back off on inf, as torch.amp.GradScaler), for fp16 models")
 
     @abstractmethod
     def element_scores(self, model: nn.Module, params: List[nn.Parameter], calib: Tensor, *,

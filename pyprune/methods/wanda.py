@@ -2,16 +2,20 @@
 within each output row (or n of every m); no weight update."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import ops
 from .base import LayerwiseMaskMethod, apply_mask
+from .options import block_checkpoint
 
 
 class Wanda(LayerwiseMaskMethod):
     name = "wanda"
     can_accumulate = True  # Σ‖x_j‖² sums over datasets as over batches
     commands = ("prune", "continual")
+    checkpoint: Optional[str] = block_checkpoint()
 
     def new_stats(self, name, linear):
         return torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)

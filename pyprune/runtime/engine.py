@@ -19,8 +19,6 @@ What the methods take from it:
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -29,6 +27,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..io import storage
+from .checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from ..nn.anatomy import (BLOCK_STORE, block_linears, block_prefix, block_store, decoder_blocks, first_tensor,
                            resident_blocks)
 
@@ -157,55 +156,62 @@ class BlockContext:
                 handle.remove()
 
 
-@dataclass
 class BlockCheckpoint:
-    """Where layer-wise pruning saves every finished block (``block-<i>.safetensors``) and a
-    manifest (the run's ``key``, the number of finished blocks, their details). A rerun with the
-    same key loads the finished blocks and goes on from the next one; another key is refused
-    before anything changes. A restored block's outputs feed the next block: its pruned outputs,
-    or with ``dense_propagation`` its dense outputs (computed before its weights are restored)."""
+    """Where block-wise pruning saves every finished block (a :class:`~pyprune.runtime.checkpoint.Checkpoint`
+    state ``block-<i>.safetensors``) and an index ``blockwise.json`` (the run's ``key``, the number
+    of finished blocks, their details). A rerun with the same key restores the finished blocks and
+    goes on from the next one; another key is refused before anything changes. A restored block's
+    outputs feed the next block: its pruned outputs, or with ``dense_propagation`` its dense outputs
+    (computed before its weights are restored)."""
 
-    directory: str
-    key: dict
-    dense_propagation: bool = False
+    INDEX = "blockwise.json"
 
-    @property
-    def manifest_path(self) -> str:
-        return os.path.join(self.directory, "blockwise.json")
+    def __init__(self, directory: str, key: dict, dense_propagation: bool = False):
+        self.states = Checkpoint(directory, key, "block checkpoint")
+        self.dense_propagation = dense_propagation
+
+    @classmethod
+    def of_run(cls, directory: str, method: str, settings: dict, pattern, model: Optional[nn.Module] = None,
+               calib: Optional[Tensor] = None, dense_propagation: bool = False) -> "BlockCheckpoint":
+        """The checkpoint of a block-wise prune by ``method`` with ``settings`` to ``pattern``, keyed
+        by all of them and the model and calibration tokens (None before they exist)."""
+        key = {"method": method, "settings": settings, "pattern": str(pattern),
+               "scope": getattr(pattern, "scope", None),
+               "model": None if model is None else model_fingerprint(model),
+               "calibration": None if calib is None else tokens_digest(calib)}
+        return cls(directory, key, dense_propagation)
 
     def finished(self, parts: Optional[Sequence[str]] = None) -> Tuple[int, List]:
-        """(number of finished blocks, their details); ValueError for a checkpoint of another run
-        (compared in ``parts`` of the key if given, e.g. before the model and calibration exist)."""
-        if not os.path.exists(self.manifest_path):
+        """(number of finished blocks, their details), each finished block's state checked from its
+        header; StateError for a checkpoint of another run (compared in ``parts`` of the key if
+        given, e.g. before the model and calibration exist) or a finished block without its state."""
+        index = self.states.read_index(self.INDEX, parts)
+        if index is None:
             return 0, []
-        try:
-            with open(self.manifest_path, encoding="utf-8") as handle:
-                manifest = json.load(handle)
-        except ValueError as error:
-            raise storage.StateError(f"checkpoint manifest {self.manifest_path} is not valid JSON ({error}); "
-                                     "remove it") from None
-        storage.check_key(f"checkpoint {self.directory}", manifest["key"], self.key, parts)
-        return manifest["finished"], manifest["details"]
+        for block in range(index["finished"]):
+            if self.states.meta(self._name(block), parts) is None:
+                raise self._missing(block)
+        return index["finished"], index["details"]
 
     def restore(self, block: nn.Module, index: int) -> None:
         """Load the saved weights of finished block ``index`` into ``block``."""
-        from safetensors.torch import load_file
-        try:
-            state = load_file(self._block_path(index))
-        except Exception as error:  # safetensors raises its own error type for a broken file
-            raise storage.StateError(f"checkpoint block {self._block_path(index)} is not readable ({error}); "
-                                     "remove the checkpoint directory") from None
-        block.load_state_dict(state)
+        state = self.states.load(self._name(index))
+        if state is None:
+            raise self._missing(index)
+        block.load_state_dict(state[0])
 
     def save(self, index: int, block: nn.Module, details: List) -> None:
-        from safetensors.torch import save_file
-        os.makedirs(self.directory, exist_ok=True)
-        with storage.atomic_path(self._block_path(index)) as tmp:
-            save_file({k: v.detach().contiguous().cpu() for k, v in block.state_dict().items()}, tmp)
-        storage.write_json(self.manifest_path, {"key": self.key, "finished": index + 1, "details": details})
+        """Save finished block ``index``, then the index that lists it (``details``: every block's so far)."""
+        self.states.save(self._name(index), block.state_dict(), {"block": index})
+        self.states.write_index(self.INDEX, {"finished": index + 1, "details": details})
 
-    def _block_path(self, index: int) -> str:
-        return os.path.join(self.directory, f"block-{index}.safetensors")
+    @staticmethod
+    def _name(index: int) -> str:
+        return f"block-{index}.safetensors"
+
+    def _missing(self, index: int) -> storage.StateError:
+        return storage.StateError(f"checkpoint {self.states.directory} lists block {index} as finished but has no "
+                                  f"{self._name(index)}; remove the checkpoint directory")
 
 
 def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[BlockContext], Optional[dict]], *,

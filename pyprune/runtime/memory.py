@@ -13,7 +13,8 @@ The estimate (:func:`prune_need`) adds
 * :data:`RUNTIME`, what the interpreter with torch and transformers takes before any model.
 
 :func:`check` refuses (:class:`NotEnoughMemory`, one line) a run whose estimate exceeds what is
-available, saying how much it needs and how much offloading would need.
+available, saying how much it needs and how much offloading would need; :func:`check_prune` is
+that check for a prune, made by ``Method.prune`` on the model and by the CLI on its config alone.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from torch import nn
 
 from ..nn import anatomy
 
-__all__ = ["Need", "NotEnoughMemory", "available_bytes", "prune_need", "check", "check_load", "resident_bytes",
-           "weight_bytes", "RUNTIME"]
+__all__ = ["Need", "NotEnoughMemory", "available_bytes", "prune_need", "check", "check_prune", "check_load",
+           "resident_bytes", "weight_bytes", "RUNTIME"]
 
 #: the resident memory of a Python process with torch and transformers loaded (measured ~0.5 GiB)
 RUNTIME = 600 * 2**20
@@ -126,6 +127,21 @@ def check(need: Need, what: str, *, resident: int = 0, offload_need: Optional[Ne
         hint = f"; with {offload_hint} (weights on disk, one block in memory) it needs about {gib(offload_need.total)}"
     raise NotEnoughMemory(f"{what} needs about {gib(need.total)} of memory ({need.describe()}), "
                           f"{gib(available + resident)} available{hint}")
+
+
+def check_prune(model: nn.Module, method, nsamples: int, seqlen: int, batch_size: int, what: str, *,
+                offloaded: Optional[bool] = None, resident: int = 0, offload_hint: str = "offload") -> None:
+    """NotEnoughMemory when pruning ``model`` with ``method`` (:func:`prune_need`; ``offloaded``
+    defaults to whether the model is) exceeds the memory available (:func:`check`, with
+    ``resident`` bytes already in memory); when the run is not offloaded and ``method`` can prune
+    an offloaded model, the message says what it would need with ``offload_hint``."""
+    if offloaded is None:
+        offloaded = anatomy.block_store(model) is not None
+    need = prune_need(model, method, nsamples, seqlen, batch_size, offloaded=offloaded)
+    offload_need = None
+    if not offloaded and method.offload_refusal is None:
+        offload_need = prune_need(model, method, nsamples, seqlen, batch_size, offloaded=True)
+    check(need, what, resident=resident, offload_need=offload_need, offload_hint=offload_hint)
 
 
 def check_load(directory: str, dtype: torch.dtype) -> None:

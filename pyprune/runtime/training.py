@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -17,7 +15,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import engine
-from ..io import storage
+from .checkpoint import Checkpoint
 
 
 def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -42,30 +40,20 @@ def fp32_master_weights(model: nn.Module):
         model.to(dtype).train(was_training)
 
 
-@dataclass
-class Checkpoint:
-    """Where and how often :func:`train` saves (a safetensors state of the model's and the
-    optimizer's tensors, the rest in its JSON metadata); ``key`` identifies the run (settings,
-    model), and a checkpoint with another key is refused."""
+class TrainingCheckpoint:
+    """Where and how often :func:`train` saves: a :class:`~pyprune.runtime.checkpoint.Checkpoint`
+    state ``name`` in ``directory`` of the model's and the optimizer's tensors, the step, the log
+    and the optimizer's other values in its metadata; ``key`` identifies the run (settings, model),
+    and a checkpoint with another key is refused."""
 
-    directory: str
-    every: int
-    key: dict
-    name: str = "train-checkpoint.safetensors"
-
-    KIND = "training checkpoint"
-    FORMATS = (1,)
-
-    @property
-    def path(self) -> str:
-        return os.path.join(self.directory, self.name)
+    def __init__(self, directory: str, every: int, key: dict, name: str = "train-checkpoint.safetensors"):
+        self.states = Checkpoint(directory, key, "training checkpoint")
+        self.every, self.name = every, name
 
     def check(self, parts=None) -> None:
-        """ValueError when the directory holds a checkpoint of another run (compared in ``parts``
+        """StateError when the directory holds a checkpoint of another run (compared in ``parts``
         of the key if given: e.g. the settings alone, before the model is loaded)."""
-        if os.path.exists(self.path):
-            meta = storage.read_state_meta(self.path, self.KIND, self.FORMATS)
-            storage.check_key(f"checkpoint {self.path}", meta["key"], self.key, parts)
+        self.states.meta(self.name, parts)
 
     def save(self, model: nn.Module, optimizer, step: int, log: Dict) -> None:
         tensors = {f"model.{name}": value for name, value in model.state_dict().items()}
@@ -77,31 +65,31 @@ class Checkpoint:
                     tensors[f"optimizer.{index}.{name}"] = value
                 else:
                     scalars[f"{index}.{name}"] = value
-        storage.save_state(self.path, tensors, {
-            "kind": self.KIND, "format": self.FORMATS[-1], "key": self.key, "step": step, "log": log,
-            "optimizer": {"param_groups": saved["param_groups"], "scalars": scalars}})
+        self.states.save(self.name, tensors, {
+            "step": step, "log": log, "optimizer": {"param_groups": saved["param_groups"], "scalars": scalars}})
 
     def load(self, model: nn.Module, optimizer, log: Dict) -> int:
         """Restore a saved run into ``model``, ``optimizer`` and ``log``; the step to go on from."""
-        if not os.path.exists(self.path):
+        state = self.states.load(self.name)  # the optimizer casts its state
+        if state is None:
             return 0
-        self.check()
-        tensors, meta = storage.load_state(self.path, self.KIND, self.FORMATS)  # the optimizer casts its state
+        tensors, meta = state
         model.load_state_dict({name[len("model."):]: value for name, value in tensors.items()
                                if name.startswith("model.")})
-        state: Dict[int, dict] = {}
+        restored: Dict[int, dict] = {}
         for name, value in list(tensors.items()) + list(meta["optimizer"]["scalars"].items()):
             if not name.startswith("model."):
                 index, field = name.removeprefix("optimizer.").split(".", 1)
-                state.setdefault(int(index), {})[field] = value
-        optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+                restored.setdefault(int(index), {})[field] = value
+        optimizer.load_state_dict({"state": restored, "param_groups": meta["optimizer"]["param_groups"]})
         log.update(meta["log"])
         return meta["step"]
 
 
 def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
           batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
-          checkpoint: Optional[Checkpoint] = None, desc: str = "train", progress: bool = True) -> Dict[str, list]:
+          checkpoint: Optional[TrainingCheckpoint] = None, desc: str = "train",
+          progress: bool = True) -> Dict[str, list]:
     """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
     loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
     runs between backward and the step and returns values to log (e.g. a penalty). Returns the log:
