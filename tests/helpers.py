@@ -103,15 +103,31 @@ WORDS = ["the", "a", "it", "that", "man", "woman", "house", "is", "was", "good",
          "in", "of", "must", "be", "want", "wife", "possession", "universally", "acknowledged", ",", "."]
 
 
-def tiny_tokenizer():
-    """A word-level tokenizer over WORDS (no download needed)."""
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+def _word_level(words, pre_tokenizer):
+    """A word-level tokenizer over ``words`` (after <unk>, <s>, </s>) splitting text by ``pre_tokenizer``."""
+    from tokenizers import Tokenizer, models as tk_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in WORDS:
-        vocab[w] = len(vocab)
+    for w in words:
+        vocab.setdefault(w, len(vocab))
     tk = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.pre_tokenizer = pre_tokenizer
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="</s>")
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over WORDS (no download needed)."""
+    from tokenizers import pre_tokenizers
+    return _word_level(WORDS, pre_tokenizers.Whitespace())
+
+
+def text_tokenizer(texts):
+    """A word-level tokenizer whose vocabulary is every word and punctuation run of ``texts``, each
+    newline a token of its own: it maps nothing of ``texts`` to <unk>, and where a line breaks
+    changes the tokens (no download needed)."""
+    from tokenizers import Regex, pre_tokenizers
+    split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    words = [piece for text in texts for piece, _ in split.pre_tokenize_str(text)]
+    return _word_level(sorted(set(words)), split)
