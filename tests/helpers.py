@@ -131,3 +131,20 @@ def text_tokenizer(texts):
     split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
     words = [piece for text in texts for piece, _ in split.pre_tokenize_str(text)]
     return _word_level(sorted(set(words)), split)
+
+
+def kernel_dispatch_table(path, shapes, pattern="2:4"):
+    """Write to ``path`` a dispatch table that names the ``kernel`` backend on this machine for
+    layers of ``shapes`` ((out, in) pairs) at every token count and dtype, so that
+    SparseLinear(backend="auto") runs the sparse kernel here, as on a machine that measured it
+    faster (set ``PYPRUNE_DISPATCH_TABLE`` to ``path``); returns ``path``."""
+    import json
+
+    from pyprune.nn import dispatch
+    device = dispatch.device_key(torch.device("cpu"))
+    entries = {dispatch.entry_key(device, dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"backend": "kernel"}
+               for dtype in DTYPES for shape in shapes
+               for tokens in [str(b) for b in dispatch.TOKEN_BUCKETS] + ["many"]}
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"entries": entries}, handle)
+    return path
