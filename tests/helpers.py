@@ -103,16 +103,16 @@ WORDS = ["the", "a", "it", "that", "man", "woman", "house", "is", "was", "good",
          "in", "of", "must", "be", "want", "wife", "possession", "universally", "acknowledged", ",", "."]
 
 
-def tiny_tokenizer():
-    """A word-level tokenizer over WORDS (no download needed)."""
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+def _word_level(words, pre_tokenizer):
+    """A word-level tokenizer over ``words`` (after <unk>, <s>, </s>) splitting text by ``pre_tokenizer``."""
+    from tokenizers import Tokenizer, models as tk_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in WORDS:
-        vocab[w] = len(vocab)
+    for w in words:
+        vocab.setdefault(w, len(vocab))
     tk = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.pre_tokenizer = pre_tokenizer
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="</s>")
 
@@ -167,3 +167,36 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
     config = config_class(**fields)
     config._attn_implementation = attn_implementation
     return model_class(config).eval()
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over WORDS (no download needed)."""
+    from tokenizers import pre_tokenizers
+    return _word_level(WORDS, pre_tokenizers.Whitespace())
+
+
+def text_tokenizer(texts):
+    """A word-level tokenizer whose vocabulary is every word and punctuation run of ``texts``, each
+    newline a token of its own: it maps nothing of ``texts`` to <unk>, and where a line breaks
+    changes the tokens (no download needed)."""
+    from tokenizers import Regex, pre_tokenizers
+    split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    words = [piece for text in texts for piece, _ in split.pre_tokenize_str(text)]
+    return _word_level(sorted(set(words)), split)
+
+
+def kernel_dispatch_table(path, shapes, pattern="2:4"):
+    """Write to ``path`` a dispatch table that names the ``kernel`` backend on this machine for
+    layers of ``shapes`` ((out, in) pairs) at every token count and dtype, so that
+    SparseLinear(backend="auto") runs the sparse kernel here, as on a machine that measured it
+    faster (set ``PYPRUNE_DISPATCH_TABLE`` to ``path``); returns ``path``."""
+    import json
+
+    from pyprune.nn import dispatch
+    device = dispatch.device_key(torch.device("cpu"))
+    entries = {dispatch.entry_key(device, dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"backend": "kernel"}
+               for dtype in DTYPES for shape in shapes
+               for tokens in [str(b) for b in dispatch.TOKEN_BUCKETS] + ["many"]}
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"entries": entries}, handle)
+    return path

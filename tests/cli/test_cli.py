@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from pyprune import cli
+from tests.helpers import kernel_dispatch_table
 
 EMMA = "emma"  # the embedded corpus
 
@@ -262,8 +263,9 @@ def test_a_method_is_registered_by_defining_it():
 
 
 def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """``pyprune generate`` on a model saved with SparseLinear layers: the text the same weights
-    give as plain dense linears, and the speed line."""
+    """``pyprune generate`` on a model saved with SparseLinear layers, run on the sparse kernel (a
+    dispatch table naming it for every layer, so on every machine): the text the same weights give
+    as plain dense linears, and the speed line."""
     import pyprune
     from pyprune.runtime.decode import greedy_generate
     from pyprune.nn import SparseLinear
@@ -272,6 +274,9 @@ def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir
     assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
                      "--output", str(output), "--sparse-layers", "--quiet"]) == 0
     capsys.readouterr()
+    model, tok = pyprune.load(str(output))
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, SparseLinear)}
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", kernel_dispatch_table(str(tmp_path / "kernel.json"), shapes))
     prompt = "the man was good"
     assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5",
                      "--sparse-where", "all"]) == 0
@@ -281,7 +286,6 @@ def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir
     assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
     default_text, default_speed = capsys.readouterr().out.strip().splitlines()[-2:]
     assert default_text == text and "; 0 SparseLinear layers, 14 N:M layers as nn.Linear," in default_speed
-    model, tok = pyprune.load(str(output))
     for name, module in list(model.named_modules()):
         if isinstance(module, SparseLinear):
             parent, _, child = name.rpartition(".")

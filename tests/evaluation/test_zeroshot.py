@@ -2,6 +2,8 @@
 whole path (task files, lm-eval's loading, log-likelihood scoring, accuracy) against a hand
 computation on tiny random Llamas, every kind of pruned layer, the one-line data error, the CLI,
 and SmolLM2-135M well above chance (slow)."""
+import copy
+import functools
 import json
 import sys
 
@@ -15,7 +17,7 @@ from pyprune import cli
 from pyprune.inputs import data
 from pyprune.evaluation import zeroshot
 from pyprune.patterns import Structured
-from tests.helpers import WORDS, random_tokens, tiny_llama, tiny_tokenizer
+from tests.helpers import random_tokens, text_tokenizer, tiny_llama
 
 TASK = "austen_continuation"
 LIMIT = 4
@@ -67,6 +69,22 @@ def test_task_files_are_lm_eval_yaml_and_jsonl(tmp_path):
                                                                         items=5)
 
 
+def _items():
+    return zeroshot.build_items(data.load_text("pride_and_prejudice"))[:LIMIT]
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    """A word-level tokenizer over every word of the items evaluated, "\\n" a token of its own: no
+    item word is <unk>, and the delimiter between context and choice is scored (a tokenizer
+    dropping whitespace would score any delimiter alike)."""
+    return text_tokenizer([text for item in _items() for text in [item["context"], *item["choices"]]])
+
+
+def _tiny_llama():
+    return tiny_llama(vocab=len(_tokenizer()))
+
+
 def _hand_loglikelihoods(model, tokenizer, item):
     """log p(choice tokens | context) for each choice, the model run directly (lm-eval's split:
     the context's tokens, then those of "\\n" + choice)."""
@@ -86,15 +104,16 @@ def local_tasks(tmp_path_factory):
     return zeroshot.load_tasks([TASK], task_dir=str(tmp_path_factory.mktemp("zeroshot")))
 
 
-def _check_scores(model, tokenizer, tasks):
-    """lm-eval's per-choice log-likelihoods equal the hand computation, and its acc / acc_norm are
-    the argmax of the sums / of the sums per character."""
+def _check_scores(model, tokenizer, tasks, reference=None):
+    """lm-eval's per-choice log-likelihoods equal the hand computation (run on ``reference``, by
+    default the model itself), and its acc / acc_norm are the argmax of the sums / of the sums per
+    character."""
     result = zeroshot.evaluate(model, tokenizer, tasks, limit=LIMIT, batch_size=3, details=True)[TASK]
-    items = zeroshot.build_items(data.load_text("pride_and_prejudice"))[:LIMIT]
+    items = _items()
     assert result["n"] == LIMIT and [r["label"] for r in result["items"]] == [i["label"] for i in items]
     acc = acc_norm = 0
     for item, scored in zip(items, result["items"]):
-        hand = _hand_loglikelihoods(model, tokenizer, item)
+        hand = _hand_loglikelihoods(model if reference is None else reference, tokenizer, item)
         np.testing.assert_allclose(scored["loglikelihoods"], hand, rtol=1e-5, atol=1e-4)
         lengths = np.array([len(choice) for choice in item["choices"]], dtype=float)
         acc += int(np.argmax(hand)) == item["label"]
@@ -111,31 +130,37 @@ def _state(model):
         [type(m).__name__ for m in model.modules()], model.training
 
 
-def _evaluated_unchanged(model, tokenizer, tasks):
+def _evaluated_unchanged(model, tokenizer, tasks, reference=None):
     before = _state(model)
-    _check_scores(model, tokenizer, tasks)
+    _check_scores(model, tokenizer, tasks, reference)
     after = _state(model)
     assert after[1:] == before[1:] and "tie_weights" not in vars(model)
     assert all(torch.equal(after[0][k], before[0][k]) for k in before[0])
 
 
 def test_scoring_matches_a_hand_computation_on_a_tiny_model(local_tasks):
-    model = tiny_llama(vocab=len(WORDS) + 3).train()  # training mode must come back
-    _evaluated_unchanged(model, tiny_tokenizer(), local_tasks)
+    model = _tiny_llama().train()  # training mode must come back
+    tokenizer = _tokenizer()
+    ids = [tokenizer(item["context"] + "\n" + choice)["input_ids"] for item in _items() for choice in item["choices"]]
+    assert tokenizer.unk_token_id not in sum(ids, [])
+    _evaluated_unchanged(model, tokenizer, local_tasks)
 
 
 def test_sparse_linear_model(local_tasks):
+    """SparseLinear layers on the sparse kernel (on every machine: no dispatch table decides), scored
+    as the same weights in dense nn.Linear layers."""
     from pyprune.nn import SparseLinear, sparsify_
-    model, tokenizer = tiny_llama(vocab=len(WORDS) + 3), tiny_tokenizer()
+    model, tokenizer = _tiny_llama(), _tokenizer()
     pyprune.prune(model, "magnitude", "2:4", progress=False)
-    assert len(sparsify_(model, "2:4")) == 14
-    _evaluated_unchanged(model, tokenizer, local_tasks)
-    assert sum(isinstance(m, SparseLinear) for m in model.modules()) == 14
+    dense = copy.deepcopy(model)
+    assert len(sparsify_(model, "2:4", backend="kernel")) == 14
+    _evaluated_unchanged(model, tokenizer, local_tasks, reference=dense)
+    assert [m.backend for m in model.modules() if isinstance(m, SparseLinear)] == ["kernel"] * 14
 
 
 def test_compacted_structured_model(local_tasks):
-    model, tokenizer = tiny_llama(vocab=len(WORDS) + 3), tiny_tokenizer()
-    pyprune.prune(model, "taylor", Structured(0.5), random_tokens((4, 32), vocab=len(WORDS) + 3), progress=False)
+    model, tokenizer = _tiny_llama(), _tokenizer()
+    pyprune.prune(model, "taylor", Structured(0.5), random_tokens((4, 32), vocab=len(tokenizer)), progress=False)
     assert model.model.layers[0].mlp.gate_proj.out_features < 128
     _evaluated_unchanged(model, tokenizer, local_tasks)
 
@@ -145,14 +170,14 @@ def test_hidden_sliced_models(local_tasks, physically):
     """DReSS's slicing: through SlicedLinear/SlicedEmbedding/SlicedNorm wrappers (the LM head
     included, which lm-eval's re-tying would break) and physically smaller."""
     from pyprune.nn import SlicedLinear, keep_hidden_channels_, slice_hidden_channels_
-    model, keep = tiny_llama(vocab=len(WORDS) + 3), torch.arange(1, 48, 4)
+    model, keep = _tiny_llama(), torch.arange(1, 48, 4)
     (keep_hidden_channels_ if physically else slice_hidden_channels_)(model, keep)
     assert model.config.hidden_size == 12 if physically else isinstance(model.lm_head, SlicedLinear)
-    _evaluated_unchanged(model, tiny_tokenizer(), local_tasks)
+    _evaluated_unchanged(model, _tokenizer(), local_tasks)
 
 
 def test_bad_arguments(local_tasks):
-    model, tokenizer = tiny_llama(vocab=len(WORDS) + 3), tiny_tokenizer()
+    model, tokenizer = _tiny_llama(), _tokenizer()
     for kwargs, match in (({"limit": 0}, "limit"), ({"batch_size": 0}, "batch_size")):
         with pytest.raises(ValueError, match=match):
             zeroshot.evaluate(model, tokenizer, local_tasks, **kwargs)
@@ -214,7 +239,8 @@ def test_cli_eval_and_prune_add_tasks_to_the_report(tiny_model_dir, tmp_path, ca
                      "--quiet", "--report", str(pruned)]) == 0
     saved = json.loads((tmp_path / "out" / "pyprune.json").read_text())
     assert json.loads(pruned.read_text())["tasks"][TASK]["n"] == 2
-    assert "austen_continuation: acc" in capsys.readouterr().out and saved
+    assert "austen_continuation: acc" in capsys.readouterr().out
+    assert len(saved["sparse_layers"]) == 14  # the evaluated model was saved with its SparseLinear layers
 
 
 @pytest.mark.parametrize("argv, message", [

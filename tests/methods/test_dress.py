@@ -95,22 +95,32 @@ def test_steps_zero_is_plain_slicing():
 
 
 def test_rescale_norms_by_the_measured_energy_share():
-    """Each norm is scaled by the mean over tokens of sqrt(s·d/d'), s the kept channels' share of
-    its input's energy (by hand for the final norm); the weights it does not read stay."""
+    """Every norm of the hidden stream (the blocks' and the final one) is scaled by the mean over
+    tokens of sqrt(s·d/d'), s the kept channels' share of its input's energy, each computed here
+    by hand from the dense model's norm inputs; the weights it does not read stay."""
     model, plain, calib = tiny_llama(seed=0), tiny_llama(seed=0), _calib()
-    inputs = []
-    handle = model.model.norm.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
+    norms = pyprune.nn.layout.hidden_stream(model)["norms"]
+    inputs = {name: [] for name in norms}
+    handles = [norm.register_forward_pre_hook(lambda module, args, name=name: inputs[name].append(args[0].detach()))
+               for name, norm in norms.items()]
     with torch.no_grad():
         model(input_ids=calib)
-    handle.remove()
+    for handle in handles:
+        handle.remove()
+    before = {name: norm.weight.detach().clone() for name, norm in norms.items()}
     report = pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=0, channels="last")
     pyprune.prune(plain, "dress", Structured(0.25), calib, progress=False, steps=0, channels="last",
                   rescale_norms=False)
-    energy = torch.cat(inputs).double().square()
-    expected = (energy[..., :48].sum(-1) / energy.sum(-1) * 64 / 48).sqrt().mean()
-    assert report["norm_scale"]["model.norm"] == pytest.approx(float(expected), rel=1e-5)
-    assert report["width_scale"] == pytest.approx(math.sqrt(64 / 48)) and float(expected) < math.sqrt(64 / 48)
-    torch.testing.assert_close(model.model.norm.weight, plain.model.norm.weight * float(expected))
+    assert set(report["norm_scale"]) == set(norms) and len(norms) == 5 and "model.norm" in norms
+    after = pyprune.nn.layout.hidden_stream(model)["norms"]
+    for name in norms:
+        energy = torch.cat(inputs[name]).double().square()
+        expected = float((energy[..., :48].sum(-1) / energy.sum(-1) * 64 / 48).sqrt().mean())
+        assert report["norm_scale"][name] == pytest.approx(expected, rel=1e-5), name
+        assert expected < 0.99 * math.sqrt(64 / 48), name  # the share is measurably below 1 here
+        torch.testing.assert_close(after[name].weight, before[name][:48] * expected)
+    assert report["width_scale"] == pytest.approx(math.sqrt(64 / 48))
+    torch.testing.assert_close(model.model.norm.weight, plain.model.norm.weight * report["norm_scale"]["model.norm"])
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight)
 
 

@@ -390,3 +390,20 @@ def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda(smollm2_copy):
             rises = [b - a for a, b in zip(residuals, residuals[1:])]  # ≤ 0.002: no rise beyond the floor's noise
             assert max(rises) <= 2e-3 and residuals[-1] < 0.05, residuals
     assert all(ours < theirs for ours, theirs in zip(results["safe+"], results["wanda"]))
+
+
+def test_safe_plus_projects_by_the_activation_statistic_and_safe_by_magnitude():
+    """With training switched off (no radius, no penalty, a vanishing learning rate) the weights stay
+    and the blocks end as their first projection: SAFE⁺'s keeps Wanda's mask (|W|·‖X_j‖, the
+    statistic of the block's calibration inputs), SAFE's the magnitude mask; the two differ here."""
+    calib, dense = random_tokens((4, 16), seed=1), tiny_llama(seed=0)
+    masks = {}
+    for method, options in (("safe+", dict(epochs=1, lr=1e-12, rho=0.0, lam=0.0)),
+                            ("safe", dict(epochs=1, lr=1e-12, rho=0.0, lam=0.0)), ("wanda", {}), ("magnitude", {})):
+        model = copy.deepcopy(dense)
+        pyprune.prune(model, method, "2:4", calib, progress=False, **options)
+        masks[method] = {name: p != 0 for name, p in model.named_parameters() if name.endswith("proj.weight")}
+    for name, mask in masks["wanda"].items():
+        assert torch.equal(masks["safe+"][name], mask), name
+        assert torch.equal(masks["safe"][name], masks["magnitude"][name]), name
+    assert any(not torch.equal(mask, masks["magnitude"][name]) for name, mask in masks["wanda"].items())

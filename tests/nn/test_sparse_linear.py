@@ -41,6 +41,24 @@ def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
     assert layer(x).dtype == dtype and layer(x).shape == (*shape[:-1], 40)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", PATTERNS)
+@pytest.mark.parametrize("in_features", [72, 600])  # 8 columns past the last 16-column block; 600 > 512
+@pytest.mark.parametrize("tokens", [1, 3, 12, 17])  # the kernel takes 8 tokens at a time: 12 = 8 + 4, 17 = 8 + 8 + 1
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_kernel_backend_column_tail_and_token_chunks(dtype, n, m, in_features, tokens, grad):
+    """The sparse kernel on shapes the model layers above do not have: a column count that is not
+    a multiple of 16, an odd row count, token counts past one 8-token chunk; in plain inference (the
+    CPU GEMV) and with autograd on (the custom op)."""
+    linear, _ = _pruned_linear(in_features, 37, n, m, dtype)
+    layer = SparseLinear.from_dense(linear, (n, m), backend="kernel")
+    x = randn((tokens, in_features), dtype, seed=3).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = layer(x)
+    assert out.shape == (tokens, 37) and out.dtype == dtype
+    assert_linear_close(out, x, linear.weight, linear.bias)
+
+
 def test_stores_the_compressed_form_only():
     linear, mask = _pruned_linear(128, 32, 2, 4, torch.bfloat16)
     layer = SparseLinear.from_dense(linear, "2:4")
@@ -245,7 +263,7 @@ def test_sparsify_replaces_the_pruned_layers_and_keeps_the_logits():
     tokens = random_tokens((2, 12), seed=5)
     with torch.no_grad():
         before = model(input_ids=tokens).logits
-    replaced = sparsify_(model)
+    replaced = sparsify_(model, backend="kernel")  # the sparse kernel on every machine, whatever the table says
     assert len(replaced) == 2 * 7 and set(replaced.values()) == {"2:4"}
     assert isinstance(model.model.layers[0].mlp.down_proj, SparseLinear)
     assert type(model.lm_head) is nn.Linear
@@ -408,7 +426,7 @@ def test_generate_with_sparse_layers_matches_dense():
     model = _nm_pruned_llama()
     prompt = random_tokens((1, 6), seed=12)
     dense_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    sparsify_(model)
+    sparsify_(model, backend="kernel")  # the sparse kernel on every machine, whatever the table says
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), dense_tokens)
 
 

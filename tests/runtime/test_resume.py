@@ -11,6 +11,7 @@ import torch
 
 import pyprune
 from pyprune.evaluation.perplexity import perplexity
+from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,11 +69,31 @@ def _masks(model):
     return {name: p != 0 for name, p in model.named_parameters() if name.endswith("proj.weight")}
 
 
+def _processed_blocks(monkeypatch):
+    """The list that the indices of the blocks a prune processes (rather than restores) are appended
+    to, in order: every method's per-block work reaches the engine as its ``process_block``."""
+    processed = []
+    run_blockwise = engine.run_blockwise
+
+    def counting(model, tokens, process_block, **kwargs):
+        def process(ctx):
+            processed.append(ctx.index)
+            return process_block(ctx)
+        return run_blockwise(model, tokens, process, **kwargs)
+
+    monkeypatch.setattr(engine, "run_blockwise", counting)
+    return processed
+
+
 @pytest.mark.parametrize("method,options", BLOCKWISE, ids=IDS)
-def test_a_killed_prune_resumes_to_the_same_model(killed_checkpoints, method, options):
+def test_a_killed_prune_resumes_to_the_same_model(killed_checkpoints, method, options, monkeypatch):
+    """The resumed run processes only the block the killed one did not finish, and ends as a run
+    without a checkpoint."""
     checkpoint = killed_checkpoints[method]
     assert json.loads((checkpoint / "blockwise.json").read_text())["finished"] == 2
+    processed = _processed_blocks(monkeypatch)
     resumed = _prune(method, options, checkpoint=str(checkpoint))
+    assert processed == [2]
     assert json.loads((checkpoint / "blockwise.json").read_text())["finished"] == 3
     straight = _prune(method, options)
     for name, mask in _masks(straight).items():

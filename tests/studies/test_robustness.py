@@ -218,11 +218,20 @@ def test_common_format_evaluation():
 
 
 def test_noise_floor_and_rank_correlation():
-    model = tiny_llama(hidden=64, heads=4, kv_heads=2)
-    report = robustness.study(model, "moreau", 0.5, random_tokens((4, 16)), random_tokens((64,), seed=3),
-                              eval_seqlen=32, progress=False, cross=False, steps=2)
+    """The noise floor compares the bf16 run with an independent bf16 prune at the next noise seed:
+    its agreement and rank correlation are recomputed here from such a prune, and two noise draws
+    do not rank the groups identically."""
+    model, calib = tiny_llama(hidden=64, heads=4, kv_heads=2), random_tokens((4, 16))
+    report = robustness.study(model, "moreau", 0.5, calib, random_tokens((64,), seed=3),
+                              eval_seqlen=32, progress=False, cross=False, keep_scores=True, steps=2)
     floor = report["noise_floor"]
     assert floor["noise_seeds"] == [0, 1] and 0.0 <= floor["agreement"] <= 1.0
+    second = pyprune.methods.get("moreau", steps=2, noise_seed=1, loss_scaling=False)
+    rounded = robustness.to_format(copy.deepcopy(model), "bfloat16", "rounding")
+    other = pyprune.prune(rounded, second, Structured(0.5), calib, batch_size=8, progress=False)
+    assert floor["agreement"] == robustness.agreement(report["groups"]["bfloat16"], robustness.pruned_groups(other))
+    assert floor["spearman"] == robustness.rank_correlation(report["scores"]["bfloat16"], second.layer_scores)
+    assert floor["spearman"]["channels"] < 1.0 and floor["spearman"]["heads"] < 1.0
     assert set(floor["spearman"]) == set(report["spearman"]) == {"heads", "channels"}
     assert report["ppl_cross"] is None
     moreau = report["runs"]["bfloat16"]["moreau"]
