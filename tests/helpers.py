@@ -167,3 +167,12 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
     config = config_class(**fields)
     config._attn_implementation = attn_implementation
     return model_class(config).eval()
+
+
+def tiny_bos_tokenizer():
+    """:func:`tiny_tokenizer` that starts every text with ``<s>`` (as Gemma's starts with ``<bos>``)."""
+    from tokenizers import processors
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer
