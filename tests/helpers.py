@@ -200,3 +200,12 @@ def kernel_dispatch_table(path, shapes, pattern="2:4"):
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"entries": entries}, handle)
     return path
+
+
+def tiny_bos_tokenizer():
+    """:func:`tiny_tokenizer` that starts every text with ``<s>`` (as Gemma's starts with ``<bos>``)."""
+    from tokenizers import processors
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer

@@ -83,7 +83,7 @@ def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
         print(f"stored {report['sparse_layers']} layers as SparseLinear {pattern}")
 
     def evaluate_into(report: dict) -> bool:
-        report["eval"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+        report["eval"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
         if tasks is not None:
             report["tasks"] = steps.zero_shot(model, tok, tasks, args)
         return bool(report["eval"]) or tasks is not None

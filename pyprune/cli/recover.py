@@ -54,7 +54,7 @@ def run(args) -> int:
 
     model, tok = steps.load(args)
     report = {"model": args.model, "calib": args.calib, **steps.run_info(args)}
-    report["eval_before"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+    report["eval_before"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
     report["recovery"] = done = recovery.lora_finetune(
         model, calib, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,
         target_modules=args.target_modules, seed=args.seed, progress=not args.quiet)
@@ -63,7 +63,7 @@ def run(args) -> int:
               f"training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
 
     def evaluate_into(report: dict) -> bool:
-        report["eval_after"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet)
+        report["eval_after"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
         return bool(report["eval_after"])
 
     steps.save_evaluate_report(model, tok, args, report, evaluate_into, "recovered model")

@@ -51,15 +51,20 @@ def eval_streams(tok, sources: List[str], seqlen: int, max_tokens: Optional[int]
     return streams
 
 
-def evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool) -> list:
-    """Perplexity of ``model`` on every stream, printed and returned as report entries."""
+def evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool, tok=None) -> list:
+    """Perplexity of ``model`` on every stream, printed and returned as report entries; each window
+    starts with BOS where the tokenizer ``tok`` starts texts with one (the entry's ``bos``)."""
     from ..evaluation.perplexity import perplexity
+    bos = data.window_bos(tok) if tok is not None else None
+    text = seqlen - 1 if bos is not None else seqlen
     results = []
     for source, tokens in streams:
-        ppl = perplexity(model, tokens, seqlen, batch_size=batch_size, progress=progress)
-        used = tokens.numel() // seqlen * seqlen
-        results.append({"data": source, "perplexity": round(ppl, 4), "tokens": used, "seqlen": seqlen})
-        print(f"perplexity {ppl:.3f} on {source} ({used} tokens, seqlen {seqlen})")
+        ppl = perplexity(model, tokens, seqlen, batch_size=batch_size, progress=progress, bos_token_id=bos)
+        used = tokens.numel() // text * text
+        results.append({"data": source, "perplexity": round(ppl, 4), "tokens": used, "seqlen": seqlen,
+                        "bos": bos is not None})
+        print(f"perplexity {ppl:.3f} on {source} ({used} tokens, seqlen {seqlen}"
+              f"{', <bos> first in every window' if bos is not None else ''})")
     return results
 
 

@@ -3,7 +3,7 @@ size and forward cost (parameters, FLOPs per token)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,18 +19,24 @@ from ..patterns import NM
 
 @torch.no_grad()
 def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int = 4,
-               progress: bool = True) -> float:
+               progress: bool = True, bos_token_id: Optional[int] = None) -> float:
     """exp of the mean next-token NLL over non-overlapping ``seqlen`` windows of a 1-D stream
-    (the tail shorter than a window is dropped); log-softmax in fp32."""
+    (the tail shorter than a window is dropped); log-softmax in fp32. With ``bos_token_id`` (the
+    tokenizer's convention, :func:`pyprune.inputs.data.window_bos`) each window is that token and
+    ``seqlen - 1`` text tokens, all of which are scored; without it the first token of a window is
+    context only. Either way a window scores ``seqlen - 1`` tokens."""
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be a 1-D stream; got shape {tuple(tokens.shape)}")
-    n_windows = tokens.numel() // seqlen
+    text = seqlen - 1 if bos_token_id is not None else seqlen
+    n_windows = tokens.numel() // text if text > 0 else 0
     if n_windows == 0:
         raise ValueError(f"tokens has {tokens.numel()} tokens, fewer than one window of seqlen={seqlen}")
     if block_store(model) is not None:
         raise ValueError("perplexity needs the whole model in memory, not an offloaded one: save it "
                          "(pyprune.save) and evaluate the saved model")
-    windows = tokens[: n_windows * seqlen].reshape(n_windows, seqlen)
+    windows = tokens[: n_windows * text].reshape(n_windows, text)
+    if bos_token_id is not None:
+        windows = torch.cat([torch.full((n_windows, 1), int(bos_token_id), dtype=windows.dtype), windows], dim=1)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -357,6 +357,21 @@ def _check_positive_int(name: str, value) -> int:
     return value
 
 
+def window_bos(tokenizer) -> int | None:
+    """The BOS id that this tokenizer puts at the start of a text (Gemma's ``<bos>``), or None when
+    it puts none (SmolLM2, Llama-2-style GGUF tokenizers here). Calibration and evaluation windows
+    follow the same convention: a model trained with BOS first sees it first in every window
+    (measured on Gemma 3 270M: dense perplexity about 27 with it, about 128 without)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer("a", verbose=False)["input_ids"]
+    except TypeError:
+        ids = tokenizer("a")["input_ids"]
+    return int(bos) if len(ids) > 0 and ids[0] == bos else None
+
+
 def eval_tokens(tokenizer, source: str | os.PathLike, *, max_tokens: int | None = None) -> torch.LongTensor:
     """The 1-D token stream (int64) of the evaluation text of ``source``.
 
@@ -380,7 +395,9 @@ def calibration_samples(
     seqlen: int,
     seed: int = 0,
 ) -> torch.LongTensor:
-    """``[nsamples, seqlen]`` random windows of the tokenized calibration text of ``source``.
+    """``[nsamples, seqlen]`` random windows of the tokenized calibration text of ``source``; where
+    the tokenizer starts texts with BOS (:func:`window_bos`), each window is BOS and ``seqlen - 1``
+    text tokens.
 
     Start positions are drawn independently and uniformly from ``0 .. len(stream) - seqlen - 1``
     (so one token always follows a window, as in the GPTQ / SparseGPT protocol) with a
@@ -402,7 +419,11 @@ def calibration_samples(
     gen = torch.Generator().manual_seed(int(seed))
     starts = torch.randint(0, n - seqlen, (nsamples,), generator=gen)
     index = starts[:, None] + torch.arange(seqlen)[None, :]
-    return stream[index]
+    samples = stream[index]
+    bos = window_bos(tokenizer)
+    if bos is not None:
+        samples = torch.cat([torch.full((nsamples, 1), bos, dtype=samples.dtype), samples[:, :-1]], dim=1)
+    return samples
 
 
 def windows(tokens: torch.LongTensor, seqlen: int) -> torch.LongTensor:

