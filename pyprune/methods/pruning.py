@@ -24,6 +24,9 @@ def prune(model: nn.Module, method: Union[str, Method], pattern: Union[str, floa
 
     Everything is checked before the model is touched: an unknown method or pattern, a pattern the
     method cannot produce, an N:M pattern that does not divide a layer, or missing calibration.
+    The measured sparsity covers the linear layers the method pruned; ``left_dense`` names the
+    block matrices it left dense (an MoE's fused experts and its routers), which a user must not
+    take for pruned.
     """
     pattern = parse(pattern)
     if isinstance(method, Method):
@@ -51,6 +54,7 @@ def prune(model: nn.Module, method: Union[str, Method], pattern: Union[str, floa
         "parameters_after": parameter_count(model),
         "nm_valid": measured["nm_valid"],
         "layers": measured["layers"],
+        "left_dense": measured["left_dense"],
         "options": runner.settings,
     }
     report.update(details or {})

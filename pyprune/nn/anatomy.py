@@ -64,9 +64,32 @@ def resident_blocks(model: nn.Module, write: bool = False) -> Iterator[Tuple[int
             (store.store if write else store.release)(index, block)
 
 
+#: the names an MoE block gives the linear that routes tokens to its experts
+_ROUTER_NAMES = ("gate", "router")
+
+
+def _is_router(block: nn.Module, name: str) -> bool:
+    """A linear named ``gate``/``router``/``*_gate`` beside an ``experts`` module (Qwen2-MoE's
+    ``shared_expert_gate``, routers kept as nn.Linear): it scores tokens, it is never pruned."""
+    parent_name, _, own = name.rpartition(".")
+    parent = block.get_submodule(parent_name) if parent_name else block
+    return hasattr(parent, "experts") and (own in _ROUTER_NAMES or own.endswith("_gate"))
+
+
 def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
-    """The prunable linear layers of a block, by their name inside the block (e.g. 'self_attn.q_proj')."""
-    return {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+    """The prunable linear layers of a block, by their name inside the block (e.g. 'self_attn.q_proj');
+    an MoE block's routers are left out."""
+    return {name: module for name, module in block.named_modules()
+            if isinstance(module, nn.Linear) and not _is_router(block, name)}
+
+
+def unpruned_matrices(block: nn.Module) -> Dict[str, int]:
+    """The matrices of a block that no linear-layer method prunes, by name, with their sizes: an MoE
+    block's experts stored as fused 3-D parameters and its routers (the report names them, so that
+    a model's measured sparsity is never mistaken for the whole block's)."""
+    pruned = {id(linear.weight) for linear in block_linears(block).values()}
+    return {name: parameter.numel() for name, parameter in block.named_parameters()
+            if parameter.dim() >= 2 and id(parameter) not in pruned}
 
 
 def first_tensor(output):

@@ -186,3 +186,33 @@ def test_wanda_masks_equal_a_sequential_full_forward_reference(family, attn_impl
                 linear.weight.mul_(ops.score_nm_mask(linear.weight, 2, 4, stats[name]))
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(got == 0, want == 0), name
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_routers_are_never_pruned_and_the_report_names_what_stays_dense(family):
+    """Magnitude 50% on an MoE: the attention (and Qwen2-MoE's shared expert) linears are pruned, the
+    routers are not, and the report's ``left_dense`` names the fused expert tensors and routers that
+    its measured sparsity does not cover, with their size."""
+    import pyprune
+    model = tiny_decoder(family)
+    report = pyprune.prune(model, "magnitude", 0.5, progress=False)
+    blocks = engine.decoder_blocks(model)
+    routers = [block.mlp.gate.weight for block in blocks]
+    if family == "qwen2_moe":
+        routers += [block.mlp.shared_expert_gate.weight for block in blocks]
+    assert all(bool((weight != 0).all()) for weight in routers)
+    names = {layer["name"] for layer in report["layers"]}
+    assert not any("shared_expert_gate" in name for name in names)
+    assert 0.5 <= report["sparsity"] < 0.51
+    expected = {f"model.layers.{i}.mlp.{tensor}" for i in range(4)
+                for tensor in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
+    if family == "qwen2_moe":
+        expected |= {f"model.layers.{i}.mlp.shared_expert_gate.weight" for i in range(4)}
+    assert set(report["left_dense"]["tensors"]) == expected
+    assert report["left_dense"]["parameters"] == sum(model.get_parameter(name).numel() for name in expected)
+
+
+def test_a_dense_family_leaves_nothing_dense():
+    import pyprune
+    report = pyprune.prune(tiny_decoder("llama"), "magnitude", "2:4", progress=False)
+    assert report["left_dense"] == {"tensors": [], "parameters": 0}
