@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from _common import environment, roofline, timed, write_atomic, write_json
 
 from pyprune import ops
+from pyprune.ops.conventions import sparse24_mma_meta
 
 LLAMA7B_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 QUICK_SHAPES = [(512, 1024), (1024, 512)]
@@ -249,6 +250,12 @@ def cases(shape, dtype, device, quick):
         ("nm_linear 2:4 M=16", "dense F.linear", lambda: ops.nm_linear(x[:16], values, meta, 2, 4),
          lambda: F.linear(x[:16], w), values.numel() * el + meta.numel()),
     ]
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(device) >= (8, 0)):  # sparse tensor cores
+        mma_meta = sparse24_mma_meta(meta, cols)
+        out.append(("sparse24_linear M=16", "dense F.linear",
+                    lambda: ops.sparse24_linear(x[:16], values, mma_meta), lambda: F.linear(x[:16], w),
+                    values.numel() * el + mma_meta.numel() * mma_meta.element_size()))
     out += score_cases(w, sqnorm)
     out.append(("nm_decompress 2:4", "unpack bits + boolean scatter",
                 lambda: ops.nm_decompress(values, meta, 2, 4), lambda: eager_decompress(values, meta, 2, 4),

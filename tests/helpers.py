@@ -18,14 +18,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Value tolerances (rtol, atol) for ops whose rounding differs between backends.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
-# Where the Triton kernels run: the interpreter on CPU tensors without a GPU, else the GPU.
-KERNEL_DEVICES = [
-    pytest.param("cpu", id="interpreter",
-                 marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
-    pytest.param("cuda", id="cuda",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
-]
-
 
 def assert_close(actual, expected, dtype):
     rtol, atol = TOLERANCE[dtype]

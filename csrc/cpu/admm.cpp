@@ -1,8 +1,8 @@
 // SAFE's dual update (z-step + u-step) on the compact state (v, keep), on the CPU (pyprune._C);
 // spec §1.8 and kernel K6.
 //
-// admm_dual_update_nm(v, keep, x, act_sqnorm, n, m)                  -> ‖x − v⊙keep‖² (0-d fp32)
-// admm_dual_update_topk(v, keep, x, act_sqnorm, keep_count, per_row) -> the same
+// admm_dual_update_(v, keep, x, act_sqnorm, n, m, keep_count, per_row) -> ‖x − v⊙keep‖² (0-d fp32)
+// N:M when m > 0 (keep_count and per_row unused), top-k otherwise (n and m are 0).
 //
 // In place: v ← x + v⊙¬keep (fp32), then keep ← the support of the projection of v: the n
 // highest of every m consecutive scores of a row, or the keep_count highest of every row / of
@@ -90,7 +90,7 @@ struct DualBlock {
     int m;
     double* residual;       // receives the block's Σ (x − v⊙keep)²
   };
-  static constexpr int kMinKind = 1;  // |v| or Wanda
+  static constexpr int kMinKind = ScoreKind::MAGNITUDE;  // |v| or Wanda
 
   // Returns nonzero when the block contains a NaN score.
   template <Dt D, int KIND, int MV, int VL>
@@ -124,7 +124,7 @@ struct State {
   int64_t cols;
 
   int64_t numel() const { return rows * cols; }
-  int kind() const { return colscale ? 2 : 1; }
+  int kind() const { return colscale ? ScoreKind::WANDA : ScoreKind::MAGNITUDE; }
 };
 
 // Checks v, keep and x and returns the call's state and x's dtype; `scale` keeps the column
@@ -209,11 +209,14 @@ int update_topk(const State& s, int64_t keep_count, bool per_row, std::vector<do
 
 }  // namespace
 
-torch::Tensor admm_dual_update_nm(const torch::Tensor& v, const torch::Tensor& keep,
-                                  const torch::Tensor& x,
-                                  const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
-                                  int64_t m) {
-  const char* op = "admm_dual_update_nm";
+namespace {
+
+constexpr const char* kOp = "admm_dual_update_";
+
+torch::Tensor dual_update_nm(const torch::Tensor& v, const torch::Tensor& keep,
+                             const torch::Tensor& x, const c10::optional<torch::Tensor>& act_sqnorm,
+                             int64_t n, int64_t m) {
+  const char* op = kOp;
   Dt d;
   torch::Tensor scale;
   const State s = check_state(v, keep, x, act_sqnorm, op, &d, &scale);
@@ -243,11 +246,11 @@ torch::Tensor admm_dual_update_nm(const torch::Tensor& v, const torch::Tensor& k
   return finish(partial, nan_found);
 }
 
-torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor& keep,
-                                    const torch::Tensor& x,
-                                    const c10::optional<torch::Tensor>& act_sqnorm,
-                                    int64_t keep_count, bool per_row) {
-  const char* op = "admm_dual_update_topk";
+torch::Tensor dual_update_topk(const torch::Tensor& v, const torch::Tensor& keep,
+                               const torch::Tensor& x,
+                               const c10::optional<torch::Tensor>& act_sqnorm, int64_t keep_count,
+                               bool per_row) {
+  const char* op = kOp;
   Dt d;
   torch::Tensor scale;
   const State s = check_state(v, keep, x, act_sqnorm, op, &d, &scale);
@@ -264,6 +267,16 @@ torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor&
       : d == Dt::F16 ? update_topk<Dt::F16>(s, keep_count, per_row, &partial)
                      : update_topk<Dt::BF16>(s, keep_count, per_row, &partial);
   return finish(partial, nan_found);
+}
+
+}  // namespace
+
+torch::Tensor admm_dual_update_(const torch::Tensor& v, const torch::Tensor& keep,
+                                const torch::Tensor& x,
+                                const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
+                                int64_t m, int64_t keep_count, bool per_row) {
+  return m > 0 ? dual_update_nm(v, keep, x, act_sqnorm, n, m)
+               : dual_update_topk(v, keep, x, act_sqnorm, keep_count, per_row);
 }
 
 }  // namespace pyprune_cpu

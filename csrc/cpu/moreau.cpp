@@ -1,13 +1,13 @@
 // MoreauPruner's displacement step on the CPU (pyprune._C); pyprune/ops/moreau.py documents the
 // op and pyprune.reference.moreau_step_ is the oracle.
 //
-// moreau_step(delta, grad, weight, perturbed, decay, step_size, threshold, group_dim, noise_ratio,
-//             seed)
+// moreau_step_(delta, grad, weight, perturbed, decay, step_size, threshold, group_dim, noise_ratio,
+//              seed)
 //   d = decay·δ − step_size·g                  (fp32; the scalars are rounded to fp32 first)
 //   δ ← d·max(0, 1 − threshold/‖d_S‖₂)        for each row (group_dim 0) or column (1) S;
 //                                              δ ← d when threshold == 0
 //   perturbed ← W + δ + noise_ratio·|W|·z      (when given; rounded once to perturbed's dtype)
-// moreau_perturb(perturbed, weight, delta, noise_ratio, seed): the last line alone.
+// moreau_perturb_(perturbed, weight, delta, noise_ratio, seed): the last line alone.
 // philox_uint32(seed, offsets): the generator's first two words (the tests compare them).
 //
 // z is Triton's tl.randn(seed, i) at the flat element index i: Philox4x32-10 with counter
@@ -398,10 +398,10 @@ StepArgs make_args(const torch::Tensor& delta, const torch::Tensor& weight,
 
 }  // namespace
 
-void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad,
-                 const torch::Tensor& weight, const c10::optional<torch::Tensor>& perturbed,
-                 double decay, double step_size, double threshold, int64_t group_dim,
-                 double noise_ratio, int64_t seed) {
+void moreau_step_(const torch::Tensor& delta, const torch::Tensor& grad,
+                  const torch::Tensor& weight, const c10::optional<torch::Tensor>& perturbed,
+                  double decay, double step_size, double threshold, int64_t group_dim,
+                  double noise_ratio, int64_t seed) {
   StepArgs a = make_args(delta, weight, perturbed, noise_ratio, seed);
   a.grad = grad.data_ptr();
   a.grad_dt = float_dtype(grad, "grad", delta);
@@ -418,8 +418,8 @@ void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad,
   else step_columns(a, perturb, rows, cols, thr);
 }
 
-void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
-                    const torch::Tensor& delta, double noise_ratio, int64_t seed) {
+void moreau_perturb_(const torch::Tensor& perturbed, const torch::Tensor& weight,
+                     const torch::Tensor& delta, double noise_ratio, int64_t seed) {
   const StepArgs a = make_args(delta, weight, perturbed, noise_ratio, seed);
   const int64_t numel = delta.numel();
   const PerturbFn perturb = perturb_fn();

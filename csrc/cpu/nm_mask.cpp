@@ -7,9 +7,9 @@
 // sort: pyprune.reference.nm_mask).
 //
 // Scores are fp32 and bitwise equal to the reference:
-//   score_kind 0: s = float(src)
-//   score_kind 1: s = |float(src)|
-//   score_kind 2: s = |float(src)| * sqrt(act_sqnorm[col])      (Wanda)
+//   ScoreKind::GIVEN:     s = float(src)
+//   ScoreKind::MAGNITUDE: s = |float(src)|
+//   ScoreKind::WANDA:     s = |float(src)| * sqrt(act_sqnorm[col])
 //
 // Layout of the work: the input is cut into blocks of whole groups (nm::Tiling). Each block is
 // converted to fp32 scores in a small stack buffer (one contiguous, vectorised pass that also
@@ -38,13 +38,13 @@ namespace {
 struct MaskBlock {
   struct Args {
     const void* src;        // first element of the block
-    const float* colscale;  // sqrt(act_sqnorm) at the block's first column (score_kind 2 only)
+    const float* colscale;  // sqrt(act_sqnorm) at the block's first column (ScoreKind::WANDA only)
     uint8_t* out;           // first output byte of the block
     int64_t len;            // elements in the block, a multiple of m, <= nm::kBlock
     int n;
     int m;
   };
-  static constexpr int kMinKind = 0;
+  static constexpr int kMinKind = ScoreKind::GIVEN;
 
   // Returns nonzero when the block contains a NaN score.
   template <Dt D, int KIND, int MV, int VL>
@@ -83,8 +83,8 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
   const int64_t esize = src.element_size();
   const char* sbase = static_cast<const char*>(src.data_ptr());
   uint8_t* obase = reinterpret_cast<uint8_t*>(out.data_ptr<bool>());
-  const float* cbase = score_kind == 2 ? scale.data_ptr<float>() : nullptr;
-  const nm::Tiling tiling(rows, cols, m, /*by_row=*/score_kind == 2);
+  const float* cbase = score_kind == ScoreKind::WANDA ? scale.data_ptr<float>() : nullptr;
+  const nm::Tiling tiling(rows, cols, m, /*by_row=*/score_kind == ScoreKind::WANDA);
   const int ni = static_cast<int>(n), mi = static_cast<int>(m);
   int nan_found = 0;
 

@@ -158,7 +158,7 @@ inline Isa cached_isa() {
 }
 
 // A block routine K: K::Args, and K::run<D, KIND, MV, VL>(args) -> nonzero on a NaN score, always
-// inlined, for the source dtype D, score kind KIND (0, 1, 2 as in scores.h), MV > 0 the fixed
+// inlined, for the source dtype D, score kind KIND (a ScoreKind), MV > 0 the fixed
 // m = MV or MV < 0 any m <= -MV (padded), and VL fp32 vector lanes.
 template <class K, Dt D, int KIND, int MV>
 int run_default(const typename K::Args& a) { return K::template run<D, KIND, MV, 4>(a); }
@@ -207,10 +207,11 @@ struct Dispatch {
   // K::kMinKind: the lowest score kind K supports (kinds below it are not compiled).
   template <Dt D>
   static Fn for_kind(Isa isa, int kind, int m) {
-    if constexpr (K::kMinKind == 0) {
-      if (kind == 0) return for_m<D, 0>(isa, m);
+    if constexpr (K::kMinKind == ScoreKind::GIVEN) {
+      if (kind == ScoreKind::GIVEN) return for_m<D, ScoreKind::GIVEN>(isa, m);
     }
-    return kind == 1 ? for_m<D, 1>(isa, m) : for_m<D, 2>(isa, m);
+    return kind == ScoreKind::MAGNITUDE ? for_m<D, ScoreKind::MAGNITUDE>(isa, m)
+                                        : for_m<D, ScoreKind::WANDA>(isa, m);
   }
 
   static Fn pick(Dt d, int kind, int m) {

@@ -20,16 +20,16 @@ torch::Tensor topk_mask(const torch::Tensor& src, const c10::optional<torch::Ten
                         int64_t keep, bool per_row, int64_t score_kind);
 
 // moreau.cpp
-void moreau_step(const torch::Tensor& delta, const torch::Tensor& grad, const torch::Tensor& weight,
+void moreau_step_(const torch::Tensor& delta, const torch::Tensor& grad, const torch::Tensor& weight,
                  const c10::optional<torch::Tensor>& perturbed, double decay, double step_size,
                  double threshold, int64_t group_dim, double noise_ratio, int64_t seed);
-void moreau_perturb(const torch::Tensor& perturbed, const torch::Tensor& weight,
-                    const torch::Tensor& delta, double noise_ratio, int64_t seed);
+void moreau_perturb_(const torch::Tensor& perturbed, const torch::Tensor& weight,
+                     const torch::Tensor& delta, double noise_ratio, int64_t seed);
 torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets);
 
 // penalty.cpp
-torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& weight,
-                              const torch::Tensor& channels, int64_t dim, double lam, bool l1);
+torch::Tensor channel_penalty_(const torch::Tensor& grad, const torch::Tensor& weight,
+                               const torch::Tensor& channels, int64_t dim, double lam, bool l1);
 
 // nm_linear.cpp
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
@@ -44,24 +44,20 @@ std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& val
 bool cpu_has_avx2_fma_f16c();
 
 // admm.cpp
-torch::Tensor admm_dual_update_nm(const torch::Tensor& v, const torch::Tensor& keep,
-                                  const torch::Tensor& x,
-                                  const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
-                                  int64_t m);
-torch::Tensor admm_dual_update_topk(const torch::Tensor& v, const torch::Tensor& keep,
-                                    const torch::Tensor& x,
-                                    const c10::optional<torch::Tensor>& act_sqnorm,
-                                    int64_t keep_count, bool per_row);
+torch::Tensor admm_dual_update_(const torch::Tensor& v, const torch::Tensor& keep,
+                                const torch::Tensor& x,
+                                const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
+                                int64_t m, int64_t keep_count, bool per_row);
 
 // scores.cpp
-void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
-                          double alpha);
+void accumulate_abs_outer_(const torch::Tensor& acc, const torch::Tensor& a,
+                           const torch::Tensor& b, double alpha);
 
 // sam.cpp
-torch::Tensor sam_perturb(const std::vector<torch::Tensor>& params,
-                          const std::vector<torch::Tensor>& grads,
-                          const std::vector<torch::Tensor>& anchors, double rho);
-void sam_adam_step(const std::vector<torch::Tensor>& params,
+torch::Tensor sam_perturb_(const std::vector<torch::Tensor>& params,
+                           const std::vector<torch::Tensor>& grads,
+                           const std::vector<torch::Tensor>& anchors, double rho);
+void sam_adam_step_(const std::vector<torch::Tensor>& params,
                    const std::vector<torch::Tensor>& grads,
                    const std::vector<torch::Tensor>& anchors,
                    const std::vector<torch::Tensor>& vs,

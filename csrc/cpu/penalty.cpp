@@ -1,7 +1,7 @@
 // DReSS's channel penalty on the CPU (pyprune._C); pyprune/ops/penalty.py documents the op and
 // pyprune.reference.channel_penalty_ is the oracle.
 //
-// channel_penalty(grad, weight, channels, dim, lam, l1) -> norms [n] fp32
+// channel_penalty_(grad, weight, channels, dim, lam, l1) -> norms [n] fp32
 //   norms[k] = ‖W[slice c_k]‖₂                 (or ‖·‖₁ when l1)
 //   grad[slice c_k] += lam·W/norms[k]           (ℓ2; nothing where the norm is 0)
 //                      lam·sign(W)              (ℓ1)
@@ -145,7 +145,7 @@ void with_float_type(const torch::Tensor& t, const char* name, F&& f) {
     case at::kHalf: f(c10::Half{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     default:
-      check::tensor("channel_penalty", name, t, -1, check::floats());
+      check::tensor("channel_penalty_", name, t, -1, check::floats());
   }
 }
 
@@ -159,9 +159,9 @@ bool is_range(const int64_t* channels, int64_t n) {
 
 }  // namespace
 
-torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& weight,
-                              const torch::Tensor& channels, int64_t dim, double lam, bool l1) {
-  const char* op = "channel_penalty";
+torch::Tensor channel_penalty_(const torch::Tensor& grad, const torch::Tensor& weight,
+                               const torch::Tensor& channels, int64_t dim, double lam, bool l1) {
+  const char* op = "channel_penalty_";
   check::tensor(op, "weight", weight, 2, check::floats());
   check::tensor(op, "grad", grad, 2, check::floats());
   check::same_shape(op, "grad", grad, "weight", weight);
@@ -173,7 +173,7 @@ torch::Tensor channel_penalty(const torch::Tensor& grad, const torch::Tensor& we
   const int64_t* ch = channels.data_ptr<int64_t>();
   const int64_t extent = dim == 0 ? rows : cols;
   for (int64_t k = 0; k < n; ++k) {
-    TORCH_CHECK(ch[k] >= 0 && ch[k] < extent, "channel_penalty: channels must be in [0, ",
+    TORCH_CHECK(ch[k] >= 0 && ch[k] < extent, "channel_penalty_: channels must be in [0, ",
                 extent, "), got ", ch[k]);
   }
   torch::Tensor norms = torch::empty({n}, weight.options().dtype(at::kFloat));

@@ -1,11 +1,11 @@
 // SAFE's x-step over all the tensors of a block on the CPU (pyprune._C); pyprune/ops/sam.py
 // documents the ops and pyprune.reference.sam_perturb_ / sam_adam_step_ are the oracles.
 //
-// sam_perturb(params, grads, anchors, rho) -> ‖g‖₂ (fp32, 0-d)
+// sam_perturb_(params, grads, anchors, rho) -> ‖g‖₂ (fp32, 0-d)
 //   ‖g‖₂ over every tensor; anchor ← x (a byte copy); x ← x + (rho/‖g‖₂)·g in fp32, rounded once
 //   to x's dtype; x is not touched when ‖g‖₂ is 0.
-// sam_adam_step(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps,
-//               weight_decay, lam, step)
+// sam_adam_step_(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps,
+//                weight_decay, lam, step)
 //   x = anchor;  G = g + lam·(x + v·(1 − 2·keep));  x ← x·(1 − lr·weight_decay)
 //   m ← β₁·m + (1 − β₁)·G;  s ← β₂·s + (1 − β₂)·G²
 //   x ← x − lr·(m/(1 − β₁^step)) / (sqrt(s/(1 − β₂^step)) + eps), rounded once to x's dtype
@@ -174,10 +174,10 @@ void adam_span(const AdamLists& l, int64_t t, int64_t start, int64_t n, const Ad
 
 }  // namespace
 
-torch::Tensor sam_perturb(const std::vector<torch::Tensor>& params,
-                          const std::vector<torch::Tensor>& grads,
-                          const std::vector<torch::Tensor>& anchors, double rho) {
-  constexpr const char* op = "sam_perturb";
+torch::Tensor sam_perturb_(const std::vector<torch::Tensor>& params,
+                           const std::vector<torch::Tensor>& grads,
+                           const std::vector<torch::Tensor>& anchors, double rho) {
+  constexpr const char* op = "sam_perturb_";
   const List x = checked_list(params, "params", params, op);
   const List g = checked_list(grads, "grads", params, op);
   const List a = checked_list(anchors, "anchors", params, op);
@@ -210,15 +210,15 @@ torch::Tensor sam_perturb(const std::vector<torch::Tensor>& params,
   return torch::full({}, norm, torch::dtype(torch::kFloat32));
 }
 
-void sam_adam_step(const std::vector<torch::Tensor>& params,
-                   const std::vector<torch::Tensor>& grads,
-                   const std::vector<torch::Tensor>& anchors,
-                   const std::vector<torch::Tensor>& vs,
-                   const std::vector<torch::Tensor>& keeps,
-                   const std::vector<torch::Tensor>& exp_avgs,
-                   const std::vector<torch::Tensor>& exp_avg_sqs, double lr, double beta1,
-                   double beta2, double eps, double weight_decay, double lam, int64_t step) {
-  constexpr const char* op = "sam_adam_step";
+void sam_adam_step_(const std::vector<torch::Tensor>& params,
+                    const std::vector<torch::Tensor>& grads,
+                    const std::vector<torch::Tensor>& anchors,
+                    const std::vector<torch::Tensor>& vs,
+                    const std::vector<torch::Tensor>& keeps,
+                    const std::vector<torch::Tensor>& exp_avgs,
+                    const std::vector<torch::Tensor>& exp_avg_sqs, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, double lam, int64_t step) {
+  constexpr const char* op = "sam_adam_step_";
   const AdamLists l{checked_list(params, "params", params, op),
                     checked_list(grads, "grads", params, op),
                     checked_list(anchors, "anchors", params, op),

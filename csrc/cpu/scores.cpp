@@ -1,7 +1,7 @@
 // COPAL's sensitivity accumulation on the CPU (pyprune._C); pyprune/ops/scores.py documents the
 // op and pyprune.reference.accumulate_abs_outer_ is the oracle.
 //
-// accumulate_abs_outer(acc, a, b, alpha):  acc [M, D] += alpha·|a|ᵀ|b|,  a [T, M], b [T, D]
+// accumulate_abs_outer_(acc, a, b, alpha):  acc [M, D] += alpha·|a|ᵀ|b|,  a [T, M], b [T, D]
 //
 // The tokens are streamed in chunks of kChunkTokens: each chunk of a and of b is converted to
 // fp32 absolute values in two small buffers (one pass, OpenMP), then one BLAS GEMM
@@ -50,17 +50,17 @@ void abs_to_float(const torch::Tensor& src, int64_t start, int64_t count, float*
 }
 
 void check_operand(const torch::Tensor& t, const char* name, int64_t tokens, int64_t features) {
-  check::tensor("accumulate_abs_outer", name, t, 2, check::floats());
+  check::tensor("accumulate_abs_outer_", name, t, 2, check::floats());
   TORCH_CHECK(t.size(0) == tokens && t.size(1) == features, "accumulate_abs_outer: ", name,
               " must have shape [", tokens, ", ", features, "], got ", t.sizes());
 }
 
 }  // namespace
 
-void accumulate_abs_outer(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
-                          double alpha) {
-  check::tensor("accumulate_abs_outer", "acc", acc, 2, {at::kFloat});
-  check::tensor("accumulate_abs_outer", "a", a, 2, check::floats());
+void accumulate_abs_outer_(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b,
+                           double alpha) {
+  check::tensor("accumulate_abs_outer_", "acc", acc, 2, {at::kFloat});
+  check::tensor("accumulate_abs_outer_", "a", a, 2, check::floats());
   const int64_t tokens = a.size(0), M = acc.size(0), D = acc.size(1);
   check_operand(a, "a", tokens, M);
   check_operand(b, "b", tokens, D);

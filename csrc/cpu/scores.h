@@ -1,13 +1,15 @@
 // fp32 scores of fp32/fp16/bf16 elements, shared by the CPU mask kernels (nm_mask.cpp,
-// topk_mask.cpp, admm.cpp) so that every kernel computes bitwise the same score as the reference:
-//   score_kind 0: s = float(src)
-//   score_kind 1: s = |float(src)|
-//   score_kind 2: s = |float(src)| * sqrt(act_sqnorm[col])      (Wanda)
+// topk_mask.cpp, admm.cpp) so that every kernel computes bitwise the same score as the reference,
+// for the score kinds of ../score_kind.h:
+//   GIVEN:     s = float(src)
+//   MAGNITUDE: s = |float(src)|
+//   WANDA:     s = |float(src)| * sqrt(act_sqnorm[col])
 // The conversions are exact, fabs is exact, and the Wanda factor is the correctly rounded fp32
 // sqrt taken once per column followed by one correctly rounded multiply, exactly what
 // pyprune.reference.wanda_score computes.
 #pragma once
 
+#include "../score_kind.h"
 #include "checks.h"
 
 #include <torch/extension.h>
@@ -19,6 +21,8 @@
 #include <cstring>
 
 namespace pyprune_cpu {
+
+using pyprune::ScoreKind;
 
 #define PYPRUNE_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -77,13 +81,13 @@ template <> struct Elem<Dt::BF16> {
   static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 };
 
-// The fp32 score of element e; colscale[e] = sqrt(act_sqnorm) of its column (KIND 2 only).
+// The fp32 score of element e; colscale[e] = sqrt(act_sqnorm) of its column (WANDA only).
 template <Dt D, int KIND>
 PYPRUNE_ALWAYS_INLINE float score_at(const typename Elem<D>::type* __restrict x, int64_t e,
                                      const float* __restrict colscale) {
   float s = Elem<D>::load(x, e);
-  if constexpr (KIND >= 1) s = std::fabs(s);
-  if constexpr (KIND == 2) s = s * colscale[e];
+  if constexpr (KIND != ScoreKind::GIVEN) s = std::fabs(s);
+  if constexpr (KIND == ScoreKind::WANDA) s = s * colscale[e];
   return s;
 }
 
@@ -94,14 +98,15 @@ inline Dt source_dtype(const torch::Tensor& src, const char* op, const char* nam
   return dt_of(src);
 }
 
-// sqrt(act_sqnorm) per column (fp32 [cols]) for score_kind 2; an undefined tensor otherwise.
+// sqrt(act_sqnorm) per column (fp32 [cols]) for ScoreKind::WANDA; an undefined tensor otherwise.
 inline torch::Tensor wanda_column_scale(const c10::optional<torch::Tensor>& act_sqnorm,
                                         int64_t cols, int64_t score_kind, const char* op) {
-  TORCH_CHECK(score_kind >= 0 && score_kind <= 2, op, ": score_kind must be 0, 1 or 2, got ",
-              score_kind);
-  if (score_kind != 2) return torch::Tensor();
+  TORCH_CHECK(score_kind >= ScoreKind::GIVEN && score_kind <= ScoreKind::WANDA, op,
+              ": score_kind must be ", int(ScoreKind::GIVEN), " (GIVEN), ", int(ScoreKind::MAGNITUDE),
+              " (MAGNITUDE) or ", int(ScoreKind::WANDA), " (WANDA), got ", score_kind);
+  if (score_kind != ScoreKind::WANDA) return torch::Tensor();
   TORCH_CHECK(act_sqnorm.has_value() && act_sqnorm->defined(), op,
-              ": score_kind 2 (Wanda) needs act_sqnorm");
+              ": score_kind WANDA needs act_sqnorm");
   const torch::Tensor& a = *act_sqnorm;
   TORCH_CHECK(a.device().is_cpu(), op, ": act_sqnorm must be a CPU tensor");
   TORCH_CHECK(a.scalar_type() == at::kFloat, op, ": act_sqnorm must be float32");
@@ -121,7 +126,7 @@ constexpr const char* kNanWandaMessage =
     "scores: NaN in w or act_sqnorm, a negative act_sqnorm, or inf * 0)";
 
 inline const char* nan_message(int64_t score_kind) {
-  return score_kind == 2 ? kNanWandaMessage : kNanMessage;
+  return score_kind == ScoreKind::WANDA ? kNanWandaMessage : kNanMessage;
 }
 
 }  // namespace pyprune_cpu

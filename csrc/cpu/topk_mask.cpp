@@ -73,9 +73,9 @@ int keys_of(const void* src, const float* colscale, int64_t len, uint32_t* __res
 template <Dt D>
 KeysFn keys_for_kind(int64_t kind) {
   switch (kind) {
-    case 0: return &keys_of<D, 0>;
-    case 1: return &keys_of<D, 1>;
-    default: return &keys_of<D, 2>;
+    case ScoreKind::GIVEN: return &keys_of<D, ScoreKind::GIVEN>;
+    case ScoreKind::MAGNITUDE: return &keys_of<D, ScoreKind::MAGNITUDE>;
+    default: return &keys_of<D, ScoreKind::WANDA>;
   }
 }
 

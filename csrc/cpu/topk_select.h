@@ -20,10 +20,10 @@ constexpr int kTopShift = 32 - kTopBits;
 constexpr int kTopBins = 1 << kTopBits;
 
 // Order keys of `len` consecutive elements of one row starting at `src`; colscale points at the
-// sqrt(act_sqnorm) of their first column (score_kind 2). Returns nonzero on a NaN score.
+// sqrt(act_sqnorm) of their first column (ScoreKind::WANDA). Returns nonzero on a NaN score.
 using KeysFn = int (*)(const void* src, const float* colscale, int64_t len, uint32_t* keys);
 
-// The keys function of source dtype d and score kind 0, 1 or 2 (scores.h).
+// The keys function of source dtype d and score kind (GIVEN, MAGNITUDE or WANDA; scores.h).
 KeysFn keys_for(Dt d, int64_t kind);
 
 // uint32 scratch that select_row needs for rows of `len` keys.
@@ -51,7 +51,7 @@ struct Source {
   KeysFn keys_fn;
   const char* data;
   int64_t esize;
-  const float* colscale;  // score_kind 2 only
+  const float* colscale;  // ScoreKind::WANDA only
   int64_t cols;
   int64_t numel;
 

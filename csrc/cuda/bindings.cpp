@@ -15,6 +15,10 @@
 #include <cstdint>
 #include <tuple>
 
+#include "../score_kind.h"
+
+using pyprune::ScoreKind;
+
 extern "C" cudaError_t pyprune_nm_mask_cuda(const void* src, int dtype, const float* act_sqnorm,
                                             uint8_t* out, int* nan_flag, int64_t rows,
                                             int64_t cols, int n, int m, int score_kind,
@@ -56,7 +60,9 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
   TORCH_CHECK(dtype >= 0, "nm_mask: src dtype must be float32, float16 or bfloat16, got ", st);
   TORCH_CHECK(m >= 2 && m <= 32, "nm_mask: m must be in [2, 32], got ", m);
   TORCH_CHECK(n >= 1 && n < m, "nm_mask: n must be in [1, m), got n=", n, ", m=", m);
-  TORCH_CHECK(score_kind >= 0 && score_kind <= 2, "nm_mask: score_kind must be 0, 1 or 2, got ",
+  TORCH_CHECK(score_kind >= ScoreKind::GIVEN && score_kind <= ScoreKind::WANDA,
+              "nm_mask: score_kind must be ", int(ScoreKind::GIVEN), " (GIVEN), ",
+              int(ScoreKind::MAGNITUDE), " (MAGNITUDE) or ", int(ScoreKind::WANDA), " (WANDA), got ",
               score_kind);
   const int64_t rows = src.size(0);
   const int64_t cols = src.size(1);
@@ -65,9 +71,9 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
   const c10::cuda::CUDAGuard device_guard(src.device());
 
   torch::Tensor act;
-  if (score_kind == 2) {
+  if (score_kind == ScoreKind::WANDA) {
     TORCH_CHECK(act_sqnorm.has_value() && act_sqnorm->defined(),
-                "nm_mask: score_kind 2 (Wanda) needs act_sqnorm");
+                "nm_mask: score_kind WANDA needs act_sqnorm");
     act = *act_sqnorm;
     TORCH_CHECK(act.is_cuda() && act.device() == src.device(),
                 "nm_mask: act_sqnorm must be on the same CUDA device as src");
@@ -83,13 +89,13 @@ torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tenso
 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
   const cudaError_t err = pyprune_nm_mask_cuda(
-      src.data_ptr(), dtype, score_kind == 2 ? act.data_ptr<float>() : nullptr,
+      src.data_ptr(), dtype, score_kind == ScoreKind::WANDA ? act.data_ptr<float>() : nullptr,
       reinterpret_cast<uint8_t*>(out.data_ptr<bool>()), nan_flag.data_ptr<int>(), rows, cols,
       static_cast<int>(n), static_cast<int>(m), static_cast<int>(score_kind), stream);
   TORCH_CHECK(err == cudaSuccess, "nm_mask: CUDA kernel launch failed: ", cudaGetErrorString(err));
 
   // .item() waits for the kernel on the current stream.
-  TORCH_CHECK_VALUE(nan_flag.item<int>() == 0, score_kind == 2 ? kNanWandaMessage : kNanMessage);
+  TORCH_CHECK_VALUE(nan_flag.item<int>() == 0, score_kind == ScoreKind::WANDA ? kNanWandaMessage : kNanMessage);
   return out;
 }
 
@@ -185,8 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nm_mask", &pyprune_cuda::nm_mask, py::arg("src"), py::arg("act_sqnorm"), py::arg("n"),
         py::arg("m"), py::arg("score_kind"),
         "Bool N:M keep mask of a 2-D CUDA tensor: in every m consecutive elements of a row keep "
-        "the n highest fp32 scores (lower index wins ties). score_kind 0: src are the scores; 1: "
-        "|src|; 2: |src| * sqrt(act_sqnorm[col]) (Wanda). Raises ValueError on NaN scores.");
+        "the n highest fp32 scores (lower index wins ties). score_kind (pyprune.ops.conventions.ScoreKind) "
+        "GIVEN: src are the scores; MAGNITUDE: |src|; WANDA: |src| * sqrt(act_sqnorm[col]). Raises ValueError on NaN scores.");
   m.def("sparse24_linear", &pyprune_cuda::sparse24_linear, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("bias"),
         "x [tokens, K] @ Wᵀ + bias with W 2:4 sparse, on sparse tensor cores (mma.sp, sm80+): "

@@ -6,9 +6,10 @@
 // consecutive elements of a row keep the n highest fp32 scores, the lower index winning ties:
 //     keep_i  <=>  #{j < i : s_j >= s_i} + #{j > i : s_j > s_i}  <  n.
 // Scores, bitwise equal to the reference:
-//   score_kind 0: s = float(src)
-//   score_kind 1: s = |float(src)|
-//   score_kind 2: s = |float(src)| * sqrt(act_sqnorm[col])   (IEEE sqrt and multiply, no FMA)
+//   ScoreKind::GIVEN:     s = float(src)
+//   ScoreKind::MAGNITUDE: s = |float(src)|
+//   ScoreKind::WANDA:     s = |float(src)| * sqrt(act_sqnorm[col])   (IEEE sqrt and multiply, no FMA)
+// (score kinds from ../score_kind.h, the mirror of pyprune.ops.conventions.ScoreKind)
 // A NaN score sets *nan_flag to 1 (the mask is then meaningless and the caller raises).
 //
 // One thread per group. m = 4 and m = 8 have compile-time unrolled kernels that load a group
@@ -18,6 +19,10 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#include "../score_kind.h"
+
+using pyprune::ScoreKind;
 #include <stdint.h>
 
 namespace {
@@ -46,8 +51,8 @@ template <int DT, int KIND>
 __device__ __forceinline__ float score(typename Elem<DT>::T raw, const float* __restrict__ act,
                                        int64_t col) {
   float s = Elem<DT>::to_float(raw);
-  if (KIND >= 1) s = fabsf(s);
-  if (KIND == 2) s = __fmul_rn(s, __fsqrt_rn(__ldg(act + col)));
+  if (KIND != ScoreKind::GIVEN) s = fabsf(s);
+  if (KIND == ScoreKind::WANDA) s = __fmul_rn(s, __fsqrt_rn(__ldg(act + col)));
   return s;
 }
 
@@ -85,7 +90,7 @@ nm_mask_fixed(const typename Elem<DT>::T* __restrict__ src, const float* __restr
 #pragma unroll
       for (int i = 0; i < M; ++i) raw[i] = p[i];
     }
-    const int64_t col0 = KIND == 2 ? (g % groups_per_row) * M : 0;
+    const int64_t col0 = KIND == ScoreKind::WANDA ? (g % groups_per_row) * M : 0;
     float s[M];
     bool nan = false;
 #pragma unroll
@@ -138,7 +143,7 @@ nm_mask_generic(const typename Elem<DT>::T* __restrict__ src, const float* __res
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += stride) {
     const typename Elem<DT>::T* p = src + g * m;
-    const int64_t col0 = KIND == 2 ? (g % groups_per_row) * m : 0;
+    const int64_t col0 = KIND == ScoreKind::WANDA ? (g % groups_per_row) * m : 0;
     float s[32];
     bool nan = false;
     for (int i = 0; i < m; ++i) {
@@ -202,14 +207,17 @@ template <int DT>
 void launch_dtype(const void* src, const float* act, uint8_t* out, int* nan_flag, int64_t groups,
                   int64_t groups_per_row, int n, int m, int score_kind, cudaStream_t stream) {
   switch (score_kind) {
-    case 0:
-      launch_kind<DT, 0>(src, act, out, nan_flag, groups, groups_per_row, n, m, stream);
+    case ScoreKind::GIVEN:
+      launch_kind<DT, ScoreKind::GIVEN>(src, act, out, nan_flag, groups, groups_per_row, n, m,
+                                        stream);
       break;
-    case 1:
-      launch_kind<DT, 1>(src, act, out, nan_flag, groups, groups_per_row, n, m, stream);
+    case ScoreKind::MAGNITUDE:
+      launch_kind<DT, ScoreKind::MAGNITUDE>(src, act, out, nan_flag, groups, groups_per_row, n,
+                                            m, stream);
       break;
     default:
-      launch_kind<DT, 2>(src, act, out, nan_flag, groups, groups_per_row, n, m, stream);
+      launch_kind<DT, ScoreKind::WANDA>(src, act, out, nan_flag, groups, groups_per_row, n, m,
+                                        stream);
       break;
   }
 }
@@ -217,7 +225,7 @@ void launch_dtype(const void* src, const float* act, uint8_t* out, int* nan_flag
 }  // namespace
 
 // src: [rows, cols] contiguous, dtype 0 = float32, 1 = float16, 2 = bfloat16.
-// act_sqnorm: fp32 [cols] (score_kind 2 only, else ignored and may be null).
+// act_sqnorm: fp32 [cols] (ScoreKind::WANDA only, else ignored and may be null).
 // out: [rows, cols] bytes (torch.bool). nan_flag: one device int, zeroed by the caller; set to 1
 // when a score is NaN. Everything is enqueued on `stream`; returns the launch status.
 extern "C" cudaError_t pyprune_nm_mask_cuda(const void* src, int dtype, const float* act_sqnorm,
@@ -225,8 +233,8 @@ extern "C" cudaError_t pyprune_nm_mask_cuda(const void* src, int dtype, const fl
                                             int64_t cols, int n, int m, int score_kind,
                                             cudaStream_t stream) {
   if (m < 2 || m > 32 || n < 1 || n >= m || cols % m != 0 || rows < 0 || cols < 0 ||
-      score_kind < 0 || score_kind > 2 || dtype < 0 || dtype > 2 ||
-      (score_kind == 2 && act_sqnorm == nullptr))
+      score_kind < ScoreKind::GIVEN || score_kind > ScoreKind::WANDA || dtype < 0 || dtype > 2 ||
+      (score_kind == ScoreKind::WANDA && act_sqnorm == nullptr))
     return cudaErrorInvalidValue;
   const int64_t groups_per_row = cols / m;
   const int64_t groups = rows * groups_per_row;

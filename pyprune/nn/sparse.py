@@ -20,7 +20,8 @@ size and token count, and dense where it says so or has no row (:mod:`pyprune.nn
   as the layer left dense, at the memory of the compressed and the dense form together.
 * ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16; one cached
   copy), with the cuSPARSELt algorithm searched once per power-of-two token count.
-* ``mma_sp``: pyprune's CUDA 2:4 sparse tensor-core GEMM (``pyprune._C_cuda``, sm80+).
+* ``mma_sp``: :func:`pyprune.ops.sparse24_linear`, pyprune's CUDA 2:4 sparse tensor-core GEMM
+  (``pyprune._C_cuda``, sm80+).
 
 Calls in grad mode where x or a parameter requires grad always run ``kernel`` (the only
 differentiable backend), whatever ``backend`` says.
@@ -239,9 +240,7 @@ class SparseLinear(nn.Module):
             return F.linear(x, self._cached("dense", lambda: self.weight), self.bias)
         if name == "mma_sp":
             meta = self._cached("mma_sp", lambda: sparse24_mma_meta(self.meta, self.in_features))
-            out = _backend.native_module("cuda").sparse24_linear(
-                x.reshape(-1, self.in_features).contiguous(), self.values.detach(), meta, self.bias)
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return ops.sparse24_linear(x, self.values.detach(), meta, self.bias)
         return F.linear(x, self._semi_structured(name, x), self.bias)
 
     def _cached(self, name: str, build):

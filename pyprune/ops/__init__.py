@@ -8,7 +8,7 @@ pure-PyTorch reference in :mod:`pyprune.ops.reference`.
 from .backend import BACKENDS, use_backend
 from .admm import admm_dual_update_
 from .sam import sam_adam_step_, sam_perturb_
-from .linear import nm_linear, sliced_linear
+from .linear import nm_linear, sliced_linear, sparse24_linear
 from .masks import nm_mask, score_nm_mask, score_topk_mask, topk_mask
 from .moreau import moreau_perturb_, moreau_step_
 from .nm_format import nm_compress, nm_decompress
@@ -23,7 +23,7 @@ __all__ = [
     "accumulate_abs_outer_",
     "topk_mask", "nm_mask", "score_nm_mask", "score_topk_mask",
     "soft_threshold", "group_soft_threshold", "moreau_step_", "moreau_perturb_",
-    "nm_compress", "nm_decompress", "nm_linear", "sliced_linear",
+    "nm_compress", "nm_decompress", "nm_linear", "sliced_linear", "sparse24_linear",
     "channel_penalty_",
     "admm_dual_update_", "sam_perturb_", "sam_adam_step_",
 ]

@@ -19,26 +19,21 @@ _SCOPES = ("row", "tensor")
 _NAN_SUBJECT = "scores of v = x + u (and act_sqnorm)"
 
 
-def _kept_count(v: Tensor, sparsity: float, scope: str) -> int:
-    return kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
+def _kernel_args(v, n, m, sparsity, scope):
+    """(n, m, keep_count, per_row) of the kernels' admm_dual_update_: m = 0 selects top-k."""
+    keep_count = 0 if m else kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
+    return n, m, keep_count, scope == "row"
 
 
 def _triton_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    admm = kernels("admm")
-    if m:
-        residual, nan_flag = admm.dual_update_nm(v, keep, x, act_sqnorm, n, m)
-    else:
-        residual, nan_flag = admm.dual_update_topk(v, keep, x, act_sqnorm, _kept_count(v, sparsity, scope),
-                                                   scope == "row")
+    residual, nan_flag = kernels("admm").admm_dual_update_(v, keep, x, act_sqnorm,
+                                                           *_kernel_args(v, n, m, sparsity, scope))
     raise_on_nan_flag(nan_flag, _NAN_SUBJECT)
     return residual
 
 
 def _native_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    if m:
-        return native("cpu").admm_dual_update_nm(v, keep, x, act_sqnorm, n, m)
-    return native("cpu").admm_dual_update_topk(v, keep, x, act_sqnorm, _kept_count(v, sparsity, scope),
-                                               scope == "row")
+    return native("cpu").admm_dual_update_(v, keep, x, act_sqnorm, *_kernel_args(v, n, m, sparsity, scope))
 
 
 def _reference_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):

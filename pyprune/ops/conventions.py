@@ -5,6 +5,8 @@ layers and the methods):
 * masks are ``torch.bool`` with True = keep; among equal scores the lower index is kept;
 * scores and statistics are fp32 whatever the input dtype;
 * a fraction of a count is rounded halves up (:func:`kept_count`);
+* the score a selection ranks by is a :class:`ScoreKind` (mirrored for C++/CUDA in
+  ``csrc/score_kind.h``);
 * the compressed N:M format is ``values [rows, in*n/m]`` (kept elements of each row, in index
   order) and ``meta [rows, ceil(in/8)] uint8``: the keep mask packed 8 columns per byte, column
   ``8*b + j`` in bit ``j`` of byte ``b`` (:func:`pack_mask`). For fp16/bf16 2:4 and 4:8 that is
@@ -13,10 +15,20 @@ layers and the methods):
 from __future__ import annotations
 
 import math
+from enum import IntEnum
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+class ScoreKind(IntEnum):
+    """What the score and mask kernels rank: one number per kind, shared by the Triton kernels, the
+    C++ and CUDA kernels (``csrc/score_kind.h``, checked equal by tests/ops/test_conventions.py)."""
+    GIVEN = 0       #: the input itself is the score
+    MAGNITUDE = 1   #: |W|
+    WANDA = 2       #: |W|·sqrt(act_sqnorm[col])
+    TAYLOR = 3      #: |W ⊙ G| (first-order Taylor)
 
 
 def round_half_up(value: float) -> int:
@@ -55,3 +67,14 @@ def sparse24_mma_meta(meta: Tensor, cols: int) -> Tensor:
     shifts = torch.arange(0, 16, 4, device=meta.device)
     words = (codes << shifts).sum(dim=-1)
     return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+
+
+def sparse24_mma_mask(mma_meta: Tensor, cols: int) -> Tensor:
+    """Inverse of :func:`sparse24_mma_meta`: the bool 2:4 keep mask [rows, cols] of int16 mma.sp
+    metadata [rows, cols/16]."""
+    words = mma_meta.to(torch.int32) & 0xFFFF
+    shifts = torch.arange(0, 16, 4, device=mma_meta.device)
+    codes = (words.unsqueeze(-1) >> shifts) & 0xF  # [rows, cols/16, 4]: one code per group
+    positions = torch.arange(4, device=mma_meta.device)
+    mask = (positions == (codes & 3).unsqueeze(-1)) | (positions == (codes >> 2).unsqueeze(-1))
+    return mask.reshape(mma_meta.shape[0], cols)

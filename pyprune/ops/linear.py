@@ -1,4 +1,5 @@
-"""Linear layers over pruned weights: from the compressed N:M form, and over kept channels only."""
+"""Linear layers over pruned weights: from the compressed N:M form (any backend, or 2:4 on sparse
+tensor cores), and over kept channels only."""
 from typing import Optional
 
 import torch
@@ -131,6 +132,45 @@ def _plain_eager_inference(*tensors: Optional[Tensor]) -> bool:
     return (not torch.compiler.is_compiling()
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in present)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in present)))
+
+
+_SPARSE24_IMPLS = {"reference": reference.sparse24_linear,
+                   "cuda": lambda *args: native("cuda").sparse24_linear(*args)}
+_SPARSE24_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.library.custom_op("pyprune::sparse24_linear", mutates_args=())
+def _sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor]) -> Tensor:
+    out = run("sparse24_linear", _SPARSE24_IMPLS, x.device, _flatten(x), values.contiguous(),
+              mma_meta.contiguous(), None if bias is None else bias.contiguous())
+    return out.reshape(*x.shape[:-1], values.shape[0])
+
+
+@_sparse24_linear.register_fake
+def _(x, values, mma_meta, bias):
+    return x.new_empty(*x.shape[:-1], values.shape[0])
+
+
+def sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ Wᵀ + b for a 2:4 sparse W on sparse tensor cores (CUDA mma.sp, sm80+; the reference on
+    other devices). ``values`` [out, in/2] fp16/bf16 as :func:`pyprune.ops.nm_compress` gives them
+    for 2:4, ``mma_meta`` [out, in/16] int16 as
+    :func:`pyprune.ops.conventions.sparse24_mma_meta` builds it from nm_compress's meta; in % 32 == 0.
+    Products and sums are fp32, the result is rounded once to x's dtype. Not differentiable."""
+    check.tensor("values", values, dims=(2,))
+    if values.dtype not in _SPARSE24_DTYPES:
+        raise TypeError(f"values must have dtype float16 or bfloat16; got {values.dtype}")
+    in_features = values.shape[1] * 2
+    if in_features % 32:
+        raise ValueError(f"values must be [out, in/2] with in a multiple of 32; got {values.shape[1]} "
+                         f"columns (in = {in_features})")
+    if not isinstance(mma_meta, Tensor) or mma_meta.dtype != torch.int16:
+        raise TypeError("mma_meta must be an int16 tensor from sparse24_mma_meta; got "
+                        f"{getattr(mma_meta, 'dtype', type(mma_meta).__name__)}")
+    check.same_shape("mma_meta", mma_meta, (values.shape[0], in_features // 16), "[out, in/16]")
+    _check_x_and_bias(x, values, "values", in_features, bias, values.shape[0])
+    check.same_device(values=values, mma_meta=mma_meta)
+    return _sparse24_linear(x, values, mma_meta, bias)
 
 
 def _triton_sliced(x, w, bias, in_index, out_index):

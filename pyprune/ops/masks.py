@@ -9,19 +9,17 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .conventions import kept_count
+from .conventions import ScoreKind, kept_count
 from . import _validate as check
 from ._dispatch import kernels, native, raise_on_nan_flag, run
 
-# Score kinds shared with pyprune.ops.kernels.scores and csrc: the input itself, |W|, |W|·sqrt(Σx²).
-_GIVEN, _MAGNITUDE, _WANDA = 0, 1, 2
 _SCOPES = ("row", "tensor")
 
 
 def _reference_score(src: Tensor, act_sqnorm: Optional[Tensor], kind: int) -> Tensor:
-    if kind == _GIVEN:
+    if kind == ScoreKind.GIVEN:
         scores = src.float()
-    elif kind == _MAGNITUDE:
+    elif kind == ScoreKind.MAGNITUDE:
         scores = reference.magnitude_score(src)
     else:
         scores = reference.wanda_score(src, act_sqnorm)
@@ -30,7 +28,7 @@ def _reference_score(src: Tensor, act_sqnorm: Optional[Tensor], kind: int) -> Te
 
 
 def _nan_subject(kind: int) -> str:
-    return "scores" if kind == _GIVEN else "scores of w (and act_sqnorm)"
+    return "scores" if kind == ScoreKind.GIVEN else "scores of w (and act_sqnorm)"
 
 
 def _triton_nm(src, act_sqnorm, n, m, kind):
@@ -106,21 +104,21 @@ def _topk(src: Tensor, sparsity: float, scope: str, act_sqnorm: Optional[Tensor]
 def topk_mask(scores: Tensor, sparsity: float, scope: str = "row") -> Tensor:
     """Keep exactly round((1 − sparsity)·count) highest scores per row (last dim) or per tensor."""
     check.tensor("scores", scores)
-    return _topk(scores, sparsity, scope, None, _GIVEN)
+    return _topk(scores, sparsity, scope, None, ScoreKind.GIVEN)
 
 
 def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
     """Keep the n highest of every m consecutive scores along the last dim (any 1 <= n < m <= 32)."""
     check.tensor("scores", scores)
     check.nm(n, m, scores.shape[-1])
-    return _nm_mask(scores, None, n, m, _GIVEN)
+    return _nm_mask(scores, None, n, m, ScoreKind.GIVEN)
 
 
 def _fused_args(w: Tensor, act_sqnorm: Optional[Tensor]):
     check.tensor("w", w, dims=(2,))
     check.column_vector("act_sqnorm", act_sqnorm, w.shape[1])
     check.same_device(w=w, act_sqnorm=act_sqnorm)
-    return _MAGNITUDE if act_sqnorm is None else _WANDA
+    return ScoreKind.MAGNITUDE if act_sqnorm is None else ScoreKind.WANDA
 
 
 def score_nm_mask(w: Tensor, n: int, m: int, act_sqnorm: Optional[Tensor] = None) -> Tensor:

@@ -39,7 +39,7 @@ def _triton_perturb(perturbed, weight, delta, noise_ratio, seed):
 _PERTURB_IMPLS = {
     "reference": reference.moreau_perturb_,
     "triton": _triton_perturb,
-    "cpu": lambda *args: native("cpu").moreau_perturb(*args),
+    "cpu": lambda *args: native("cpu").moreau_perturb_(*args),
 }
 
 
@@ -63,7 +63,7 @@ def _triton_step(delta, grad, weight, perturbed, *scalars):
 _STEP_IMPLS = {
     "reference": reference.moreau_step_,
     "triton": _triton_step,
-    "cpu": lambda *args: native("cpu").moreau_step(*args),
+    "cpu": lambda *args: native("cpu").moreau_step_(*args),
 }
 
 

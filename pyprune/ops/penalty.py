@@ -24,7 +24,7 @@ def _triton(grad, weight, channels, dim, lam, l1):
 _PENALTY_IMPLS = {
     "reference": _reference,
     "triton": _triton,
-    "cpu": lambda *args: native("cpu").channel_penalty(*args),
+    "cpu": lambda *args: native("cpu").channel_penalty_(*args),
 }
 
 

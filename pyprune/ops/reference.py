@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .conventions import kept_count, pack_mask, sparse24_mma_meta, unpack_mask
+from .conventions import kept_count, pack_mask, sparse24_mma_mask, sparse24_mma_meta, unpack_mask
 
 
 def magnitude_score(w: Tensor) -> Tensor:
@@ -117,6 +117,15 @@ def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
               bias: Optional[Tensor] = None) -> Tensor:
     """x @ (W ⊙ mask)ᵀ + b from the compressed form."""
     return F.linear(x, nm_decompress(values, meta, n, m), bias)
+
+
+def sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ Wᵀ + b for a 2:4 W given as the CUDA kernel takes it (values as nm_compress gives them,
+    int16 mma.sp metadata as sparse24_mma_meta gives it): fp32 products and sums, rounded once to
+    x's dtype, as the kernel does."""
+    mask = sparse24_mma_mask(mma_meta, values.shape[1] * 2)
+    dense = nm_decompress(values, pack_mask(mask), 2, 4)
+    return F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,

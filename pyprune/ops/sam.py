@@ -21,9 +21,9 @@ def _triton_step(*args):
 
 
 _PERTURB_IMPLS = {"reference": reference.sam_perturb_, "triton": _triton_perturb,
-                  "cpu": lambda *args: native("cpu").sam_perturb(*args)}
+                  "cpu": lambda *args: native("cpu").sam_perturb_(*args)}
 _STEP_IMPLS = {"reference": reference.sam_adam_step_, "triton": _triton_step,
-               "cpu": lambda *args: native("cpu").sam_adam_step(*args)}
+               "cpu": lambda *args: native("cpu").sam_adam_step_(*args)}
 
 
 @torch.library.custom_op("pyprune::sam_perturb_", mutates_args=("params", "anchors"))

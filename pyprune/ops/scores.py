@@ -7,15 +7,14 @@ from torch import Tensor
 
 from . import backend, reference
 from . import _validate as check
+from .conventions import ScoreKind
 from ._dispatch import kernels, native, run
-
-_TAYLOR, _WANDA, _MAGNITUDE = 3, 2, 1
 
 
 def _reference_score(src: Tensor, aux, kind: int) -> Tensor:
-    if kind == _MAGNITUDE:
+    if kind == ScoreKind.MAGNITUDE:
         return reference.magnitude_score(src)
-    if kind == _WANDA:
+    if kind == ScoreKind.WANDA:
         return reference.wanda_score(src, aux)
     return reference.taylor_score(src, aux)
 
@@ -40,7 +39,7 @@ def _(src, aux, kind):
 def magnitude_score(w: Tensor) -> Tensor:
     """|W| in fp32."""
     check.tensor("w", w)
-    return _score(w, None, _MAGNITUDE)
+    return _score(w, None, ScoreKind.MAGNITUDE)
 
 
 def wanda_score(w: Tensor, act_sqnorm: Tensor) -> Tensor:
@@ -48,7 +47,7 @@ def wanda_score(w: Tensor, act_sqnorm: Tensor) -> Tensor:
     check.tensor("w", w, dims=(2,))
     check.column_vector("act_sqnorm", act_sqnorm, w.shape[1])
     check.same_device(w=w, act_sqnorm=act_sqnorm)
-    return _score(w, act_sqnorm.float(), _WANDA)
+    return _score(w, act_sqnorm.float(), ScoreKind.WANDA)
 
 
 def taylor_score(w: Tensor, grad: Tensor) -> Tensor:
@@ -57,7 +56,7 @@ def taylor_score(w: Tensor, grad: Tensor) -> Tensor:
     check.tensor("grad", grad)
     check.same_shape("grad", grad, w.shape, "w")
     check.same_device(w=w, grad=grad)
-    return _score(w, grad, _TAYLOR)
+    return _score(w, grad, ScoreKind.TAYLOR)
 
 
 _SQNORM_IMPLS = {
@@ -92,7 +91,7 @@ _ABS_OUTER_IMPLS = {
     "reference": reference.accumulate_abs_outer_,
     "triton": lambda acc, a, b, alpha: kernels("scores").accumulate_abs_outer_(
         acc, a, b, alpha, backend.triton_interpreted()),
-    "cpu": lambda acc, a, b, alpha: native("cpu").accumulate_abs_outer(acc, a, b, alpha),
+    "cpu": lambda acc, a, b, alpha: native("cpu").accumulate_abs_outer_(acc, a, b, alpha),
 }
 
 

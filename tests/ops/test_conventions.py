@@ -1,10 +1,15 @@
 """pyprune.ops.conventions: one rounding for every count (halves up), shared by the ops, the methods
-(DReSS's kept width included) and the reference; the mask packing round-trips."""
+(DReSS's kept width included) and the reference; the mask packing round-trips; the score kinds are
+the same numbers in Python and in csrc/score_kind.h."""
+import pathlib
+import re
+
 import pytest
 import torch
 
 from pyprune.ops import reference
-from pyprune.ops.conventions import kept_count, pack_mask, round_half_up, unpack_mask
+from pyprune.ops.conventions import (ScoreKind, kept_count, pack_mask, round_half_up, sparse24_mma_mask,
+                                     sparse24_mma_meta, unpack_mask)
 from pyprune.methods.dress import DReSS
 from tests.helpers import tiny_llama
 
@@ -33,3 +38,18 @@ def test_mask_packing_round_trips_and_the_reference_uses_it():
     assert int(meta[0, 0]) == sum(int(mask[0, j]) << j for j in range(8))
     assert torch.equal(unpack_mask(meta, 21), mask)
     assert reference.kept_count is kept_count and reference.pack_mask is pack_mask
+
+
+def test_score_kind_header_mirrors_the_python_enum():
+    header = (pathlib.Path(__file__).resolve().parents[2] / "csrc" / "score_kind.h").read_text()
+    body = re.search(r"enum ScoreKind : int \{(.*?)\};", header, re.S).group(1)
+    entries = {name: int(value) for name, value in re.findall(r"^\s*(\w+)\s*=\s*(\d+)\s*,", body, re.M)}
+    assert entries == {kind.name: kind.value for kind in ScoreKind}
+
+
+def test_sparse24_mma_mask_inverts_sparse24_mma_meta():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(6, 64, dtype=torch.bool)
+    keep = torch.rand(6, 16, 4, generator=g).argsort(dim=-1)[..., :2]  # 2 random positions per group
+    mask.view(6, 16, 4).scatter_(-1, keep, True)
+    assert torch.equal(sparse24_mma_mask(sparse24_mma_meta(pack_mask(mask), 64), 64), mask)

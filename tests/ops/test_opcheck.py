@@ -9,13 +9,14 @@ import torch
 import pyprune.ops  # noqa: F401 (registers the ops)
 from pyprune import ops
 from pyprune.ops import linear, masks, nm_format, prox, scores
+from pyprune.ops.conventions import ScoreKind, sparse24_mma_meta
 from tests.helpers import randn
 
 # Cases of the ops that have no opcheck in their own test file; the others name where theirs is.
 CHECKED_ELSEWHERE = {
-    "accumulate_abs_outer_": "test_scores_ops.py", "admm_dual_update_": "test_admm_ops.py",
-    "channel_penalty_": "test_penalty_ops.py", "moreau_perturb_": "test_moreau_ops.py",
-    "moreau_step_": "test_moreau_ops.py", "sam_adam_step_": "test_sam_ops.py", "sam_perturb_": "test_sam_ops.py",
+    "accumulate_abs_outer_": "test_scores.py", "admm_dual_update_": "test_admm.py",
+    "channel_penalty_": "test_penalty.py", "moreau_perturb_": "test_moreau.py",
+    "moreau_step_": "test_moreau.py", "sam_adam_step_": "test_sam.py", "sam_perturb_": "test_sam.py",
 }
 
 
@@ -29,18 +30,25 @@ def _nm_form(n=2, m=4, dtype=torch.float32, grad=False):
     return values.detach().requires_grad_(grad), meta
 
 
+def _sparse24_form(dtype):
+    """(values, int16 mma.sp metadata) of a 2:4-pruned [8, 32] weight, as sparse24_linear takes them."""
+    w = _w((8, 32), dtype)
+    values, meta = nm_format.nm_compress(w, ops.score_nm_mask(w, 2, 4), 2, 4)
+    return values, sparse24_mma_meta(meta, 32)
+
+
 def _cases():
     """op name -> (the implementations dict it dispatches over, a list of argument tuples)."""
     act = randn((16,), seed=3).abs()
     values, meta = _nm_form(grad=True)
     index_in, index_out = torch.tensor([0, 3, 5, 9, 15]), torch.tensor([7, 1, 2])
     return {
-        "score": (scores._SCORE_IMPLS, [(_w(), None, scores._MAGNITUDE), (_w(), act, scores._WANDA),
-                                        (_w(dtype=torch.bfloat16), _w(seed=1), scores._TAYLOR)]),
+        "score": (scores._SCORE_IMPLS, [(_w(), None, ScoreKind.MAGNITUDE), (_w(), act, ScoreKind.WANDA),
+                                        (_w(dtype=torch.bfloat16), _w(seed=1), ScoreKind.TAYLOR)]),
         "accumulate_sqnorm_": (scores._SQNORM_IMPLS, [(torch.zeros(16), _w((2, 3, 16), torch.bfloat16))]),
-        "nm_mask": (masks._NM_IMPLS, [(_w(), None, 2, 4, masks._GIVEN), (_w(), act, 3, 8, masks._WANDA)]),
-        "topk_mask": (masks._TOPK_IMPLS, [(_w((2, 8)), None, 3, True, masks._GIVEN),  # 2 rows: the interpreter
-                                          (_w(dtype=torch.float16), act, 50, False, masks._WANDA)]),
+        "nm_mask": (masks._NM_IMPLS, [(_w(), None, 2, 4, ScoreKind.GIVEN), (_w(), act, 3, 8, ScoreKind.WANDA)]),
+        "topk_mask": (masks._TOPK_IMPLS, [(_w((2, 8)), None, 3, True, ScoreKind.GIVEN),  # 2 rows: the interpreter
+                                          (_w(dtype=torch.float16), act, 50, False, ScoreKind.WANDA)]),
         "soft_threshold": (prox._SOFT_IMPLS, [(_w(), 0.3)]),
         "group_soft_threshold": (prox._GROUP_IMPLS, [(_w(), 0.5, 0), (_w(), 0.5, 1)]),
         "nm_compress": (nm_format._COMPRESS_IMPLS, [(_w(), ops.nm_mask(_w(seed=2), 2, 4), 2, 4)]),
@@ -48,6 +56,9 @@ def _cases():
         "nm_linear": (linear._NM_LINEAR_IMPLS, [(_w((3, 16), grad=True), values, meta, 2, 4, None),
                                                 (_w((2, 5, 16), grad=True), values, meta, 2, 4,
                                                  _w((8,), seed=4, grad=True))]),
+        "sparse24_linear": (linear._SPARSE24_IMPLS, [
+            (_w((3, 32), torch.float16),) + _sparse24_form(torch.float16) + (None,),
+            (_w((2, 5, 32), torch.bfloat16),) + _sparse24_form(torch.bfloat16) + (_w((8,), torch.bfloat16, seed=4),)]),
         "sliced_linear": (linear._SLICED_IMPLS, [
             (_w((4, 5), grad=True), _w(grad=True), _w((8,), seed=4, grad=True), index_in, index_out, True),
             (_w((2, 3, 16), grad=True), _w(grad=True), None, None, index_out, False),

@@ -10,6 +10,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from pyprune.ops import backend
 from pyprune import ops
 from pyprune.ops import reference as R
+from pyprune.ops.conventions import sparse24_mma_meta
 
 from tests.helpers import rand, randn, tied_scores
 
@@ -145,6 +146,9 @@ def _compile_cases(dtype):
     bias = randn((6,), dtype, seed=6)
     in_index, out_index = torch.tensor([3, 0, 17, 8, 23]), torch.tensor([5, 1, 2])
     delta, perturbed = randn((6, 24), seed=7) * 0.1, torch.zeros(6, 24, dtype=dtype)
+    half = torch.float16 if dtype == torch.float32 else dtype  # sparse24_linear is fp16/bf16 only
+    w24 = randn((6, 32), half, seed=16)  # its in_features are a multiple of 32
+    values24, meta24 = R.nm_compress(w24, R.nm_mask(w24.float().abs(), 2, 4), 2, 4)
 
     def moreau_steps(d, g, w, p):
         ops.moreau_step_(d, g, w, p, decay=0.99, step_size=0.1, threshold=0.3, group_dim=1, seed=3)
@@ -198,6 +202,9 @@ def _compile_cases(dtype):
         "nm_compress": (lambda w, mask: ops.nm_compress(w, mask, 2, 4), (w, mask)),
         "nm_decompress": (lambda v, meta: ops.nm_decompress(v, meta, 2, 4), (values, meta)),
         "nm_linear": (lambda x, v, meta, b: ops.nm_linear(x, v, meta, 2, 4, b), (x, values, meta, bias)),
+        "sparse24_linear": (lambda x, v, meta, b: ops.sparse24_linear(x, v, meta, b),
+                            (randn((2, 3, 32), half, seed=17), values24, sparse24_mma_meta(meta24, 32),
+                             bias.to(half))),
         "sliced_linear": (lambda x, w, b, i, o: ops.sliced_linear(x, w, b, i, o),
                           (x[..., :5].contiguous(), w, bias, in_index, out_index)),
         "moreau_step_": (moreau_steps, (delta, grad, w, perturbed)),

@@ -1,4 +1,6 @@
-"""COPAL's accumulation pyprune.ops.accumulate_abs_outer_ (acc += alpha·|a|ᵀ|b|) on every backend.
+"""pyprune.ops scores on every backend that implements them: the scores (magnitude, Wanda, Taylor)
+and Wanda's statistic accumulate_sqnorm_ against the reference, then COPAL's accumulation
+accumulate_abs_outer_ (acc += alpha·|a|ᵀ|b|).
 
 Each backend (the reference, the C++ kernel, the Triton kernel in the interpreter or on a GPU) is
 checked against an fp64 oracle with a rounding bound: every product of |a| and |b| is exact in
@@ -11,7 +13,9 @@ import torch
 from pyprune.ops import backend
 from pyprune import ops
 from pyprune.ops import scores
-from tests.helpers import BACKENDS, DTYPES, randn
+from pyprune.ops import reference as R
+from tests.helpers import BACKENDS, DTYPES, rand, randn
+from tests.ops.common import kernel_backends
 
 #: (tokens T, M, D): single elements, sizes off every tile (Triton 64×64×32 in the interpreter),
 #: more than GROUP_M tile rows (600), and T across the C++ kernel's 512-token chunks (1100).
@@ -181,11 +185,11 @@ def test_failed_call_leaves_acc_untouched():
 def test_cpu_kernel_checks_direct_calls():
     C = backend.native_module("cpu")
     with pytest.raises(RuntimeError, match="acc dtype must be one of float32, got float16"):
-        C.accumulate_abs_outer(ACC.half(), A, B, 1.0)
+        C.accumulate_abs_outer_(ACC.half(), A, B, 1.0)
     with pytest.raises(RuntimeError, match=r"b must have shape \[3, 6\]"):
-        C.accumulate_abs_outer(ACC, A, torch.ones(2, 6), 1.0)
-    with pytest.raises(RuntimeError, match="accumulate_abs_outer: a must be contiguous"):
-        C.accumulate_abs_outer(ACC, torch.ones(4, 3).T, B, 1.0)
+        C.accumulate_abs_outer_(ACC, A, torch.ones(2, 6), 1.0)
+    with pytest.raises(RuntimeError, match="accumulate_abs_outer_: a must be contiguous"):
+        C.accumulate_abs_outer_(ACC, torch.ones(4, 3).T, B, 1.0)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpu"])
@@ -195,3 +199,31 @@ def test_opcheck(backend_name):
         torch.library.opcheck(torch.ops.pyprune.accumulate_abs_outer_.default,
                               (torch.ones(5, 9), a.reshape(3, 4, 5), b.reshape(3, 4, 9), 2.0))
 
+
+# ----------------------------------------------------------------------------------------------
+# The scores and accumulate_sqnorm_ on every kernel backend, against the reference.
+
+
+SCORE_SHAPES = [(1, 8), (1, 4096), (7, 40), (33, 96)]
+
+
+@pytest.mark.parametrize("device", kernel_backends(scores._SCORE_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SCORE_SHAPES)
+def test_scores(device, dtype, shape):
+    w, g = randn(shape, dtype, seed=1).to(device), randn(shape, dtype, seed=2).to(device)
+    sqnorm = (rand(shape[1:], seed=3) * 10).to(device)
+    assert torch.equal(ops.magnitude_score(w), R.magnitude_score(w))
+    assert torch.equal(ops.wanda_score(w, sqnorm), R.wanda_score(w, sqnorm))
+    assert torch.equal(ops.taylor_score(w, g), R.taylor_score(w, g))
+
+
+@pytest.mark.parametrize("device", kernel_backends(scores._SQNORM_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3), (2, 5, 4096), (1000, 7)])
+def test_accumulate_sqnorm(device, dtype, shape):
+    x = randn(shape, dtype, seed=4).to(device)
+    acc, expected = torch.ones(shape[-1], device=device), torch.ones(shape[-1], device=device)
+    out = ops.accumulate_sqnorm_(acc, x)
+    assert out is acc
+    torch.testing.assert_close(acc, R.accumulate_sqnorm_(expected, x), rtol=1e-5, atol=1e-4)

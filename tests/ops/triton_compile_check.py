@@ -110,10 +110,10 @@ def call_wrappers():
             v = _tensor((rows, cols), torch.float32, layout)
             keep = _tensor((rows, cols), torch.bool, layout, rand=lambda shape: torch.rand(shape) < 0.5)
             for j, (n, m) in enumerate(_rotate(NM, d, l, count=2)):
-                admm.dual_update_nm(v, keep, w, act if (d + l + j) % 2 else None, n, m)
+                admm.admm_dual_update_(v, keep, w, act if (d + l + j) % 2 else None, n, m, 0, True)
             [per_row] = _rotate((True, False), d, l)
-            admm.dual_update_topk(v, keep, w, act if (d + l) % 3 else None, cols // 2 if per_row else w.numel() // 3,
-                                  per_row)
+            admm.admm_dual_update_(v, keep, w, act if (d + l) % 3 else None, 0, 0,
+                                   cols // 2 if per_row else w.numel() // 3, per_row)
             for n, m in _rotate(NM, d, l, count=2):
                 mask = reference.nm_mask(w.float().abs(), n, m)
                 values, meta = reference.nm_compress(w, mask, n, m)

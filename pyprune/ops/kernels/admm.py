@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .masks import TOPK_BLOCK, flag_nan, nm_keep, nm_tile, segment_keys, topk_segments, topk_thresholds
-from .scores import MAGNITUDE, WANDA, score_of
+from ..conventions import ScoreKind
+from .scores import score_of
 
 
 @triton.jit
@@ -82,10 +83,20 @@ def _dual_keep_kernel(v_ptr, act_ptr, keep_ptr, x_ptr, prefix_ptr, partial_ptr, 
 
 
 def _score_kind(act_sqnorm):
-    return MAGNITUDE if act_sqnorm is None else WANDA
+    return int(ScoreKind.MAGNITUDE if act_sqnorm is None else ScoreKind.WANDA)
 
 
-def dual_update_nm(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqnorm, n: int, m: int):
+def admm_dual_update_(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqnorm, n: int, m: int,
+                      keep_count: int, per_row: bool):
+    """The dual update in place on v (fp32) and keep (bool): N:M when m > 0, else top-k (exactly
+    ``keep_count`` kept per row or per tensor). Returns (‖x − v⊙keep‖² as a 0-d fp32 tensor, NaN
+    flag)."""
+    if m:
+        return _dual_update_nm(v, keep, x, act_sqnorm, n, m)
+    return _dual_update_topk(v, keep, x, act_sqnorm, keep_count, per_row)
+
+
+def _dual_update_nm(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqnorm, n: int, m: int):
     """N:M dual update in place on v (fp32) and keep (bool), x contiguous [out, in], in % m == 0.
     Returns (‖x − v⊙keep‖² as a 0-d fp32 tensor, NaN flag)."""
     nan_flag = torch.zeros(1, dtype=torch.int32, device=v.device)
@@ -99,8 +110,8 @@ def dual_update_nm(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqn
     return partial.sum(), nan_flag
 
 
-def dual_update_topk(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqnorm, keep_count: int,
-                     per_row: bool):
+def _dual_update_topk(v: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, act_sqnorm, keep_count: int,
+                      per_row: bool):
     """Top-k dual update in place: exactly ``keep_count`` kept per row (``per_row``) or per tensor.
     Returns (‖x − v⊙keep‖² as a 0-d fp32 tensor, NaN flag)."""
     keep_bytes = keep.view(torch.uint8)

@@ -1,7 +1,8 @@
 """Per-element importance scores and activation statistics (fp32 accumulation).
 
-score kinds, shared with the mask kernels: 0 = the input itself, 1 = |W| (magnitude),
-2 = |W|·sqrt(Σx²) (Wanda), 3 = |W ⊙ G| (first-order Taylor, LLM-Pruner).
+The score kinds (``SCORE_KIND``, shared with the mask kernels) are
+:class:`pyprune.ops.conventions.ScoreKind`: the input itself, |W| (magnitude), |W|·sqrt(Σx²)
+(Wanda), |W ⊙ G| (first-order Taylor, LLM-Pruner).
 
 ``accumulate_abs_outer_`` is COPAL's statistic G += alpha·|DY|ᵀ|X| (Malla et al., Eqs. 10–11 for a
 linear layer): a GEMM over the tokens whose operands take |·| as they are loaded, so no |DY| or |X|
@@ -11,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..conventions import ScoreKind
 from .linear import _dot
 
-GIVEN, MAGNITUDE, WANDA, TAYLOR = 0, 1, 2, 3
+# The kinds as constexpr globals, which a jit function may read.
+_MAGNITUDE = tl.constexpr(int(ScoreKind.MAGNITUDE))
+_WANDA = tl.constexpr(int(ScoreKind.WANDA))
+_TAYLOR = tl.constexpr(int(ScoreKind.TAYLOR))
 
 
 @triton.jit
@@ -26,12 +31,12 @@ def load_score(src_ptr, aux_ptr, offsets, cols, in_bounds, SCORE_KIND: tl.conste
 @triton.jit
 def score_of(x, aux_ptr, offsets, cols, in_bounds, SCORE_KIND: tl.constexpr):
     """fp32 score of the fp32 values ``x`` held in registers (at flat ``offsets``, column ``cols``)."""
-    if SCORE_KIND == 1:
+    if SCORE_KIND == _MAGNITUDE:
         x = tl.abs(x)
-    elif SCORE_KIND == 2:
+    elif SCORE_KIND == _WANDA:
         sqnorm = tl.load(aux_ptr + cols, mask=in_bounds, other=0.0).to(tl.float32)
         x = tl.abs(x) * tl.sqrt_rn(sqnorm)
-    elif SCORE_KIND == 3:
+    elif SCORE_KIND == _TAYLOR:
         grad = tl.load(aux_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
         x = tl.abs(x * grad)
     return x

@@ -1,38 +1,162 @@
-"""pyprune._C (C++/OpenMP CPU kernels) against the pure-PyTorch reference, bit for bit."""
+"""pyprune.ops mask selection (nm_mask, score_nm_mask, topk_mask, score_topk_mask) on every
+backend that implements it: the kernels through the public API against the reference (masks exactly
+equal, fp32/fp16/bf16, awkward shapes), properties over random problems (exact counts,
+idempotence), then the C++ kernels (pyprune._C) and the CUDA kernel (pyprune._C_cuda) called
+directly, bit for bit against the reference on every score kind. Without a GPU the Triton kernels
+run in the interpreter."""
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pyprune.ops.reference as ref
+from pyprune import ops
+from pyprune.ops import masks
+from pyprune.ops import reference as R
 from pyprune.ops.backend import native_module
-
-from tests.helpers import assert_linear_close
+from pyprune.ops.conventions import ScoreKind
+from tests.helpers import DTYPES, rand, randn, tied_scores
+from tests.ops.common import (DEVICE, PROPERTY_BACKENDS, SETTINGS, awkward_shapes, kernel_backends, nm_problems,
+                              property_backend)
 
 C = native_module("cpu")
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
+KERNEL_NM = [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (7, 32)]
 
 
-@pytest.fixture(autouse=True)
-def cpu_extension_is_built():
-    """pyprune._C is part of the install: without it every test here fails (never skips)."""
-    if C is None:
-        pytest.fail("pyprune._C is not built: install with `pip install --no-build-isolation -e .` "
-                    "(or `python setup.py build_ext --inplace`) with torch already installed", pytrace=False)
+# ----------------------------------------------------------------------------------------------
+# Every kernel backend through the public API against the reference.
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", KERNEL_NM)
+def test_nm_mask_exact(device, dtype, n, m):
+    for shape in [(1, m), (3, 5 * m), (2, 4096 // 32 * m)]:
+        scores = tied_scores(shape, dtype, seed=n + m).to(device)
+        assert torch.equal(ops.nm_mask(scores, n, m), R.nm_mask(scores, n, m)), shape
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
+def test_score_nm_mask_exact(device, dtype, n, m):
+    w = tied_scores((9, 12 * m), dtype, seed=5, levels=5).to(device) - 2
+    sqnorm = torch.randint(0, 4, (12 * m,), generator=torch.Generator().manual_seed(6)).float().to(device)
+    assert torch.equal(ops.score_nm_mask(w, n, m), R.score_nm_mask(w, n, m))
+    assert torch.equal(ops.score_nm_mask(w, n, m, sqnorm), R.score_nm_mask(w, n, m, sqnorm))
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+def test_nm_mask_with_infinities(device):
+    scores = torch.tensor([[float("inf"), 1.0, float("-inf"), float("inf"),
+                            float("-inf"), float("-inf"), 0.0, -0.0]], device=device)
+    expected = torch.tensor([[True, False, False, True, False, False, True, True]])
+    assert torch.equal(ops.nm_mask(scores, 2, 4).cpu(), expected)
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.999])
+def test_topk_mask_exact(device, dtype, scope, sparsity):
+    for shape in [(1, 1), (6, 37)]:
+        scores = tied_scores(shape, dtype, seed=7).to(device)
+        assert torch.equal(ops.topk_mask(scores, sparsity, scope), R.topk_mask(scores, sparsity, scope))
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+def test_topk_mask_wide_rows(device, scope):
+    scores = randn((2, 4096), torch.bfloat16, seed=8).to(device)  # bf16 values tie often
+    assert torch.equal(ops.topk_mask(scores, 0.5, scope), R.topk_mask(scores, 0.5, scope))
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_topk_mask_exact(device, dtype):
+    w = randn((5, 70), dtype, seed=9).to(device)
+    sqnorm = rand((70,), seed=10).to(device)
+    for scope in ("row", "tensor"):
+        assert torch.equal(ops.score_topk_mask(w, 0.6, scope), R.score_topk_mask(w, 0.6, scope))
+        assert torch.equal(ops.score_topk_mask(w, 0.3, scope, sqnorm),
+                           R.score_topk_mask(w, 0.3, scope, sqnorm))
+
+
+@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS, masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("op", ["nm_mask", "topk_mask"])
+def test_nan_scores_raise(device, op):
+    scores = torch.ones(3, 8, device=device)
+    scores[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        ops.nm_mask(scores, 2, 4) if op == "nm_mask" else ops.topk_mask(scores, 0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Properties over random problems (hypothesis), on the automatic choice and on the kernels.
+
+
+@pytest.mark.parametrize("backend", PROPERTY_BACKENDS)
+@SETTINGS
+@given(problem=nm_problems())
+def test_nm_mask_keeps_exactly_n_and_is_idempotent(backend, problem):
+    scores, n, m = problem
+    with property_backend(backend):
+        mask = ops.nm_mask(scores, n, m)
+        assert bool((mask.reshape(-1, m).sum(dim=1) == n).all())
+        assert torch.equal(mask, R.nm_mask(scores, n, m))
+        # magnitude pruning is idempotent: the pruned weights select the same mask again
+        by_magnitude = ops.score_nm_mask(scores, n, m)
+        assert torch.equal(ops.score_nm_mask(scores * by_magnitude, n, m), by_magnitude)
+
+
+@st.composite
+def topk_problems(draw):
+    rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 50))
+    levels = draw(st.integers(1, 4))  # few levels = many ties
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    scores = torch.randint(-levels, levels + 1, (rows, cols), generator=g).float() / 2
+    scores = torch.where(torch.rand(rows, cols, generator=g) < 0.2, scores * -0.0, scores)  # ±0.0
+    act_sqnorm = torch.randint(0, 3, (cols,), generator=g).float().to(DEVICE) if draw(st.booleans()) else None
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    return scores.to(dtype).to(DEVICE), act_sqnorm
+
+
+# On CPU tensors "auto" runs the C++ kernel too (tests/test_ops_api.py checks that it is chosen);
+# "cpu" forces it, so the comparison with the reference cannot silently run the reference.
+TOPK_BACKENDS = PROPERTY_BACKENDS + (["cpu"] if DEVICE == "cpu" else [])
+
+
+@pytest.mark.parametrize("backend", TOPK_BACKENDS)
+@SETTINGS
+@given(problem=topk_problems(), sparsity=st.floats(0.0, 0.999), scope=st.sampled_from(["row", "tensor"]))
+def test_topk_mask_counts_are_exact(backend, problem, sparsity, scope):
+    scores, act_sqnorm = problem
+    with property_backend(backend):
+        mask = ops.topk_mask(scores, sparsity, scope)
+        fused = ops.score_topk_mask(scores, sparsity, scope, act_sqnorm)
+    rows, cols = scores.shape
+    count = cols if scope == "row" else rows * cols
+    for m in (mask, fused):
+        kept = m.sum(dim=1) if scope == "row" else m.sum().reshape(1)
+        assert bool((kept == R.kept_count(count, sparsity)).all())
+    assert torch.equal(mask, R.topk_mask(scores, sparsity, scope))
+    assert torch.equal(fused, R.score_topk_mask(scores, sparsity, scope, act_sqnorm))
+
+
+# ----------------------------------------------------------------------------------------------
+# pyprune._C: the C++ N:M kernel called directly, bit for bit against the reference.
+
+
 NM = [(2, 4), (4, 8), (1, 2), (3, 8), (5, 16), (7, 32), (3, 6)]
-KINDS = [0, 1, 2]
+KINDS = [ScoreKind.GIVEN, ScoreKind.MAGNITUDE, ScoreKind.WANDA]
 NAN_MSG = "NaN"
 
 
-def _shapes(m):
-    """Awkward shapes: one group, one row, cols not a multiple of 64, rows crossing kernel blocks."""
-    wide = 4096 - 4096 % m  # 4096-wide rows (4092 for m = 6)
-    return [(1, m), (1, 3 * m), (2, 37 * m), (5, wide), (33, 11 * m), (64, wide)]
-
-
 def _expected(src, act, n, m, kind):
-    if kind == 0:
+    if kind == ScoreKind.GIVEN:
         return ref.nm_mask(src, n, m)
-    return ref.score_nm_mask(src, n, m, act_sqnorm=act if kind == 2 else None)
+    return ref.score_nm_mask(src, n, m, act_sqnorm=act if kind == ScoreKind.WANDA else None)
 
 
 def _data(kind_of_data, shape, dtype, gen):
@@ -63,7 +187,7 @@ def _act(cols, kind_of_data, gen):
 
 
 def _check(src, act, n, m, kind):
-    got = C.nm_mask(src, act if kind == 2 else None, n, m, kind)
+    got = C.nm_mask(src, act if kind == ScoreKind.WANDA else None, n, m, kind)
     want = _expected(src, act, n, m, kind)
     assert got.dtype == torch.bool and got.shape == src.shape
     assert torch.equal(got, want), (src.dtype, tuple(src.shape), n, m, kind)
@@ -77,7 +201,7 @@ def _check(src, act, n, m, kind):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nm_mask_matches_reference(dtype, kind, n, m, data):
     gen = torch.Generator().manual_seed(1000 * n + 10 * m + kind)
-    for shape in _shapes(m):
+    for shape in awkward_shapes(m):
         src = _data(data, shape, dtype, gen)
         act = _act(shape[1], data, gen)
         _check(src, act, n, m, kind)
@@ -132,12 +256,12 @@ def test_nan_raises(dtype, kind):
     x[4, 37] = float("nan")
     act = torch.rand(64) + 0.1
     with pytest.raises(ValueError, match=NAN_MSG):
-        C.nm_mask(x, act if kind == 2 else None, 2, 4, kind)
+        C.nm_mask(x, act if kind == ScoreKind.WANDA else None, 2, 4, kind)
     big = torch.randn(300, 512).to(dtype)  # large enough for the parallel path
     big[299, 511] = float("nan")
     act = torch.rand(512) + 0.1
     with pytest.raises(ValueError, match=NAN_MSG):
-        C.nm_mask(big, act if kind == 2 else None, 3, 16, kind)
+        C.nm_mask(big, act if kind == ScoreKind.WANDA else None, 3, 16, kind)
 
 
 def test_wanda_nan_from_act_sqnorm():
@@ -211,123 +335,6 @@ def test_storage_offset_views():
 
 
 # ----------------------------------------------------------------------------------------------
-# The compressed N:M form on the CPU: decompression (exact) and the decode GEMV (fp32 accumulate).
-
-def _compressed(shape, dtype, n, m, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=gen).to(dtype)
-    mask = ref.nm_mask(w.float().abs(), n, m)
-    return w, mask, *ref.nm_compress(w, mask, n, m)
-
-
-@pytest.mark.parametrize("n,m", NM)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nm_decompress_is_exact(dtype, n, m):
-    for shape in _shapes(m):
-        w, mask, values, meta = _compressed(shape, dtype, n, m)
-        assert torch.equal(C.nm_decompress(values, meta, n, m), w * mask), shape
-
-
-@pytest.mark.parametrize("n,m", NM)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# the AVX2 permute (1) and expand paths for 1:2, 2:4, 4:8; past 8 tokens, chunks of 8 (12: 8 + 4;
-# 17: 8 + 8 + a one-token chunk, permuted)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 12, 17])
-def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
-    for shape in _shapes(m)[:5]:
-        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=1)
-        gen = torch.Generator().manual_seed(2)
-        x = torch.randn(tokens, shape[1], generator=gen).to(dtype)
-        bias = torch.randn(shape[0], generator=gen).to(dtype)
-        got = C.nm_linear_gemv(x, values, meta, n, m, bias)
-        assert got.dtype == dtype and got.shape == (tokens, shape[0])
-        assert_linear_close(got, x, w * mask, bias)
-
-
-def _cpu_flags():
-    """The CPU feature flags the kernel reports on, from /proc/cpuinfo (independent of it)."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    raise AssertionError("/proc/cpuinfo lists no CPU flags")
-
-
-AVX2_FLAGS = {"avx2", "fma", "f16c"}
-
-
-def test_cpu_feature_detection_matches_proc_cpuinfo():
-    assert C.cpu_has_avx2_fma_f16c() == (AVX2_FLAGS <= _cpu_flags())
-
-
-# Rows: one pass of 4/2/1 rows plus leftovers (1, 5, 7, 9); columns: whole 16-column blocks, a
-# trailing byte (cols % 16 == 8) and, for 2:4 and 1:2, a trailing half byte (cols % 8 == 4).
-HALF_DENSITY_SHAPES = [(1, 16), (5, 24), (7, 52), (9, 4096), (3, 4104), (4, 36)]
-
-
-@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", range(1, 9))  # every token count: each is its own template
-def test_half_density_kernels_every_token_count_and_awkward_shape(dtype, n, m, tokens):
-    # the AVX2 kernel on a CPU with AVX2/FMA/F16C (this project's machines have them), the
-    # generic one elsewhere; either must match the dense masked matmul
-    expected = ("avx2_permute" if tokens == 1 else "avx2_expand") if AVX2_FLAGS <= _cpu_flags() else "generic"
-    for shape in HALF_DENSITY_SHAPES:
-        if shape[1] % m:
-            continue
-        w, mask, values, meta = _compressed(shape, dtype, n, m, seed=7)
-        x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
-        bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
-        assert C.nm_linear_gemv_path(x, values, meta, n, m) == expected
-        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
-        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
-
-
-@pytest.mark.parametrize("tokens,n,m,cols", [(1, 3, 6, 48), (2, 3, 6, 96), (1, 1, 4, 64), (8, 3, 8, 64), (19, 3, 8, 64)])
-def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
-    # 3:6 is half density too, but its groups straddle mask bytes (the lane tables need 4 of 8)
-    w, mask, values, meta = _compressed((5, cols), torch.float32, n, m)
-    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(10))
-    assert C.nm_linear_gemv_path(x, values, meta, n, m) == "generic"
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
-
-
-def test_double_takes_the_generic_kernel():
-    w, mask, values, meta = _compressed((5, 64), torch.float64, 2, 4)
-    x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
-    assert C.nm_linear_gemv_path(x, values, meta, 2, 4) == "generic"
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, 2, 4, None), x, w * mask)
-
-
-@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_nm_linear_gemv_check_catches_one_dropped_weight(dtype, n, m, tokens):
-    # The tolerance is tight enough to matter: a kernel that skips one kept weight per row (the
-    # one of median contribution to the first token) fails the check on 4096-wide rows.
-    w, mask, values, meta = _compressed((64, 4096 - 4096 % m), dtype, n, m, seed=5)
-    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
-    contribution = (x[0].float() * (w * mask).float()).abs().masked_fill(~mask, float("inf"))
-    median_column = contribution.sort(dim=1).indices[:, values.shape[1] // 2]
-    dropped = values.clone()
-    slot = (mask.cumsum(dim=1) - 1).gather(1, median_column[:, None]).squeeze(1)
-    dropped[torch.arange(w.shape[0]), slot] = 0
-    with pytest.raises(AssertionError, match="beyond the"):
-        assert_linear_close(C.nm_linear_gemv(x, dropped, meta, n, m, None), x, w * mask)
-
-
-def test_nm_linear_gemv_bad_arguments():
-    _, _, values, meta = _compressed((4, 16), torch.float32, 2, 4)
-    with pytest.raises(RuntimeError, match="x must have 16 columns"):
-        C.nm_linear_gemv(torch.zeros(1, 12), values, meta, 2, 4, None)
-    with pytest.raises(RuntimeError, match="meta must be"):
-        C.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
-    with pytest.raises(RuntimeError, match="x must have 16 columns"):
-        C.nm_linear_gemv_path(torch.zeros(1, 12), values, meta, 2, 4)
-
-
-# ----------------------------------------------------------------------------------------------
 # Exact top-k masks (radix select), per row and per tensor, against reference.keep_top.
 
 SCOPES = [True, False]  # per_row: one selection per row, or one over the whole tensor
@@ -335,7 +342,8 @@ TOPK_SHAPES = [(1, 1), (9, 1), (1, 7), (5, 37), (3, 4099), (7, 4096), (64, 4096)
 
 
 def _topk_expected(src, act, keep, per_row, kind):
-    scores = src.float() if kind == 0 else ref.magnitude_score(src) if kind == 1 else ref.wanda_score(src, act)
+    scores = (src.float() if kind == ScoreKind.GIVEN else ref.magnitude_score(src)
+              if kind == ScoreKind.MAGNITUDE else ref.wanda_score(src, act))
     rows = scores.reshape(-1, scores.shape[-1]) if per_row else scores.reshape(1, -1)
     return ref.keep_top(rows, keep).reshape(scores.shape)
 
@@ -346,7 +354,7 @@ def _keeps(count, gen):
 
 
 def _check_topk(src, act, keep, per_row, kind):
-    got = C.topk_mask(src, act if kind == 2 else None, keep, per_row, kind)
+    got = C.topk_mask(src, act if kind == ScoreKind.WANDA else None, keep, per_row, kind)
     assert got.dtype == torch.bool and got.shape == src.shape
     want = _topk_expected(src, act, keep, per_row, kind)
     assert torch.equal(got, want), (src.dtype, tuple(src.shape), keep, per_row, kind)
@@ -452,7 +460,7 @@ def test_topk_nan_raises(dtype, kind, per_row):
         count = shape[1] if per_row else x.numel()
         for keep in (0, count // 2, count):  # raised even when nothing needs selecting
             with pytest.raises(ValueError, match=NAN_MSG):
-                C.topk_mask(x, act[: shape[1]] if kind == 2 else None, keep, per_row, kind)
+                C.topk_mask(x, act[: shape[1]] if kind == ScoreKind.WANDA else None, keep, per_row, kind)
 
 
 @pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
@@ -484,7 +492,7 @@ def test_topk_empty_and_bad_arguments():
         (lambda: C.topk_mask(torch.randn(8, 4).t(), None, 2, True, 0), "contiguous"),
         (lambda: C.topk_mask(x, None, 2, True, 2), "needs act_sqnorm"),
         (lambda: C.topk_mask(x, torch.rand(4), 2, True, 2), "act_sqnorm must be 1-D of length 8"),
-        (lambda: C.topk_mask(x, None, 2, True, 3), "score_kind must be 0, 1 or 2"),
+        (lambda: C.topk_mask(x, None, 2, True, 3), "score_kind must be 0 \\(GIVEN\\), 1 \\(MAGNITUDE\\) or 2 \\(WANDA\\), got 3"),
     ]:
         with pytest.raises(RuntimeError, match=message):
             call()
@@ -517,7 +525,7 @@ def _cuda_module():
 
 
 def _check_cuda(CC, src, act, n, m, kind):
-    got = CC.nm_mask(src.cuda(), act.cuda() if kind == 2 else None, n, m, kind)
+    got = CC.nm_mask(src.cuda(), act.cuda() if kind == ScoreKind.WANDA else None, n, m, kind)
     assert got.is_cuda and got.dtype == torch.bool and got.shape == src.shape
     want = _expected(src.cpu(), act.cpu() if act is not None else None, n, m, kind)
     assert torch.equal(got.cpu(), want), (src.dtype, tuple(src.shape), n, m, kind)
@@ -531,7 +539,7 @@ def _check_cuda(CC, src, act, n, m, kind):
 def test_cuda_nm_mask_matches_reference(dtype, kind, n, m, data):
     CC = _cuda_module()
     gen = torch.Generator().manual_seed(1000 * n + 10 * m + kind)
-    for shape in _shapes(m):
+    for shape in awkward_shapes(m):
         src = _data(data, shape, dtype, gen)
         act = _act(shape[1], data, gen)
         _check_cuda(CC, src, act, n, m, kind)
@@ -539,7 +547,7 @@ def test_cuda_nm_mask_matches_reference(dtype, kind, n, m, data):
         flat = torch.empty(src.numel() + 1, dtype=dtype, device="cuda")
         flat[1:] = src.reshape(-1).cuda()
         view = flat[1:].view(shape)
-        got = CC.nm_mask(view, act.cuda() if kind == 2 else None, n, m, kind)
+        got = CC.nm_mask(view, act.cuda() if kind == ScoreKind.WANDA else None, n, m, kind)
         assert torch.equal(got.cpu(), _expected(src, act, n, m, kind))
 
 
@@ -553,6 +561,6 @@ def test_cuda_nan_raises(dtype, kind):
         x[5, 17] = float("nan")
         act = torch.rand(96) + 0.1
         with pytest.raises(ValueError, match=NAN_MSG):
-            CC.nm_mask(x.cuda(), act.cuda() if kind == 2 else None, n, m, kind)
+            CC.nm_mask(x.cuda(), act.cuda() if kind == ScoreKind.WANDA else None, n, m, kind)
     # After an error the module still works.
     _check_cuda(CC, torch.randn(4, 64).to(dtype), torch.rand(64), 2, 4, kind)

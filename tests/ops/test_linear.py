@@ -1,0 +1,288 @@
+"""pyprune.ops linear (nm_linear, sliced_linear, sparse24_linear) on every backend that implements
+it: the kernels against the dense masked / sliced matmul within the fp32-accumulation bound, the
+gradients against autograd of the dense product, the C++ decode GEMV called directly (every token
+count and awkward shape of its AVX2 and generic kernels), and sparse24_linear's reference from the
+mma.sp form, its CUDA kernel against it (gpu) and its argument checks. Without a GPU the Triton
+kernels run in the interpreter."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyprune import ops
+from pyprune.ops import linear
+from pyprune.ops import reference as R
+from pyprune.ops.backend import native_module
+from pyprune.ops.conventions import sparse24_mma_meta
+from tests.helpers import HAS_CUDA, assert_close, assert_linear_close, randn
+from tests.ops.common import awkward_shapes, compressed, kernel_backends
+
+C = native_module("cpu")
+pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NM = [(2, 4), (4, 8), (1, 2), (3, 8), (5, 16), (7, 32), (3, 6)]
+SPARSE24_DTYPES = [torch.float16, torch.bfloat16]
+SPARSE24_SHAPES = [(1, 24, 64), (13, 130, 96), (70, 64, 512)]  # tokens, out_features, in_features
+
+
+# ----------------------------------------------------------------------------------------------
+# Every kernel backend through the public API.
+
+
+@pytest.mark.parametrize("device", kernel_backends(linear._NM_LINEAR_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (9, 32)])
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 24), (5, 96, 70), (37, 96, 70)])
+def test_nm_linear(device, dtype, n, m, rows, in_features, out_features):
+    _check_nm_linear(device, dtype, n, m, rows, in_features // m * m, out_features)
+
+
+@pytest.mark.parametrize("device", kernel_backends(linear._NM_LINEAR_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+def test_nm_linear_4096_wide_gemv(device, dtype, n, m):
+    _check_nm_linear(device, dtype, n, m, 2, 4096, 20)
+
+
+def _check_nm_linear(device, dtype, n, m, rows, in_features, out_features):
+    w = randn((out_features, in_features), dtype, seed=14).to(device)
+    values, meta = R.nm_compress(w, R.nm_mask(w.float().abs(), n, m), n, m)
+    x = randn((rows, in_features), dtype, seed=15).to(device)
+    bias = randn((out_features,), dtype, seed=16).to(device)
+    dense = R.nm_decompress(values, meta, n, m)
+    assert_linear_close(ops.nm_linear(x, values, meta, n, m, bias), x, dense, bias)
+    assert_linear_close(ops.nm_linear(x.reshape(1, rows, -1), values, meta, n, m)[0], x, dense)
+
+
+@pytest.mark.parametrize("device", kernel_backends(linear._SLICED_IMPLS), indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_in,with_out", [(True, True), (True, False), (False, True), (False, False)])
+def test_sliced_linear(device, dtype, with_in, with_out):
+    w = randn((50, 40), dtype, seed=17).to(device)
+    bias = randn((50,), dtype, seed=18).to(device)
+    in_index = torch.tensor([0, 3, 4, 10, 11, 12, 39, 20], device=device) if with_in else None
+    out_index = torch.arange(49, 0, -3, device=device) if with_out else None
+    x = randn((3, 5, 8 if with_in else 40), dtype, seed=19).to(device)
+    expected = R.sliced_linear(x.float(), w.float(), bias.float(), in_index, out_index)
+    assert_close(ops.sliced_linear(x, w, bias, in_index, out_index), expected, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradients (nm_linear and sliced_linear carry their own backward).
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,m,rows", [(2, 4, 3), (4, 8, 20), (3, 6, 2)])
+def test_nm_linear_gradients_match_dense_masked_matmul(dtype, n, m, rows):
+    w = randn((24, 48), dtype, seed=1)
+    mask = R.nm_mask(w.float().abs(), n, m)
+    values, meta = R.nm_compress(w, mask, n, m)
+    x, bias = randn((2, rows, 48), dtype, seed=2), randn((24,), dtype, seed=3)
+    grad_out = randn((2, rows, 24), dtype, seed=4)
+
+    xs, vs, bs = _leaf(x), _leaf(values), _leaf(bias)
+    ops.nm_linear(xs, vs, meta, n, m, bs).backward(grad_out)
+
+    xd, wd, bd = _leaf(x.float()), _leaf((w * mask).float()), _leaf(bias.float())
+    torch.nn.functional.linear(xd, wd * mask, bd).backward(grad_out.float())
+    assert_close(xs.grad, xd.grad, dtype)
+    assert_close(vs.grad, wd.grad[mask].reshape(values.shape), dtype)
+    assert_close(bs.grad, bd.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliced_linear_gradients_reach_only_the_kept_block(dtype):
+    w, bias = randn((10, 12), dtype, seed=5), randn((10,), dtype, seed=6)
+    in_index, out_index = torch.tensor([7, 0, 3, 11]), torch.tensor([9, 2, 4])
+    x, grad_out = randn((5, 4), dtype, seed=7), randn((5, 3), dtype, seed=8)
+
+    xs, ws, bs = _leaf(x), _leaf(w), _leaf(bias)
+    ops.sliced_linear(xs, ws, bs, in_index, out_index).backward(grad_out)
+
+    xd, wd, bd = _leaf(x.float()), _leaf(w.float()), _leaf(bias.float())
+    torch.nn.functional.linear(xd, wd[out_index][:, in_index], bd[out_index]).backward(grad_out.float())
+    assert_close(xs.grad, xd.grad, dtype)
+    assert_close(ws.grad, wd.grad, dtype)
+    assert_close(bs.grad, bd.grad, dtype)
+    untouched = torch.ones_like(w, dtype=torch.bool)
+    untouched[out_index[:, None], in_index[None, :]] = False
+    assert not ws.grad[untouched].any()
+
+
+# ----------------------------------------------------------------------------------------------
+# pyprune._C: the CPU decode GEMV called directly (fp32 accumulation).
+
+
+@pytest.mark.parametrize("n,m", NM)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# the AVX2 permute (1) and expand paths for 1:2, 2:4, 4:8; past 8 tokens, chunks of 8 (12: 8 + 4;
+# 17: 8 + 8 + a one-token chunk, permuted)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 12, 17])
+def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
+    for shape in awkward_shapes(m)[:5]:
+        w, mask, values, meta = compressed(shape, dtype, n, m, seed=1)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(tokens, shape[1], generator=gen).to(dtype)
+        bias = torch.randn(shape[0], generator=gen).to(dtype)
+        got = C.nm_linear_gemv(x, values, meta, n, m, bias)
+        assert got.dtype == dtype and got.shape == (tokens, shape[0])
+        assert_linear_close(got, x, w * mask, bias)
+
+
+def _cpu_flags():
+    """The CPU feature flags the kernel reports on, from /proc/cpuinfo (independent of it)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    raise AssertionError("/proc/cpuinfo lists no CPU flags")
+
+
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
+
+
+def test_cpu_feature_detection_matches_proc_cpuinfo():
+    assert C.cpu_has_avx2_fma_f16c() == (AVX2_FLAGS <= _cpu_flags())
+
+
+# Rows: one pass of 4/2/1 rows plus leftovers (1, 5, 7, 9); columns: whole 16-column blocks, a
+# trailing byte (cols % 16 == 8) and, for 2:4 and 1:2, a trailing half byte (cols % 8 == 4).
+HALF_DENSITY_SHAPES = [(1, 16), (5, 24), (7, 52), (9, 4096), (3, 4104), (4, 36)]
+
+
+@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", range(1, 9))  # every token count: each is its own template
+def test_half_density_kernels_every_token_count_and_awkward_shape(dtype, n, m, tokens):
+    # the AVX2 kernel on a CPU with AVX2/FMA/F16C (this project's machines have them), the
+    # generic one elsewhere; either must match the dense masked matmul
+    expected = ("avx2_permute" if tokens == 1 else "avx2_expand") if AVX2_FLAGS <= _cpu_flags() else "generic"
+    for shape in HALF_DENSITY_SHAPES:
+        if shape[1] % m:
+            continue
+        w, mask, values, meta = compressed(shape, dtype, n, m, seed=7)
+        x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
+        bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
+        assert C.nm_linear_gemv_path(x, values, meta, n, m) == expected
+        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
+        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+
+
+@pytest.mark.parametrize("tokens,n,m,cols", [(1, 3, 6, 48), (2, 3, 6, 96), (1, 1, 4, 64), (8, 3, 8, 64), (19, 3, 8, 64)])
+def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
+    # 3:6 is half density too, but its groups straddle mask bytes (the lane tables need 4 of 8)
+    w, mask, values, meta = compressed((5, cols), torch.float32, n, m)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(10))
+    assert C.nm_linear_gemv_path(x, values, meta, n, m) == "generic"
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+
+
+def test_double_takes_the_generic_kernel():
+    w, mask, values, meta = compressed((5, 64), torch.float64, 2, 4)
+    x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    assert C.nm_linear_gemv_path(x, values, meta, 2, 4) == "generic"
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, 2, 4, None), x, w * mask)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_nm_linear_gemv_check_catches_one_dropped_weight(dtype, n, m, tokens):
+    # The tolerance is tight enough to matter: a kernel that skips one kept weight per row (the
+    # one of median contribution to the first token) fails the check on 4096-wide rows.
+    w, mask, values, meta = compressed((64, 4096 - 4096 % m), dtype, n, m, seed=5)
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
+    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+    contribution = (x[0].float() * (w * mask).float()).abs().masked_fill(~mask, float("inf"))
+    median_column = contribution.sort(dim=1).indices[:, values.shape[1] // 2]
+    dropped = values.clone()
+    slot = (mask.cumsum(dim=1) - 1).gather(1, median_column[:, None]).squeeze(1)
+    dropped[torch.arange(w.shape[0]), slot] = 0
+    with pytest.raises(AssertionError, match="beyond the"):
+        assert_linear_close(C.nm_linear_gemv(x, dropped, meta, n, m, None), x, w * mask)
+
+
+def test_nm_linear_gemv_bad_arguments():
+    _, _, values, meta = compressed((4, 16), torch.float32, 2, 4)
+    with pytest.raises(RuntimeError, match="x must have 16 columns"):
+        C.nm_linear_gemv(torch.zeros(1, 12), values, meta, 2, 4, None)
+    with pytest.raises(RuntimeError, match="meta must be"):
+        C.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
+    with pytest.raises(RuntimeError, match="x must have 16 columns"):
+        C.nm_linear_gemv_path(torch.zeros(1, 12), values, meta, 2, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse24_linear: 2:4 on sparse tensor cores (CUDA mma.sp), its reference and its checks.
+
+
+def _sparse24_problem(dtype, tokens, out_features, in_features, device="cpu"):
+    """(x, w ⊙ mask, bias, values, mma_meta) of a random 2:4-pruned layer."""
+    w = randn((out_features, in_features), dtype, seed=8)
+    mask = R.nm_mask(w.float().abs(), 2, 4)
+    values, meta = R.nm_compress(w, mask, 2, 4)
+    x, bias = randn((tokens, in_features), dtype, seed=9), randn((out_features,), dtype, seed=10)
+    tensors = (x, w * mask, bias, values, sparse24_mma_meta(meta, in_features))
+    return tuple(t.to(device) for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", SPARSE24_DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,out_features,in_features", SPARSE24_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_sparse24_linear_reference_is_the_dense_masked_product(dtype, tokens, out_features, in_features, with_bias):
+    x, dense, bias, values, mma_meta = _sparse24_problem(dtype, tokens, out_features, in_features)
+    bias = bias if with_bias else None
+    expected = F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(dtype)
+    with ops.use_backend("reference"):
+        out = ops.sparse24_linear(x, values, mma_meta, bias)
+    assert out.dtype == dtype and out.shape == (tokens, out_features)
+    assert torch.equal(out, expected)
+
+
+def test_sparse24_linear_leading_dims_are_tokens():
+    x, dense, bias, values, mma_meta = _sparse24_problem(torch.float16, 6, 24, 64)
+    out = ops.sparse24_linear(x.reshape(2, 3, 64), values, mma_meta, bias)
+    assert out.shape == (2, 3, 24)
+    assert torch.equal(out.reshape(6, 24), ops.sparse24_linear(x, values, mma_meta, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", SPARSE24_DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,out_features,in_features", SPARSE24_SHAPES)
+def test_sparse24_linear_cuda_kernel_matches_the_reference(dtype, tokens, out_features, in_features):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.fail("sparse24_linear needs sm80 or newer; run the gpu tests on such a device", pytrace=False)
+    x, _, bias, values, mma_meta = _sparse24_problem(dtype, tokens, out_features, in_features, device="cuda")
+    with ops.use_backend("reference"):
+        expected = ops.sparse24_linear(x, values, mma_meta, bias)
+    with ops.use_backend("cuda"):
+        out = ops.sparse24_linear(x, values, mma_meta, bias)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def _sparse24_bad_calls():
+    x, _, bias, values, mma_meta = _sparse24_problem(torch.float16, 2, 8, 32)
+    return [
+        (lambda: ops.sparse24_linear(x.float(), values.float(), mma_meta), TypeError,
+         "values must have dtype float16 or bfloat16; got torch.float32"),
+        (lambda: ops.sparse24_linear(x[:, :16], values[:, :8], mma_meta[:, :1]), ValueError,
+         "in a multiple of 32"),
+        (lambda: ops.sparse24_linear(x, values, mma_meta.to(torch.int32)), TypeError,
+         "mma_meta must be an int16 tensor"),
+        (lambda: ops.sparse24_linear(x, values, mma_meta[:4]), ValueError, "mma_meta must have the shape"),
+        (lambda: ops.sparse24_linear(x.bfloat16(), values, mma_meta), TypeError, "x and values must have one dtype"),
+        (lambda: ops.sparse24_linear(x, values, mma_meta, bias[:4]), ValueError, r"bias must be \[8\]"),
+        (lambda: ops.sparse24_linear(torch.ones(2, 64, dtype=torch.float16), values, mma_meta), ValueError,
+         "x must have 32 features"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_sparse24_bad_calls())))
+def test_sparse24_linear_bad_arguments_name_the_argument(case):
+    call, error, message = _sparse24_bad_calls()[case]
+    with pytest.raises(error, match=message):
+        call()
