@@ -55,6 +55,7 @@ def run(args) -> int:
         raise UsageError(f"--model {args.model} has no N:M sparse linear layers (prune it with --pattern 2:4 "
                          "or 4:8 first)")
     device, dtype = torch.device("cpu"), options.DTYPES[args.dtype]
+    cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]
     print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
           "backend | source |")
     print("|---:|---|---|---|---:|---:|---:|---:|---|---|")
@@ -69,6 +70,6 @@ def run(args) -> int:
             print(f"| {count} | {sparse.out_features}×{sparse.in_features} | {args.dtype} | {pattern} | "
                   f"{count_tokens} | {entry.get('kernel_ms', '')} | {entry.get('dense_ms', '')} | "
                   f"{entry.get('sparse_speedup_vs_dense', '')} | {entry['backend']} | {source} |")
-    print(f"[{tuning.COST['cases']} cases measured in {tuning.COST['seconds']:.2f} s, "
+    print(f"[{tuning.COST['cases'] - cases} cases measured in {tuning.COST['seconds'] - seconds:.2f} s, "
           f"{torch.get_num_threads()} threads; cache {dispatch.cache_path(device)}]")
     return 0
