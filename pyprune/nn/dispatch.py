@@ -142,7 +142,11 @@ def environment(device: torch.device) -> Dict:
 
 def cache_root() -> str:
     """``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune`` (the root ``pyprune.inputs`` uses too)."""
-    root = os.environ.get("PYPRUNE_CACHE")
+    return _cache_root(os.environ.get("PYPRUNE_CACHE"))
+
+
+@lru_cache(maxsize=8)
+def _cache_root(root: Optional[str]) -> str:  # memoised: SparseLinear asks on every auto forward
     return os.path.abspath(os.path.expanduser(root)) if root else \
         os.path.join(os.path.expanduser("~"), ".cache", "pyprune")
 

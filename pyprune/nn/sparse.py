@@ -188,7 +188,7 @@ class SparseLinear(nn.Module):
             return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
         if name == "auto":  # remembered per case: a decode step is short, the lookup is not free
             case = (x.device, x.dtype, dispatch.token_bucket(tokens), dispatch.table_path(),
-                    dispatch.cache_path(x.device))
+                    dispatch.cache_root(), torch.get_num_threads())  # what else picks the cache file
             name = self._choices.get(case)
             if name is None:
                 name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
