@@ -25,7 +25,7 @@ from . import dispatch
 #: ``PYPRUNE_TUNE=0`` turns on-the-fly tuning off; ``1`` (the default) on.
 SWITCH = "PYPRUNE_TUNE"
 #: Rounds of a measurement: at least MIN_ROUNDS, more while within BUDGET_S, at most MAX_ROUNDS.
-MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 9, 0.25
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 5, 15, 0.25
 #: A measurement of a "many"-token case times this many tokens (a bounded cost for long prompts).
 MAX_TIMED_TOKENS = 512
 

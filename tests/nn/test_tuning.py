@@ -42,6 +42,7 @@ def timings(monkeypatch, tmp_path):
             ratios = {name: state["speedup"] for name in ratios}
         return base, times, ratios
     monkeypatch.setattr(tuning, "interleaved", counted)
+    monkeypatch.setattr(tuning, "_announced", [])  # as in a fresh process
     return state
 
 
@@ -51,7 +52,7 @@ def _choose(layer, tokens=1, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("speedup,expected", [(2.0, "kernel"), (1.0, "dense")])
-def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected):
+def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected, capsys):
     timings["speedup"] = speedup
     layer = _layer()
     assert _choose(layer) == expected and timings["calls"] == 1
@@ -65,6 +66,8 @@ def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected
     with torch.no_grad():  # and the layer computes the same either way
         x = torch.randn(2, 64)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    err = capsys.readouterr().err  # two cases timed, announced once with where the answers go
+    assert err.count("pyprune: timing SparseLinear kernel vs dense") == 1 and dispatch.cache_path(CPU) in err
 
 
 def test_cache_file_is_replaced_atomically_and_read_back(timings, monkeypatch):
