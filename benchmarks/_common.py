@@ -43,27 +43,6 @@ def timed(fn, device, repeat):
     return min(times)
 
 
-def interleaved(baseline, candidates, repeat):
-    """Median seconds of ``baseline()`` and of each of ``candidates`` ({name: fn}), run in turn
-    ``repeat`` times after one warm-up each, plus each candidate's median per-round speedup over
-    the baseline: the rounds interleave, so a neighbour's load hits both sides alike (CPU)."""
-    baseline()
-    for fn in candidates.values():
-        fn()
-    base, times, ratios = [], {name: [] for name in candidates}, {name: [] for name in candidates}
-    for _ in range(repeat):
-        begin = time.perf_counter()
-        baseline()
-        base.append(time.perf_counter() - begin)
-        for name, fn in candidates.items():
-            begin = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - begin)
-            ratios[name].append(base[-1] / times[name][-1])
-    return (statistics.median(base), {name: statistics.median(t) for name, t in times.items()},
-            {name: statistics.median(r) for name, r in ratios.items()})
-
-
 def cpu_info():
     """The CPU's model, ISA flags that matter to the kernels, cache sizes and the load average."""
     info = {"model": platform.processor() or platform.machine(), "flags": [], "caches": {}}
@@ -89,17 +68,6 @@ def cpu_info():
     if hasattr(os, "getloadavg"):
         info["load_average"] = [round(v, 2) for v in os.getloadavg()]
     return info
-
-
-def last_level_cache_bytes(default=32 << 20):
-    """The largest CPU cache's size in bytes (``default`` where sysfs does not say)."""
-    sizes = []
-    for size in cpu_info()["caches"].values():
-        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        digits = size.rstrip("KM")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=default)
 
 
 def _nvidia_driver():

@@ -34,11 +34,11 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from _common import (environment, interleaved, last_level_cache_bytes, roofline, svg_line_plot, timed,
-                     write_atomic, write_json)
+from _common import environment, roofline, svg_line_plot, timed, write_atomic, write_json
 
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch
+from pyprune.nn.tuning import interleaved, last_level_cache_bytes
 
 GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336)]
 GPU_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]

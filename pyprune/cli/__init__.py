@@ -1,4 +1,4 @@
-"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, generate, demo.
+"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, generate, tune, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
@@ -11,6 +11,7 @@
     pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
                       --datasets austen moby_dick python --report continual.json
     pyprune generate --model pruned/ --prompt "It is a truth" --max-new-tokens 64
+    pyprune tune --model pruned/ --tokens 1 8 256
     pyprune demo
 
 A method's own options are flags once ``--method`` names it (``pyprune prune --method dress --help``).
@@ -23,11 +24,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import compare, continual, demo, evaluate, generate, options, prune, recover, robustness
+from . import compare, continual, demo, evaluate, generate, options, prune, recover, robustness, tune
 from .checks import UsageError
 
 #: one module per subcommand, each with ``COMMAND``, ``register(subparsers, method)`` and ``run(args)``
-SUBCOMMANDS = (prune, evaluate, compare, recover, robustness, continual, generate, demo)
+SUBCOMMANDS = (prune, evaluate, compare, recover, robustness, continual, generate, tune, demo)
 
 
 def build_parser(method: Optional[str] = None) -> argparse.ArgumentParser:

@@ -21,9 +21,10 @@ def register(sub, method) -> None:
                         help="replace the linears that are N:M sparse by SparseLinear before generating "
                              "(auto: 2:4, else 4:8, per layer; default off: the model as loaded)")
     parser.add_argument("--sparse-where", default="faster", choices=WHERE,
-                        help="faster (default): an N:M layer runs sparse only where this machine's dispatch "
-                             "table measured sparse faster than dense at 1 token, the others are (turned back "
-                             "into) nn.Linear; all: every N:M layer sparse")
+                        help="faster (default): an N:M layer runs sparse only where sparse measured faster than "
+                             "dense at 1 token on this machine (cache, shipped table, or timed on first use: "
+                             "see pyprune tune), the others are (turned back into) nn.Linear; all: every N:M "
+                             "layer sparse")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=sorted(options.DTYPES))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -34,7 +35,7 @@ def run(args) -> int:
     import torch
 
     from ..runtime.decode import greedy_generate
-    from ..nn import SparseLinear, densify_slower_, detect_pattern, sparsify_
+    from ..nn import SparseLinear, densify_slower_, detect_pattern, sparsify_, tuning
     checks.check_counts(args, ("max_new_tokens",), optional=("threads",))
     if not args.prompt.strip():
         raise UsageError("--prompt is empty; give the text to continue")
@@ -43,6 +44,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = steps.load(args)
+    cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]  # first-use tuning of this command
     faster_at = 1 if args.sparse_where == "faster" else None  # greedy decode of one sequence
     if faster_at is not None:
         densify_slower_(model, faster_at)
@@ -52,12 +54,16 @@ def run(args) -> int:
     dense_nm = sum(type(m) is torch.nn.Linear and detect_pattern(m.weight.detach()) is not None
                    for m in model.modules())
     prompt = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
+    tuned_before = tuning.COST["seconds"]
     run = greedy_generate(model, prompt, args.max_new_tokens)
+    tuned_during = tuning.COST["seconds"] - tuned_before
     print(tok.decode(prompt[0].tolist() + run.tokens[0].tolist(), skip_special_tokens=True))
     kinds = sorted({str(m.pattern) for m in sparse})
     print(f"[{args.max_new_tokens} new tokens; prefill of {prompt.shape[1]} prompt tokens "
           f"{run.prefill_s * 1e3:.1f} ms; decode {run.decode_tokens_per_s:.2f} tokens/s; "
           f"{len(sparse)} SparseLinear layers{' (' + ', '.join(kinds) + ')' if kinds else ''}, "
           f"{dense_nm} N:M layers as nn.Linear, "
-          f"{torch.get_num_threads()} threads]")
+          f"{torch.get_num_threads()} threads; first-use tuning {tuning.COST['cases'] - cases} cases "
+          f"{(tuning.COST['seconds'] - seconds) * 1e3:.0f} ms, {tuned_during * 1e3:.0f} ms of it inside the prefill and "
+          f"decode figures]")
     return 0

@@ -10,7 +10,8 @@
   ``faster_at``) and :func:`densify_slower_` to turn back the layers that do not.
 * :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only, and
   the same for a whole model's hidden channels (:func:`slice_hidden_channels_`).
-* :mod:`pyprune.nn.dispatch` — the measured table that picks SparseLinear's backend.
+* :mod:`pyprune.nn.dispatch` — the measured table and per-user cache that pick SparseLinear's backend;
+  :mod:`pyprune.nn.tuning` — measures a case on first use.
 """
 from .compact import (grouped_query_heads, keep_attention_heads_, keep_hidden_channels_, keep_mlp_channels_,
                       resize_block_)

@@ -6,18 +6,31 @@ A row is keyed by the machine (on a CPU: the instruction set the native kernels 
 model; on a GPU: its name), dtype, N:M pattern, weight-size bucket (out·in rounded up to a power
 of two) and token bucket (1, 2, 4, 8 — the CPU kernel's code paths — or ``many``), and names the
 sparse backend that measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear`` there,
-or ``dense``. Where no row matches, the layer runs dense (:data:`FALLBACK_BACKEND`): sparse is
-never chosen without a measurement saying it pays on this machine.
+or ``dense``.
+
+That table is a prior shipped with pyprune; measurements taken where pyprune runs override it. The
+per-user cache (``$PYPRUNE_CACHE/dispatch/<key>.json``, default cache root ``~/.cache/pyprune``)
+holds them, one file per environment (:func:`environment`: the machine key, torch and pyprune
+versions, thread count), so another CPU, torch, pyprune or thread count measures afresh. It is
+written by :func:`record` (under a file lock, atomically: concurrent tuners never leave a partial
+file and keep each other's answers) and filled by :mod:`pyprune.nn.tuning`. Where neither the cache
+nor the table has the case (and tuning is off or cannot run), the layer runs dense
+(:data:`FALLBACK_BACKEND`): sparse is never chosen without a measurement saying it pays here.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import platform
+import tempfile
 from functools import lru_cache
 from typing import Dict, Optional
 
 import torch
+
+from .. import __version__
 
 #: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
@@ -103,16 +116,115 @@ def table() -> Dict:
     return _load(table_path())
 
 
+def case_key(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int, in_features: int,
+             tokens: int) -> str:
+    """The table and cache key of a layer's forward of ``tokens`` tokens."""
+    return entry_key(device_key(device), dtype, pattern, shape_bucket(out_features, in_features),
+                     token_bucket(tokens))
+
+
 def lookup(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
            in_features: int, tokens: int) -> Optional[str]:
-    """The measured backend for this case, or None when the table has no row for it."""
-    entry = table().get("entries", {}).get(entry_key(
-        device_key(device), dtype, pattern, shape_bucket(out_features, in_features), token_bucket(tokens)))
+    """The measured backend for this case: the per-user cache's, else the shipped table's, else None."""
+    key = case_key(device, dtype, pattern, out_features, in_features, tokens)
+    entry = cached_entries(device).get(key) or table().get("entries", {}).get(key)
     return None if entry is None else entry["backend"]
 
 
-def sparse_pays(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int, in_features: int,
-                tokens: int) -> bool:
-    """Whether the table names a sparse backend for this case: a layer that would only run ``dense``
-    there is faster, and smaller in memory, left an nn.Linear."""
-    return lookup(device, dtype, pattern, out_features, in_features, tokens) not in (None, "dense")
+# -- the per-user cache of measurements ------------------------------------------------------------
+
+def environment(device: torch.device) -> Dict:
+    """What a measurement depends on besides the case: the machine key, torch and pyprune versions
+    and torch's thread count (more threads move the point where sparse pays)."""
+    return {"device": device_key(device), "torch": torch.__version__, "pyprune": __version__,
+            "threads": torch.get_num_threads()}
+
+
+def cache_root() -> str:
+    """``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune`` (the root ``pyprune.inputs`` uses too)."""
+    return _cache_root(os.environ.get("PYPRUNE_CACHE"))
+
+
+@lru_cache(maxsize=8)
+def _cache_root(root: Optional[str]) -> str:  # memoised: SparseLinear asks on every auto forward
+    return os.path.abspath(os.path.expanduser(root)) if root else \
+        os.path.join(os.path.expanduser("~"), ".cache", "pyprune")
+
+
+def cache_path(device: torch.device) -> str:
+    """The cache file of this environment: a name derived from every part of :func:`environment`."""
+    digest = hashlib.sha256(json.dumps(environment(device), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), "dispatch", f"{digest}.json")
+
+
+def _read_cache(path: str, env: Dict) -> Dict:
+    """The cache file's entries; an absent, unreadable or other environment's file holds none."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            payload = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(payload, dict) or payload.get("environment") != env:
+        return {}
+    entries = payload.get("entries")
+    return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("backend") in BACKENDS} \
+        if isinstance(entries, dict) else {}
+
+
+@lru_cache(maxsize=16)
+def _read_cache_version(path: str, env_json: str, stamp: tuple) -> Dict:
+    return _read_cache(path, json.loads(env_json))
+
+
+def cached_entries(device: torch.device) -> Dict:
+    """{case key: entry} measured in this environment (re-read when the file changes)."""
+    path = cache_path(device)
+    try:
+        info = os.stat(path)
+    except OSError:
+        return {}
+    return _read_cache_version(path, json.dumps(environment(device), sort_keys=True),
+                               (info.st_mtime_ns, info.st_size, info.st_ino))
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock on ``path + '.lock'`` (POSIX; elsewhere the atomic rename alone)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path + ".lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def record(device: torch.device, entries: Dict[str, Dict]) -> str:
+    """Add ``entries`` ({case key: entry with ``backend``}) to this environment's cache file:
+    under the lock the file is re-read, merged and replaced by a complete new file (written to a
+    temporary name beside it, then renamed), so readers never see a partial file and concurrent
+    writers keep each other's answers. Returns the file's path."""
+    for key, entry in entries.items():
+        if entry.get("backend") not in BACKENDS:
+            raise ValueError(f"entry {key!r}: backend must be one of {', '.join(BACKENDS)}; "
+                             f"got {entry.get('backend')!r}")
+    path, env = cache_path(device), environment(device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with _locked(path):
+        merged = dict(_read_cache(path, env), **entries)
+        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(path),
+                                             prefix=f".{os.path.basename(path)}.", suffix=".tmp", delete=False)
+        try:
+            with handle:
+                json.dump({"environment": env, "entries": dict(sorted(merged.items()))}, handle, indent=2)
+                handle.write("\n")
+            os.replace(handle.name, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle.name)
+            raise
+    return path

@@ -8,9 +8,12 @@ with the mask's exact n-of-m groups); every faster representation a backend need
 it, cached, and rebuilt when the values change in place or are replaced. Writes through
 ``values.data`` bypass the version counter: call :meth:`SparseLinear.invalidate` after them.
 
-Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` runs the sparse backend the
-dispatch table says measured at least 1.05x dense on this machine for the dtype, pattern, weight
-size and token count, and dense where it says so or has no row (:mod:`pyprune.nn.dispatch`):
+Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` runs the sparse backend
+measured at least 1.05x dense on this machine for the dtype, pattern, weight size and token count:
+the per-user cache's answer, else the shipped table's (:mod:`pyprune.nn.dispatch`); a CPU case
+neither answers is timed on first use, kernel against dense on the layer's own weights
+(:mod:`pyprune.nn.tuning`; ``PYPRUNE_TUNE=0`` turns that off, and it never runs under
+torch.compile), and dense runs where no measurement says sparse pays:
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
   C++ kernel: a GEMV over kept weights for <= 256 tokens (8 per pass), block-wise decompression
@@ -39,7 +42,7 @@ from .. import ops
 from ..ops.conventions import pack_mask, sparse24_mma_meta, unpack_mask
 from ..ops.linear import nm_linear_prechecked
 from ..patterns import NM, max_kept_per_group, parse
-from . import dispatch
+from . import dispatch, tuning
 
 #: The patterns ``sparsify_`` recognises in a weight when none is given, most hardware-friendly first.
 DETECTED_PATTERNS = (NM(2, 4), NM(4, 8))
@@ -185,11 +188,15 @@ class SparseLinear(nn.Module):
         if name == "auto" and torch.compiler.is_compiling():
             return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
         if name == "auto":  # remembered per case: a decode step is short, the lookup is not free
-            case = (x.device, x.dtype, dispatch.token_bucket(tokens), dispatch.table_path())
+            case = (x.device, x.dtype, dispatch.token_bucket(tokens), dispatch.table_path(),
+                    dispatch.cache_root(), torch.get_num_threads())  # what else picks the cache file
             name = self._choices.get(case)
             if name is None:
                 name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
-                                       self.in_features, tokens) or dispatch.FALLBACK_BACKEND
+                                       self.in_features, tokens)
+                if name is None and tuning.can_tune(x.device):
+                    name = self.tune(tokens)[0]["backend"]
+                name = name or dispatch.FALLBACK_BACKEND
                 if not self.supports(name, x):
                     name = dispatch.FALLBACK_BACKEND
                 self._choices[case] = name
@@ -197,6 +204,23 @@ class SparseLinear(nn.Module):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
         return name
+
+    def tune(self, tokens: int) -> Tuple[Dict, str]:
+        """Time ``kernel`` against ``dense`` on this layer's weights at ``tokens`` tokens (CPU) and
+        record the answer in the per-user cache: (the cache entry, the cache file's path). The dense
+        weight built for the timing is kept only when dense won."""
+        device, dtype = self.values.device, self.values.dtype
+        if device.type != "cpu":
+            raise ValueError(f"SparseLinear.tune measures CPU layers; this one is on {device.type}")
+        path = dispatch.cache_path(device)
+        tuning.announce(path)
+        kept = "dense" in self._cache
+        entry = tuning.measure(lambda x: self.forward_on("dense", x), lambda x: self.forward_on("kernel", x),
+                               tuning.timed_input(self.in_features, tokens, dtype, device))
+        if entry["backend"] != "dense" and not kept:
+            self._cache.pop("dense", None)
+        key = dispatch.case_key(device, dtype, str(self.pattern), self.out_features, self.in_features, tokens)
+        return entry, dispatch.record(device, {key: entry})
 
     def supports(self, name: str, x: Tensor) -> bool:
         return self.unsupported_reason(name, x) is None
@@ -233,7 +257,10 @@ class SparseLinear(nn.Module):
                     bias = None if self.bias is None else self.bias.to(dtype)
                     return ops.nm_linear(x.to(dtype), self.values.to(dtype), self.meta, self.n,
                                          self.m, bias)
-        name = self.choose_backend(x)
+        return self.forward_on(self.choose_backend(x), x)
+
+    def forward_on(self, name: str, x: Tensor) -> Tensor:
+        """The forward on backend ``name`` (chosen and checked by :meth:`choose_backend`)."""
         if name == "kernel":
             return nm_linear_prechecked(x, self.values, self.meta, self.n, self.m, self.bias)
         if name == "dense":
@@ -296,10 +323,17 @@ def _check_tokens(faster_at: Optional[int], allow_none: bool = True) -> Optional
 
 
 def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
-    """An nn.Linear or SparseLinear: sparse measured faster here at ``faster_at`` tokens (or no count given)."""
+    """An nn.Linear or SparseLinear: sparse measured faster here at ``faster_at`` tokens (or no count
+    given); a CPU case without a measurement is measured now (:meth:`SparseLinear.tune`)."""
+    if faster_at is None:
+        return True
     tensor = module.values if isinstance(module, SparseLinear) else module.weight
-    return faster_at is None or dispatch.sparse_pays(tensor.device, tensor.dtype, str(pattern), module.out_features,
-                                                     module.in_features, faster_at)
+    found = dispatch.lookup(tensor.device, tensor.dtype, str(pattern), module.out_features, module.in_features,
+                            faster_at)
+    if found is None and tuning.can_tune(tensor.device):
+        layer = module if isinstance(module, SparseLinear) else SparseLinear.from_dense(module, pattern)
+        found = layer.tune(faster_at)[0]["backend"]
+    return found not in (None, "dense")
 
 
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
@@ -309,9 +343,10 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
 
     ``pattern`` None detects 2:4, else 4:8, per layer; a given pattern converts exactly the layers
     that satisfy it. Layers named in ``skip`` (by the last part of their name) stay dense, as do
-    layers that satisfy no pattern, and with ``faster_at=T`` those for which the dispatch table has
-    no sparse backend measured faster than dense at T tokens per forward on this machine, dtype and
-    shape (T = batch size for decode): they would only run dense, at the memory of both forms.
+    layers that satisfy no pattern, and with ``faster_at=T`` those for which no sparse backend
+    measured faster than dense at T tokens per forward on this machine, dtype and shape (cache,
+    table, or a first-use measurement on a CPU; T = batch size for decode): they would only run
+    dense, at the memory of both forms.
     Returns {qualified name: pattern} of the replaced layers.
     """
     candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
@@ -330,8 +365,8 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
 
 
 def densify_slower_(model: nn.Module, faster_at: int) -> Dict[str, str]:
-    """Turn back into nn.Linear, in place, every SparseLinear of ``model`` that the dispatch table
-    says runs no faster than dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint
+    """Turn back into nn.Linear, in place, every SparseLinear of ``model`` that measured (cache,
+    table or first use, as in :func:`sparsify_`) no faster than dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint
     on a machine where a layer does not pay). Returns {qualified name: pattern} of those layers."""
     _check_tokens(faster_at, allow_none=False)
     slower = {name: module for name, module in model.named_modules()

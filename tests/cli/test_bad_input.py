@@ -185,6 +185,10 @@ CASES = [
      r"config.json is not a valid model config", {}),
     ("generate-device-missing", ["generate", "--model", "{tiny}", "--prompt", "hello", "--device", NO_DEVICE],
      rf"--device {NO_DEVICE}", {}),
+    ("tune-tokens-0", ["tune", "--model", "{tiny}", "--tokens", "8", "0"], r"--tokens must be token counts >= 1",
+     {}),
+    ("tune-threads-0", ["tune", "--model", "{tiny}", "--threads", "0"], r"--threads must be >= 1; got 0", {}),
+    ("tune-garbage-config", ["tune", "--model", "{garbage-config}"], r"config.json is not a valid model config", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
 ]

@@ -305,3 +305,55 @@ def test_bad_generate_arguments(tmp_path, capsys, args, message):
     assert cli.main(["generate", "--model", str(tmp_path / "never-loaded")] + args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny_model_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """``pyprune tune`` on a saved 2:4 model measures each (weight-size bucket, token bucket) once,
+    even with on-the-fly tuning off; a second run reads the cache; ``generate`` then times only what
+    the cache lacks, and says so."""
+    import json
+    import re
+
+    import torch
+
+    from pyprune.nn import dispatch
+    model_dir, _ = tiny_model_dir
+    output = tmp_path / "out"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(output), "--sparse-layers", "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:-1]]
+    # q/o 64x64, k/v 32x64, gate/up/down 128x64 and 64x128 (one bucket): 3 buckets x 2 token counts
+    assert sorted((r[0], r[1], r[4]) for r in rows) == sorted(
+        (count, shape, tokens) for count, shape in (("4", "64×64"), ("4", "32×64"), ("6", "128×64"))
+        for tokens in ("1", "3"))
+    assert {r[8] for r in rows} <= {"kernel", "dense"} and {r[9] for r in rows} == {"measured"}
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert lines[-1].startswith("[6 cases measured in")
+    entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
+    assert len(entries) == 6 and all(k.endswith(("|1", "|4")) and "|float32|2:4|" in k for k in entries)
+    assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
+    again = capsys.readouterr().out.strip().splitlines()
+    assert all(line.endswith("| cache |") for line in again[2:-1]) and "[0 cases measured" in again[-1]
+
+    monkeypatch.setenv("PYPRUNE_TUNE", "1")
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "no-table.json"))
+    assert cli.main(["generate", "--model", str(output), "--prompt", "the man was good", "--max-new-tokens",
+                     "2"]) == 0
+    speed = capsys.readouterr().out.strip().splitlines()[-1]
+    tuned = re.search(r"first-use tuning (\d+) cases (\d+) ms, (\d+) ms of it inside the prefill", speed)
+    assert tuned is not None, speed
+    entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
+    assert len(entries) == 6 + int(tuned[1]) and int(tuned[3]) <= int(tuned[2])
+
+
+def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
+    """Known only once loaded (the flags' checks are in test_bad_input): one error line after the progress."""
+    model_dir, _ = tiny_model_dir
+    assert cli.main(["tune", "--model", str(model_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"pyprune tune: error: --model {model_dir} has no N:M sparse linear layers (prune it "
+                       "with --pattern 2:4 or 4:8 first)"), err

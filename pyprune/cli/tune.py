@@ -1,0 +1,75 @@
+"""``pyprune tune``: measure, ahead of time, SparseLinear's kernel against dense for every N:M layer
+shape of a model on this CPU, print the table and keep it in the per-user cache that
+``SparseLinear(backend="auto")``, ``sparsify_(faster_at=...)`` and ``pyprune generate`` read
+(otherwise each case is measured the first time a layer meets it)."""
+from __future__ import annotations
+
+from . import checks, options, steps
+from .checks import UsageError
+
+COMMAND = "tune"
+
+
+def register(sub, method) -> None:
+    parser = sub.add_parser(COMMAND, help="measure sparse kernel vs dense for a model's N:M layer shapes on this "
+                                          "CPU and cache the answers")
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
+                        "directory (its SparseLinear layers included), or a model alias")
+    parser.add_argument("--tokens", nargs="+", type=int, default=None,
+                        help="token counts per forward to measure (default: every token bucket, "
+                             "1 2 4 ... 256; batch size for decode, prompt length for prefill)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(options.DTYPES),
+                        help="the dtype the model will run in (default float32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's; the answers are kept per thread count)")
+    parser.add_argument("--force", action="store_true", help="measure again the cases the cache already has")
+    parser.set_defaults(run=run, device="cpu")
+
+
+def run(args) -> int:
+    """Measure every (dtype, pattern, weight-size bucket, token bucket) of --model's N:M layers
+    the cache lacks (all with --force), on the first layer of each, and print them all."""
+    import torch
+
+    from ..nn import SparseLinear, detect_pattern, dispatch, tuning
+    checks.check_counts(args, (), optional=("threads",))
+    tokens = sorted(set(args.tokens or dispatch.TOKEN_BUCKETS))
+    if tokens[0] < 1:
+        raise UsageError(f"--tokens must be token counts >= 1; got {tokens[0]}")
+    checks.check_model(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = steps.load(args)
+    groups = {}  # (pattern, shape bucket) -> [representative layer, number of layers]
+    for module in model.modules():
+        if isinstance(module, SparseLinear):
+            pattern, layer = module.pattern, module
+        elif type(module) is torch.nn.Linear and (pattern := detect_pattern(module.weight.detach())) is not None:
+            layer = module
+        else:
+            continue
+        group = groups.setdefault((str(pattern), dispatch.shape_bucket(layer.out_features, layer.in_features)),
+                                  [layer, pattern, 0])
+        group[2] += 1
+    if not groups:
+        raise UsageError(f"--model {args.model} has no N:M sparse linear layers (prune it with --pattern 2:4 "
+                         "or 4:8 first)")
+    device, dtype = torch.device("cpu"), options.DTYPES[args.dtype]
+    cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]
+    print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
+          "backend | source |")
+    print("|---:|---|---|---|---:|---:|---:|---:|---|---|")
+    for layer, pattern, count in groups.values():
+        sparse = layer if isinstance(layer, SparseLinear) else SparseLinear.from_dense(layer, pattern)
+        for count_tokens in tokens:
+            key = dispatch.case_key(device, dtype, str(pattern), sparse.out_features, sparse.in_features,
+                                    count_tokens)
+            entry, source = dispatch.cached_entries(device).get(key), "cache"
+            if entry is None or args.force:
+                entry, source = sparse.tune(count_tokens)[0], "measured"
+            print(f"| {count} | {sparse.out_features}×{sparse.in_features} | {args.dtype} | {pattern} | "
+                  f"{count_tokens} | {entry.get('kernel_ms', '')} | {entry.get('dense_ms', '')} | "
+                  f"{entry.get('sparse_speedup_vs_dense', '')} | {entry['backend']} | {source} |")
+    print(f"[{tuning.COST['cases'] - cases} cases measured in {tuning.COST['seconds'] - seconds:.2f} s, "
+          f"{torch.get_num_threads()} threads; cache {dispatch.cache_path(device)}]")
+    return 0
