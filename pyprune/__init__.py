@@ -1,7 +1,7 @@
 """pyprune: kernels for pruning large language models, and the pruning methods built on them.
 
 The package is layered; a layer imports only the layers below it (checked by the import contract in
-``pyproject.toml``), from the bottom up: ``ops`` (kernels, backends, reference), ``patterns``,
+``pyproject.toml``), from the bottom up: ``files`` (cache root, atomic writes), ``ops`` (kernels, backends, reference), ``patterns``,
 ``nn`` (layers, model anatomy), ``io``, ``runtime``, ``inputs``, ``evaluation``, ``methods``,
 ``studies``, ``cli``. The names below load on first use, so ``import pyprune.ops`` loads the op
 library alone.

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..files import cache_root
 from ..io import storage
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
@@ -109,10 +110,7 @@ def _log(msg: str) -> None:
 
 def default_cache_dir() -> str:
     """The cache root: ``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune``."""
-    env = os.environ.get("PYPRUNE_CACHE")
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
-    return os.path.join(os.path.expanduser("~"), ".cache", "pyprune")
+    return cache_root()
 
 
 def _alias_list() -> str:

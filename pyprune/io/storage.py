@@ -1,9 +1,7 @@
 """How pyprune writes and reads the files it owns.
 
-* Atomic writes: every file or directory is written under a temporary name next to its target and
-  renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`make_temp_dir`). A temporary
-  name is ``.<target>.pyprune-tmp-<host>-<pid>-<random>``: the next write into the same directory
-  removes those whose process is gone (:func:`remove_stale`), never a live run's.
+* Atomic writes (:func:`atomic_path`, :func:`write_json`, :func:`make_temp_dir`) come from
+  :mod:`pyprune.files`, at the bottom of the package, and are re-exported here.
 * States and checkpoints are safetensors files whose JSON metadata holds the rest
   (:func:`save_state`, :func:`read_state_meta`, :func:`load_state`): nothing pyprune reads from a
   user path is unpickled. Each records the ``key`` of the run that made it (settings, model,
@@ -12,107 +10,23 @@
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import re
-import shutil
-import socket
-import uuid
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from ..files import atomic_path, make_temp_dir, remove_stale, temp_path, write_json
+
 __all__ = ["atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path", "save_state",
            "read_state_meta", "load_state", "check_key", "StateError"]
 
-_TAG = ".pyprune-tmp-"
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_TEMP_NAME = re.compile(rf"^\..+{re.escape(_TAG)}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-[0-9a-f]{{8}}$")
 _META = "pyprune"
 
 
 class StateError(ValueError):
     """A state or checkpoint file that is not one pyprune wrote, or one of another run."""
-
-
-# -- atomic writes ---------------------------------------------------------------------------------
-
-def temp_path(target: str) -> str:
-    """A fresh temporary name next to ``target`` that carries this process's PID."""
-    parent, base = os.path.split(os.path.abspath(os.fspath(target)))
-    return os.path.join(parent, f".{base}{_TAG}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale(directory: str) -> list:
-    """Remove the temporaries in ``directory`` left by pyprune processes of this host that are no
-    longer running; returns their paths."""
-    removed = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _TEMP_NAME.match(entry.name)
-        if match is None or match["host"] != _HOST or _alive(int(match["pid"])):
-            continue
-        _remove(entry.path)
-        removed.append(entry.path)
-    return removed
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-@contextlib.contextmanager
-def atomic_path(target: str) -> Iterator[str]:
-    """Yield a temporary path next to ``target`` to write; when the block ends it replaces
-    ``target`` (a file), and when it raises it is removed."""
-    target = os.fspath(target)
-    remove_stale(os.path.dirname(os.path.abspath(target)))
-    tmp = temp_path(target)
-    try:
-        yield tmp
-        os.replace(tmp, target)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def write_json(path: str, payload, **dump_options) -> None:
-    """Write ``payload`` as JSON to ``path`` atomically (``dump_options`` go to :func:`json.dump`)."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, **({"indent": 2} | dump_options))
-        handle.write("\n")
-
-
-def make_temp_dir(target: str) -> str:
-    """A new empty temporary directory next to ``target`` (stale ones of dead runs removed first)."""
-    parent = os.path.dirname(os.path.abspath(os.fspath(target)))
-    os.makedirs(parent, exist_ok=True)
-    remove_stale(parent)
-    path = temp_path(target)
-    os.mkdir(path)
-    return path
 
 
 # -- states and checkpoints --------------------------------------------------------------------------

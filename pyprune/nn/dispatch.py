@@ -24,13 +24,13 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from functools import lru_cache
 from typing import Dict, Optional
 
 import torch
 
 from .. import __version__
+from ..files import cache_root, write_json
 
 #: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
@@ -140,17 +140,6 @@ def environment(device: torch.device) -> Dict:
             "threads": torch.get_num_threads()}
 
 
-def cache_root() -> str:
-    """``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune`` (the root ``pyprune.inputs`` uses too)."""
-    return _cache_root(os.environ.get("PYPRUNE_CACHE"))
-
-
-@lru_cache(maxsize=8)
-def _cache_root(root: Optional[str]) -> str:  # memoised: SparseLinear asks on every auto forward
-    return os.path.abspath(os.path.expanduser(root)) if root else \
-        os.path.join(os.path.expanduser("~"), ".cache", "pyprune")
-
-
 def cache_path(device: torch.device) -> str:
     """The cache file of this environment: a name derived from every part of :func:`environment`."""
     digest = hashlib.sha256(json.dumps(environment(device), sort_keys=True).encode()).hexdigest()[:16]
@@ -216,15 +205,5 @@ def record(device: torch.device, entries: Dict[str, Dict]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with _locked(path):
         merged = dict(_read_cache(path, env), **entries)
-        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(path),
-                                             prefix=f".{os.path.basename(path)}.", suffix=".tmp", delete=False)
-        try:
-            with handle:
-                json.dump({"environment": env, "entries": dict(sorted(merged.items()))}, handle, indent=2)
-                handle.write("\n")
-            os.replace(handle.name, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(handle.name)
-            raise
+        write_json(path, {"environment": env, "entries": dict(sorted(merged.items()))})
     return path
