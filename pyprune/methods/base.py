@@ -116,8 +116,9 @@ class Method(ABC):
     def working_bytes(self, block: nn.Module) -> int:
         """Estimated memory this method needs for ``block`` beyond its weights and the calibration
         activations (:func:`pyprune.runtime.memory.prune_need`): an fp32 score and a mask of its largest
-        linear layer."""
-        return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
+        linear layer (an MoE's expert matrices among them)."""
+        with expert_linears(block, strict=False):
+            return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
 
     @abstractmethod
     def _prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
