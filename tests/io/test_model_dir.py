@@ -246,3 +246,18 @@ def test_a_checkpoint_in_the_model_s_own_names_still_loads(tmp_path):
     model.save_pretrained(tmp_path / "own", save_original_format=False)
     loaded, _ = pyprune.load(tmp_path / "own")
     assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_a_sparsified_moe_round_trips_with_its_experts_dense(tmp_path):
+    """sparsify_ turns an N:M-pruned Qwen2-MoE's nn.Linear layers (attention, shared expert) into
+    SparseLinear and leaves the fused experts as they are; save -> pyprune.load gives identical logits."""
+    from pyprune.nn import SparseLinear, sparsify_
+    from tests.helpers import tiny_decoder
+    model = tiny_decoder("qwen2_moe")
+    pyprune.prune(model, "wanda", "2:4", _calib(), progress=False)
+    replaced = sparsify_(model)
+    assert len(replaced) == 4 * 7 and not any("experts" in name or name.endswith("gate") for name in replaced)
+    pyprune.save(model, None, tmp_path / "sparse-moe")
+    loaded, _ = pyprune.load(tmp_path / "sparse-moe")
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, SparseLinear)
+    assert torch.equal(_logits(loaded), _logits(model))
