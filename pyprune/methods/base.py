@@ -192,7 +192,7 @@ class LayerwiseMaskMethod(BlockwiseMethod):
     can_accumulate = False
     _kept_stats: Optional[Dict[str, Any]] = None
     #: calibration tokens each layer's kept statistics cover (by qualified name), with ``_kept_stats``
-    _kept_tokens: Dict[str, int] = {}
+    _kept_tokens: Optional[Dict[str, int]] = None
 
     def accumulate_across_calls(self) -> "LayerwiseMaskMethod":
         """Keep this object's per-layer statistics and the dense weights between ``prune`` calls
@@ -222,7 +222,8 @@ class LayerwiseMaskMethod(BlockwiseMethod):
             self.prepare_block(ctx)
             linears = ctx.linears()
             stats = {name: self._layer_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
-            tokens = {name: self._kept_tokens.get(f"{ctx.name}.{name}", 0) for name in linears}
+            kept = self._kept_tokens or {}
+            tokens = {name: kept.get(f"{ctx.name}.{name}", 0) for name in linears}
 
             def observe(name, linear, x, y):
                 tokens[name] += x.numel() // x.shape[-1]
@@ -235,7 +236,7 @@ class LayerwiseMaskMethod(BlockwiseMethod):
                     self.prune_layer(linear, stats.pop(name), pattern)
                 else:  # an MoE expert no calibration token is routed to: no statistics, so by magnitude
                     apply_mask(linear, pattern.weight_mask(linear.weight))
-            if self._kept_stats is not None:
+            if self._kept_tokens is not None:
                 self._kept_tokens.update({f"{ctx.name}.{name}": count for name, count in tokens.items()})
             if self.propagate == "dense":
                 ctx.next_inputs = outputs

@@ -152,3 +152,26 @@ def test_the_other_block_wise_methods_prune_every_expert_matrix_through_the_engi
             assert bool(((weight.reshape(-1, 4) == 0).sum(dim=1) == 2).all())
     assert all(torch.equal(model.get_parameter(name), weight) for name, weight in routers.items())
     assert report["nm_valid"]["2:4"] and report["sparsity"] == 0.5
+
+
+def test_accumulated_statistics_of_an_expert_outlive_a_call_that_does_not_reach_it():
+    """Wanda accumulating across calls: the second call routes every token to experts 0 and 1, so
+    experts 2 and 3 keep the statistics of the first call (no magnitude fallback) and their masks."""
+    from pyprune.methods.wanda import Wanda
+    model = tiny_decoder("mixtral")
+    wanda = Wanda().accumulate_across_calls()
+    pyprune.prune(model, wanda, "2:4", random_tokens((4, 24)), batch_size=2, progress=False)
+    first = {i: [block.mlp.experts.gate_up_proj[e].clone() for e in range(4)]
+             for i, block in enumerate(decoder_blocks(model))}
+
+    def only_first_two(module, args, output):
+        logits, scores, indices = output
+        return logits, scores, torch.tensor([0, 1]).expand_as(indices)
+
+    for block in decoder_blocks(model):
+        block.mlp.gate.register_forward_hook(only_first_two)
+    report = pyprune.prune(model, wanda, "2:4", random_tokens((4, 24), seed=1), batch_size=2, progress=False)
+    assert report["magnitude_fallback"]["layers"] == 0
+    for i, block in enumerate(decoder_blocks(model)):
+        assert all(torch.equal(block.mlp.experts.gate_up_proj[e], first[i][e]) for e in (2, 3))
+        assert not all(torch.equal(block.mlp.experts.gate_up_proj[e], first[i][e]) for e in (0, 1))
