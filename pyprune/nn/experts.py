@@ -81,6 +81,10 @@ class ExpertLinears(nn.ModuleList):
         object.__setattr__(self, "act_fn", fused.act_fn)  # not a child: the list holds experts only
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if top_k_index.is_floating_point() or not top_k_weights.is_floating_point():
+            raise TypeError("fused experts called with (hidden_states, top_k_index, top_k_weights) of dtypes "
+                            f"{hidden_states.dtype}, {top_k_index.dtype}, {top_k_weights.dtype}; pyprune reproduces "
+                            "experts called with integer expert indices and float routing weights in that order")
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             routed = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)

@@ -64,3 +64,12 @@ def test_a_fused_layout_pyprune_does_not_reproduce_is_refused_in_one_line():
     assert fused_experts(block, strict=False) == {}
     with expert_linears(block, strict=False):
         assert set(unpruned_matrices(block)) >= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+
+
+def test_the_expert_view_refuses_a_call_in_another_order():
+    """A family calling its experts as (hidden, weights, indices) would be misrouted: refused instead."""
+    view = ExpertLinears(decoder_blocks(tiny_decoder("mixtral"))[0].mlp.experts)
+    hidden, indices, weights = torch.randn(5, 64), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2)
+    assert view(hidden, indices, weights).shape == (5, 64)
+    with pytest.raises(TypeError, match="integer expert indices and float routing weights in that order"):
+        view(hidden, weights, indices)
