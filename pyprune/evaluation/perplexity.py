@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..nn.anatomy import (block_linears, block_prefix, block_store, decoder_blocks, resident_blocks,
                           unpruned_matrices)
+from ..nn.experts import expert_linears
 from ..nn.layout import block_layout, check_llama_block
 from ..nn.sliced import SlicedLinear
 from ..nn.sparse import SparseLinear
@@ -56,25 +57,27 @@ def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int
 
 
 def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) -> Dict:
-    """Measured sparsity of every prunable linear layer in the decoder blocks and overall, whether
-    each layer satisfies the given N:M patterns, and the block matrices no linear-layer method
-    prunes (``left_dense``: an MoE's fused experts and routers, with their parameter count), which
-    the sparsity does not cover."""
+    """Measured sparsity of every prunable linear layer in the decoder blocks (an MoE's fused experts
+    as one layer per expert matrix, ``...mlp.experts.3.gate_up_proj``) and overall, whether each
+    layer satisfies the given N:M patterns, and the block matrices no linear-layer method prunes
+    (``left_dense``: routers, and fused experts of a layout pyprune does not reproduce, with their
+    parameter count), which the sparsity does not cover."""
     prefix = block_prefix(model)
     layers, zeros, total, left_dense = [], 0, 0, {}
     for index, block in resident_blocks(model):
-        left_dense.update({f"{prefix}.{index}.{name}": size for name, size in unpruned_matrices(block).items()})
-        for name, module in block_linears(block).items():
-            nonzero = module.weight.detach() != 0
-            layer_zeros = int(nonzero.numel() - nonzero.sum())
-            zeros += layer_zeros
-            total += nonzero.numel()
-            layers.append({
-                "name": f"{prefix}.{index}.{name}",
-                "shape": list(module.weight.shape),
-                "sparsity": layer_zeros / nonzero.numel(),
-                "nm_valid": {f"{n}:{m}": NM(n, m).fits(nonzero) for n, m in nm},
-            })
+        with expert_linears(block, strict=False):  # fused MoE experts measured one expert matrix at a time
+            left_dense.update({f"{prefix}.{index}.{name}": size for name, size in unpruned_matrices(block).items()})
+            for name, module in block_linears(block).items():
+                nonzero = module.weight.detach() != 0
+                layer_zeros = int(nonzero.numel() - nonzero.sum())
+                zeros += layer_zeros
+                total += nonzero.numel()
+                layers.append({
+                    "name": f"{prefix}.{index}.{name}",
+                    "shape": list(module.weight.shape),
+                    "sparsity": layer_zeros / nonzero.numel(),
+                    "nm_valid": {f"{n}:{m}": NM(n, m).fits(nonzero) for n, m in nm},
+                })
     return {"sparsity": zeros / total if total else 0.0, "parameters": total, "layers": layers,
             "left_dense": {"tensors": sorted(left_dense), "parameters": sum(left_dense.values())},
             "nm_valid": {f"{n}:{m}": all(layer["nm_valid"][f"{n}:{m}"] for layer in layers) for n, m in nm}}

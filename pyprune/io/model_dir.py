@@ -23,6 +23,7 @@ last, and the directory is renamed into place. A failure leaves no output direct
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -219,7 +220,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
         for block, layout in zip(blocks, layers):
             compact.resize_block_(block, layout)
     sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {})
-    _load_strict(model, state, directory)
+    _load_strict(model, _model_names(model, state), directory)
     model.to(device)
     model.eval()
     tokenizer = None
@@ -227,6 +228,34 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
+
+
+def _model_names(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The checkpoint ``state`` under the model's own parameter names: transformers 5 saves some
+    families in their original checkpoint format (an MoE's fused experts as one tensor per expert,
+    ``...experts.0.w1.weight``) and converts them on load; the same conversions, which transformers
+    declares for the model's class, are applied here. Names already the model's pass unchanged."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4 saves the model's own names
+        return state
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of = {source: converter for converter in converters for source in converter.source_patterns}
+    own = model.state_dict()
+    converted, merged = {}, {}
+    for key, tensor in state.items():
+        name, source = rename_source_key(key, renamings, converters, model.base_model_prefix, own)
+        if source is None:
+            converted[name] = tensor
+        else:  # one converter per target gathers its source tensors (e.g. every expert's w1 and w3)
+            merged.setdefault(name, copy.deepcopy(converter_of[source])).add_tensor(name, key, source, tensor)
+    for first, converter in merged.items():
+        for name, value in converter.convert(first, model=model, config=model.config).items():
+            converted[name] = value[0] if isinstance(value, list) else value
+    return converted
 
 
 @torch.no_grad()

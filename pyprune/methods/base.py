@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
+from ..nn.experts import expert_linears, fused_experts
 from ..runtime import engine, memory
 from ..patterns import NM, Pattern, Unstructured
 from .options import Option, collect, resolve
@@ -83,11 +84,17 @@ class Method(ABC):
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")
-        if isinstance(pattern, NM):
-            prefix = engine.block_prefix(model)
-            for index, block in enumerate(engine.decoder_blocks(model)):
-                for name, linear in engine.block_linears(block).items():
-                    pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
+        prefix = engine.block_prefix(model)
+        for index, block in enumerate(engine.decoder_blocks(model)):
+            experts = fused_experts(block, where=f"{prefix}.{index}")  # refuses a layout pyprune cannot prune
+            if experts and not isinstance(pattern, (Unstructured, NM)):
+                raise ValueError(f"method {self.name!r} cannot prune an MoE model ({prefix}.{index}."
+                                 f"{next(iter(experts))}): structured pruning of experts is not supported; "
+                                 "MoE models take unstructured or N:M patterns")
+            if isinstance(pattern, NM):
+                with expert_linears(block, where=f"{prefix}.{index}"):
+                    for name, linear in engine.block_linears(block).items():
+                        pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
 
     def check_calibration(self, calib: Optional[Tensor]) -> None:
         """Reject missing or misshapen calibration tokens of a method that needs them."""
@@ -109,8 +116,9 @@ class Method(ABC):
     def working_bytes(self, block: nn.Module) -> int:
         """Estimated memory this method needs for ``block`` beyond its weights and the calibration
         activations (:func:`pyprune.runtime.memory.prune_need`): an fp32 score and a mask of its largest
-        linear layer."""
-        return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
+        linear layer (an MoE's expert matrices among them)."""
+        with expert_linears(block, strict=False):
+            return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
 
     @abstractmethod
     def _prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor], *,
@@ -151,7 +159,9 @@ class BlockwiseMethod(Method):
 
 class LayerwiseMaskMethod(BlockwiseMethod):
     """Unstructured / N:M methods that prune each linear layer of each block from statistics
-    of that layer's calibration inputs (the layer-wise engine)."""
+    of that layer's calibration inputs (the layer-wise engine). An MoE expert matrix sees the tokens
+    routed to its expert; one that no calibration token reaches is pruned by magnitude instead, and
+    the report's ``magnitude_fallback`` counts and names them."""
 
     patterns = (Unstructured, NM)
 
@@ -181,6 +191,8 @@ class LayerwiseMaskMethod(BlockwiseMethod):
     #: (:meth:`accumulate_across_calls`)
     can_accumulate = False
     _kept_stats: Optional[Dict[str, Any]] = None
+    #: calibration tokens each layer's kept statistics cover (by qualified name), with ``_kept_stats``
+    _kept_tokens: Optional[Dict[str, int]] = None
 
     def accumulate_across_calls(self) -> "LayerwiseMaskMethod":
         """Keep this object's per-layer statistics and the dense weights between ``prune`` calls
@@ -194,7 +206,7 @@ class LayerwiseMaskMethod(BlockwiseMethod):
                              "so it cannot accumulate them across calls")
         self.keeps_state = True
         self.offload_refusal = "it keeps every layer's dense weights across calls (accumulate_across_calls)"
-        self._kept_stats, self._dense_weights = {}, {}
+        self._kept_stats, self._dense_weights, self._kept_tokens = {}, {}, {}
         return self
 
     def _layer_stats(self, name: str, linear: nn.Linear):
@@ -206,19 +218,35 @@ class LayerwiseMaskMethod(BlockwiseMethod):
         return self._kept_stats[name]
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        def process(ctx: engine.BlockContext) -> None:
+        def process(ctx: engine.BlockContext) -> Dict:
             self.prepare_block(ctx)
             linears = ctx.linears()
             stats = {name: self._layer_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
-            outputs = ctx.capture(lambda name, linear, x, y: self.update(stats[name], x, y))
+            kept = self._kept_tokens or {}
+            tokens = {name: kept.get(f"{ctx.name}.{name}", 0) for name in linears}
+
+            def observe(name, linear, x, y):
+                tokens[name] += x.numel() // x.shape[-1]
+                self.update(stats[name], x, y)
+
+            outputs = ctx.capture(observe)
+            unreached = [name for name in linears if tokens[name] == 0]
             for name, linear in linears.items():
-                self.prune_layer(linear, stats.pop(name), pattern)
+                if tokens[name]:
+                    self.prune_layer(linear, stats.pop(name), pattern)
+                else:  # an MoE expert no calibration token is routed to: no statistics, so by magnitude
+                    apply_mask(linear, pattern.weight_mask(linear.weight))
+            if self._kept_tokens is not None:
+                self._kept_tokens.update({f"{ctx.name}.{name}": count for name, count in tokens.items()})
             if self.propagate == "dense":
                 ctx.next_inputs = outputs
+            return {"magnitude_fallback": [f"{ctx.name}.{name}" for name in unreached]}
 
-        engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
-                             desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
-        return {"scope": getattr(pattern, "scope", None)}
+        blocks = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
+                                      desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
+        fallback = [name for block in blocks for name in (block or {}).get("magnitude_fallback", [])]
+        return {"scope": getattr(pattern, "scope", None),
+                "magnitude_fallback": {"layers": len(fallback), "names": fallback}}
 
 
 @torch.no_grad()

@@ -1,6 +1,8 @@
-"""Magnitude pruning: keep the largest |W| per row (or per layer), or n of every m."""
+"""Magnitude pruning: keep the largest |W| per row (or per layer), or n of every m (MoE experts:
+each expert matrix alone, :func:`pyprune.nn.experts.expert_linears`)."""
 from __future__ import annotations
 
+from ..nn.experts import expert_linears
 from ..runtime import engine
 from ..patterns import NM, Unstructured
 from .base import Method, apply_mask
@@ -14,6 +16,7 @@ class Magnitude(Method):
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         for _, block in engine.resident_blocks(model, write=True):
-            for linear in engine.block_linears(block).values():
-                apply_mask(linear, pattern.weight_mask(linear.weight))
+            with expert_linears(block):
+                for linear in engine.block_linears(block).values():
+                    apply_mask(linear, pattern.weight_mask(linear.weight))
         return {"scope": getattr(pattern, "scope", None)}

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..nn.experts import expert_linears
 from ..runtime import engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
@@ -51,8 +52,10 @@ class SparseGPT(LayerwiseMaskMethod):
 
     def working_bytes(self, block):
         """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
-        largest layer an fp32 copy of W with its swept block and H⁻¹ with its Cholesky factor."""
-        linears = engine.block_linears(block).values()
+        largest layer an fp32 copy of W with its swept block and H⁻¹ with its Cholesky factor (an MoE's
+        expert matrices each a layer)."""
+        with expert_linears(block, strict=False):
+            linears = list(engine.block_linears(block).values())
         hessians = sum(4 * linear.in_features ** 2 for linear in linears)
         return hessians + max(8 * linear.weight.numel() + 8 * linear.in_features ** 2 for linear in linears)
 

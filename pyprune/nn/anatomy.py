@@ -85,8 +85,9 @@ def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
 
 def unpruned_matrices(block: nn.Module) -> Dict[str, int]:
     """The matrices of a block that no linear-layer method prunes, by name, with their sizes: an MoE
-    block's experts stored as fused 3-D parameters and its routers (the report names them, so that
-    a model's measured sparsity is never mistaken for the whole block's)."""
+    block's routers, and outside :func:`pyprune.nn.experts.expert_linears` (or for a layout it does
+    not reproduce) its experts stored as fused 3-D parameters (the report names them, so that a
+    model's measured sparsity is never mistaken for the whole block's)."""
     pruned = {id(linear.weight) for linear in block_linears(block).values()}
     return {name: parameter.numel() for name, parameter in block.named_parameters()
             if parameter.dim() >= 2 and id(parameter) not in pruned}

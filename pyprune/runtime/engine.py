@@ -30,6 +30,7 @@ from ..io import storage
 from .checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from ..nn.anatomy import (BLOCK_STORE, block_linears, block_prefix, block_store, decoder_blocks, first_tensor,
                            resident_blocks)
+from ..nn.experts import expert_linears
 
 
 class _BlockInputsCaptured(Exception):
@@ -219,6 +220,8 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
                   checkpoint: Optional[BlockCheckpoint] = None) -> List:
     """Layer-wise pruning: ``process_block(ctx)`` prunes each block in turn (and may return
     details, JSON-serialisable); the next block sees the outputs of the pruned blocks before it.
+    During ``process_block`` an MoE block's fused experts are one linear per expert matrix
+    (:func:`pyprune.nn.experts.expert_linears`), whose hooks see the tokens routed to that expert.
     With ``checkpoint``, finished blocks are saved and a rerun resumes. An offloaded model's blocks
     (:mod:`pyprune.io.offload`) are read one at a time and written back when done. Returns every
     block's details."""
@@ -239,7 +242,8 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
                     ctx.next_inputs = ctx.forward()
                 checkpoint.restore(blocks[index], index)
             else:
-                details.append(process_block(ctx))
+                with expert_linears(blocks[index], where=ctx.name):  # fused MoE experts as one linear each
+                    details.append(process_block(ctx))
                 if checkpoint is not None:
                     checkpoint.save(index, blocks[index], details)
             inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()

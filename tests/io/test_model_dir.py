@@ -209,3 +209,55 @@ def test_smollm2_pruned_round_trip(tmp_path, uniform, smollm2_copy):
         assert torch.equal(loaded(input_ids=tokens).logits, expected)
         if uniform:
             assert torch.equal(_from_pretrained(tmp_path / "out")(input_ids=tokens).logits, expected)
+
+
+#: a checkpoint key transformers 5 writes for expert 0 of block 0 (its original format), per MoE family
+_SAVED_EXPERT_KEY = {"mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                     "qwen2_moe": "model.layers.0.mlp.experts.0.gate_proj.weight"}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_pruned_moe_round_trips_through_load_and_from_pretrained(tmp_path, family):
+    """save_pretrained writes the fused experts one tensor per expert (the family's original names);
+    pyprune.load converts them back as transformers does, so both loaders give identical logits and
+    the experts keep their 2:4 pattern."""
+    from safetensors import safe_open
+
+    from pyprune.evaluation.perplexity import sparsity_report
+    from tests.helpers import tiny_decoder
+    model = tiny_decoder(family)
+    pyprune.prune(model, "wanda", "2:4", _calib(), progress=False)
+    pyprune.save(model, None, tmp_path / "moe")
+    with safe_open(str(tmp_path / "moe" / "model.safetensors"), framework="pt") as handle:
+        assert _SAVED_EXPERT_KEY[family] in handle.keys()
+    loaded, _ = pyprune.load(tmp_path / "moe")
+    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(_logits(_from_pretrained(tmp_path / "moe")), _logits(model))
+    for got, want in zip(loaded.state_dict().items(), model.state_dict().items()):
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    report = sparsity_report(loaded)
+    assert report["nm_valid"]["2:4"] and any(".mlp.experts.3.down_proj" in layer["name"] for layer in report["layers"])
+
+
+def test_a_checkpoint_in_the_model_s_own_names_still_loads(tmp_path):
+    """Weights saved without transformers' conversion (fused experts under their model names) load as they are."""
+    from tests.helpers import tiny_decoder
+    model = tiny_decoder("mixtral")
+    model.save_pretrained(tmp_path / "own", save_original_format=False)
+    loaded, _ = pyprune.load(tmp_path / "own")
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_a_sparsified_moe_round_trips_with_its_experts_dense(tmp_path):
+    """sparsify_ turns an N:M-pruned Qwen2-MoE's nn.Linear layers (attention, shared expert) into
+    SparseLinear and leaves the fused experts as they are; save -> pyprune.load gives identical logits."""
+    from pyprune.nn import SparseLinear, sparsify_
+    from tests.helpers import tiny_decoder
+    model = tiny_decoder("qwen2_moe")
+    pyprune.prune(model, "wanda", "2:4", _calib(), progress=False)
+    replaced = sparsify_(model)
+    assert len(replaced) == 4 * 7 and not any("experts" in name or name.endswith("gate") for name in replaced)
+    pyprune.save(model, None, tmp_path / "sparse-moe")
+    loaded, _ = pyprune.load(tmp_path / "sparse-moe")
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, SparseLinear)
+    assert torch.equal(_logits(loaded), _logits(model))
