@@ -22,11 +22,12 @@ import uuid
 from functools import lru_cache
 from typing import Iterator, Optional
 
-__all__ = ["cache_root", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path"]
+__all__ = ["cache_root", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path", "TEMP_TAG"]
 
-_TAG = ".pyprune-tmp-"
+#: what every temporary name pyprune writes contains
+TEMP_TAG = ".pyprune-tmp-"
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_TEMP_NAME = re.compile(rf"^\..+{re.escape(_TAG)}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-[0-9a-f]{{8}}$")
+_TEMP_NAME = re.compile(rf"^\..+{re.escape(TEMP_TAG)}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-[0-9a-f]{{8}}$")
 
 
 def cache_root() -> str:
@@ -43,7 +44,7 @@ def _cache_root(root: Optional[str]) -> str:  # memoised: SparseLinear asks on e
 def temp_path(target: str) -> str:
     """A fresh temporary name next to ``target`` that carries this process's PID."""
     parent, base = os.path.split(os.path.abspath(os.fspath(target)))
-    return os.path.join(parent, f".{base}{_TAG}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent, f".{base}{TEMP_TAG}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import pyprune
 from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
+from pyprune.files import TEMP_TAG
 from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
 
 
@@ -223,7 +224,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(files, case, capsys,
     assert re.search(message, err), err
     assert err.startswith(f"pyprune {argv[0]}: error: ")
     assert _snapshot(files) == before
-    assert not list(files.rglob(f"*{storage._TAG}*"))
+    assert not list(files.rglob(f"*{TEMP_TAG}*"))
 
 
 def test_the_table_covers_every_subcommand():
