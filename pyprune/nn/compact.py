@@ -24,13 +24,15 @@ the outputs of o/down_proj and the input of lm_head. Heads, ``head_dim`` and MLP
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .layout import (HIDDEN_READERS, HIDDEN_WRITERS, Indices, block_layout, checked_index, config_accepts,
-                     head_dim, hidden_index, hidden_stream)
+from .families import Family, channel_rows, head_rows
+from .layout import (HIDDEN_READERS, HIDDEN_WRITERS, Indices, block_layout, check_block, checked_index,
+                     config_accepts, head_counts, head_dim, hidden_index, hidden_stream)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
@@ -70,26 +72,42 @@ def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional
     return new
 
 
-def _head_rows(heads: Tensor, hd: int) -> Tensor:
-    return (heads[:, None] * hd + torch.arange(hd)[None, :]).flatten()
+def _replace(block: nn.Module, name: str, linear: nn.Linear) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(block.get_submodule(parent) if parent else block, child, linear)
 
 
-def _set_head_counts(attn: nn.Module, heads: int, kv_heads: int) -> None:
+def _kept_rows(parts, kept: Dict[str, Tensor]) -> Tensor:
+    """The rows of the kept heads/channels among ``parts`` ((role, [n, width]) pairs), part after part."""
+    return torch.cat([index[kept[role]].flatten() for role, index in parts])
+
+
+def _set_head_counts(family: Family, attn: nn.Module, heads: int, kv_heads: int) -> None:
+    """Tell ``attn`` its new head counts; a family whose forward reads them from the config
+    (Phi-3) gets a config of its own stating them."""
     attn.num_key_value_groups = heads // kv_heads
     for name, value in (("num_heads", heads), ("num_attention_heads", heads),
                         ("num_key_value_heads", kv_heads), ("num_kv_heads", kv_heads)):
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, value)
+    if family.heads_from_config and (attn.config.num_attention_heads, attn.config.num_key_value_heads) \
+            != (heads, kv_heads):
+        attn.config = copy.copy(attn.config)
+        attn.config.num_attention_heads, attn.config.num_key_value_heads = heads, kv_heads
 
 
 @torch.no_grad()
 def keep_mlp_channels_(block: nn.Module, index: Indices) -> None:
-    """Keep only MLP channels ``index`` (rows of gate/up_proj, columns of down_proj), in that order."""
-    mlp = block.mlp
-    index = checked_index(index, mlp.gate_proj.out_features, "keep_mlp_channels_")
-    mlp.gate_proj = _copied_linear(mlp.gate_proj, rows=index)
-    mlp.up_proj = _copied_linear(mlp.up_proj, rows=index)
-    mlp.down_proj = _copied_linear(mlp.down_proj, cols=index)
+    """Keep only MLP channels ``index`` (rows of the input linears, e.g. gate/up_proj, each part of
+    a fused gate_up, OPT's fc1; columns of the output linear), in that order."""
+    family = check_block(block)
+    channels = block.get_submodule(family.mlp_out).in_features
+    index = checked_index(index, channels, "keep_mlp_channels_")
+    for name, parts in channel_rows(family, channels).items():
+        rows = _kept_rows([("ch", part[:, None]) for part in parts], {"ch": index})
+        _replace(block, name, _copied_linear(block.get_submodule(name), rows=rows))
+    _replace(block, family.mlp_out, _copied_linear(block.get_submodule(family.mlp_out), cols=index))
+    mlp = block.get_submodule(family.mlp_out.rpartition(".")[0])
     if isinstance(getattr(mlp, "intermediate_size", None), int):
         mlp.intermediate_size = index.numel()
 
@@ -100,7 +118,7 @@ def grouped_query_heads(q_heads: Indices, kv_heads: Indices, groups: int) -> Ten
     Query head ``h`` reads key/value head ``h // groups``. Valid: every kept query head's key/value
     head is kept, and every kept key/value head keeps the same number of query heads. The new
     order lists, for each kept key/value head in ascending order, its kept query heads ascending,
-    which is what ``repeat_kv`` expects."""
+    which is what ``repeat_kv`` expects (that is, ascending)."""
     q = torch.as_tensor(q_heads, dtype=torch.long).flatten().cpu()
     kv = torch.as_tensor(kv_heads, dtype=torch.long).flatten().cpu().sort().values
     owners = q // groups
@@ -117,47 +135,51 @@ def grouped_query_heads(q_heads: Indices, kv_heads: Indices, groups: int) -> Ten
 
 @torch.no_grad()
 def keep_attention_heads_(block: nn.Module, q_heads: Indices, kv_heads: Indices) -> None:
-    """Keep only query heads ``q_heads`` and key/value heads ``kv_heads`` of ``block.self_attn``.
+    """Keep only query heads ``q_heads`` and key/value heads ``kv_heads`` of the block's attention.
 
-    Removes the heads' rows of q/k/v_proj (and bias entries) and the query heads' columns of
-    o_proj; sets ``num_key_value_groups`` to kept query heads / kept key/value heads. The selection
-    must be GQA-valid (see :func:`grouped_query_heads`); with plain multi-head attention
-    (one query head per key/value head) pass the same indices twice."""
-    attn = block.self_attn
-    hd = head_dim(attn)
-    n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+    Removes the heads' rows of the attention's input linears (q/k/v_proj, or their rows in a fused
+    qkv: Phi-3's [q | k | v], GPT-NeoX's [q k v] per head; bias entries too) and the query heads'
+    columns of its output linear; sets ``num_key_value_groups`` to kept query heads / kept
+    key/value heads. The selection must be GQA-valid (see :func:`grouped_query_heads`); with plain
+    multi-head attention (one query head per key/value head) pass the same indices twice."""
+    family = check_block(block)
+    n_q, n_kv, hd = head_counts(family, block)
     q = checked_index(q_heads, n_q, "keep_attention_heads_ q_heads")
     kv = checked_index(kv_heads, n_kv, "keep_attention_heads_ kv_heads").sort().values
     q = grouped_query_heads(q, kv, n_q // n_kv)
-    q_rows, kv_rows = _head_rows(q, hd), _head_rows(kv, hd)
-    attn.q_proj = _copied_linear(attn.q_proj, rows=q_rows)
-    attn.k_proj = _copied_linear(attn.k_proj, rows=kv_rows)
-    attn.v_proj = _copied_linear(attn.v_proj, rows=kv_rows)
-    attn.o_proj = _copied_linear(attn.o_proj, cols=q_rows)
-    _set_head_counts(attn, q.numel(), kv.numel())
+    for name, parts in head_rows(family, n_q, n_kv, hd).items():
+        # q and kv are ascending, so the kept rows in the linear's own order are these rows sorted
+        rows = _kept_rows(parts, {"q": q, "kv": kv}).sort().values
+        _replace(block, name, _copied_linear(block.get_submodule(name), rows=rows))
+    out = block.get_submodule(family.attention_output)
+    _replace(block, family.attention_output, _copied_linear(out, cols=(q[:, None] * hd + torch.arange(hd)).flatten()))
+    _set_head_counts(family, block.get_submodule(family.attention), q.numel(), kv.numel())
 
 
 @torch.no_grad()
 def resize_block_(block: nn.Module, layout: Dict) -> None:
     """Give ``block``'s linear layers the sizes of ``layout`` (a :func:`block_layout` dict) with
     uninitialised weights, ready for ``load_state_dict``; sets the head counts to match."""
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
+    family = check_block(block)
+    hd = head_counts(family, block)[2]
     if int(layout["head_dim"]) != hd:
         raise ValueError(f"saved head size {layout['head_dim']} differs from the model's {hd}")
     heads, kv_heads = int(layout["heads"]), int(layout["kv_heads"])
     channels = int(layout["intermediate"])
-    if heads < 1 or kv_heads < 1 or channels < 1 or heads % kv_heads:
-        raise ValueError(f"bad saved block sizes: {heads} query heads, {kv_heads} key/value heads, "
+    if heads < 1 or kv_heads < 1 or channels < 1 or heads % kv_heads \
+            or (family.fused == "interleaved" and heads != kv_heads):
+        raise ValueError(f"bad saved {family.name} block sizes: {heads} query heads, {kv_heads} key/value heads, "
                          f"{channels} MLP channels")
-    attn.q_proj = _copied_linear(attn.q_proj, out_features=heads * hd)
-    attn.k_proj = _copied_linear(attn.k_proj, out_features=kv_heads * hd)
-    attn.v_proj = _copied_linear(attn.v_proj, out_features=kv_heads * hd)
-    attn.o_proj = _copied_linear(attn.o_proj, in_features=heads * hd)
-    _set_head_counts(attn, heads, kv_heads)
-    mlp.gate_proj = _copied_linear(mlp.gate_proj, out_features=channels)
-    mlp.up_proj = _copied_linear(mlp.up_proj, out_features=channels)
-    mlp.down_proj = _copied_linear(mlp.down_proj, in_features=channels)
+    for name, parts in head_rows(family, heads, kv_heads, hd).items():
+        rows = sum(index.numel() for _, index in parts)
+        _replace(block, name, _copied_linear(block.get_submodule(name), out_features=rows))
+    _replace(block, family.attention_output,
+             _copied_linear(block.get_submodule(family.attention_output), in_features=heads * hd))
+    _set_head_counts(family, block.get_submodule(family.attention), heads, kv_heads)
+    for name in family.mlp_in:
+        _replace(block, name, _copied_linear(block.get_submodule(name), out_features=family.mlp_parts * channels))
+    _replace(block, family.mlp_out, _copied_linear(block.get_submodule(family.mlp_out), in_features=channels))
+    mlp = block.get_submodule(family.mlp_out.rpartition(".")[0])
     if isinstance(getattr(mlp, "intermediate_size", None), int):
         mlp.intermediate_size = channels
     actual = block_layout(block)["shapes"]

@@ -7,16 +7,17 @@ them, and the index checks of a channel selection. :mod:`pyprune.nn.compact` (co
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from .families import FAMILIES, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
     "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS",
-    "ChannelView", "check_llama_block", "head_dim", "block_layout", "layouts_uniform", "config_fields",
+    "ChannelView", "block_family", "check_block", "check_llama_block", "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields",
     "config_accepts", "checked_index", "hidden_index", "hidden_stream",
 ]
 
@@ -41,21 +42,43 @@ class ChannelView(nn.Module):
     copying its weights (:mod:`pyprune.nn.sliced`); a model holding one cannot lose channels."""
 
 
-def _missing(block: nn.Module) -> Optional[str]:
-    for name in LINEARS:
-        node = block
-        for part in name.split("."):
-            node = getattr(node, part, None)
-        if not isinstance(node, (nn.Linear, SparseLinear)):
-            return name
-    return None
+def _linear(block: nn.Module, name: str) -> Optional[nn.Module]:
+    node = block
+    for part in name.split("."):
+        node = getattr(node, part, None)
+    return node if isinstance(node, (nn.Linear, SparseLinear)) else None
+
+
+def _has_experts(block: nn.Module) -> bool:
+    return any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
+
+
+def block_family(block: nn.Module, name: str = "block") -> Family:
+    """The dense family (:data:`pyprune.nn.families.FAMILIES`) whose linears and norms ``block``
+    has; ValueError (one line) naming what the nearest family misses otherwise, or that an MoE
+    block's experts are not heads or channels."""
+    if _has_experts(block):
+        raise ValueError(f"{name} ({type(block).__name__}) is a mixture-of-experts block: structured pruning of "
+                         f"heads and MLP channels supports dense blocks only (families "
+                         f"{', '.join(f.name for f in FAMILIES)})")
+    missing = {}
+    for family in FAMILIES:
+        missing[family.name] = [n for n in family.linears if _linear(block, n) is None] \
+            + [n for n in family.norms if not isinstance(getattr(block, n, None), nn.Module)]
+        if not missing[family.name]:
+            return family
+    nearest = min(missing, key=lambda f: len(missing[f]))
+    raise ValueError(f"{name} ({type(block).__name__}) is no supported dense decoder block: nearest family "
+                     f"{nearest} misses {', '.join(missing[nearest])} (supported: {', '.join(missing)})")
 
 
 def head_dim(attn: nn.Module) -> int:
-    """The per-head width of an attention module (``attn.head_dim``, else from its config)."""
-    value = getattr(attn, "head_dim", None)
-    if isinstance(value, int) and value > 0:
-        return value
+    """The per-head width of an attention module (``attn.head_dim`` or GPT-NeoX's ``head_size``,
+    else from its config)."""
+    for field in ("head_dim", "head_size"):
+        value = getattr(attn, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
     config = getattr(attn, "config", None)
     value = getattr(config, "head_dim", None)
     if isinstance(value, int) and value > 0:
@@ -65,26 +88,42 @@ def head_dim(attn: nn.Module) -> int:
     raise ValueError(f"cannot tell the head size of attention module {type(attn).__name__}")
 
 
-def check_llama_block(block: nn.Module, name: str = "block") -> None:
-    """Raise ValueError (one line) unless ``block`` is a LLaMA-style decoder block whose
-    projections split into whole heads and whose query heads split evenly over key/value heads."""
-    missing = _missing(block)
-    if missing is not None:
-        raise ValueError(f"{name} ({type(block).__name__}) is not a LLaMA-style decoder block: it has no "
-                         f"linear {missing} (needs self_attn.q/k/v/o_proj and mlp.gate/up/down_proj)")
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    if q.out_features % hd or k.out_features % hd or k.out_features != v.out_features \
-            or o.in_features != q.out_features or k.out_features == 0:
-        raise ValueError(f"{name}: attention projections q/k/v/o of shapes {linear_shape(q)}/{linear_shape(k)}/"
-                         f"{linear_shape(v)}/{linear_shape(o)} do not split into heads of size {hd}")
-    if (q.out_features // hd) % (k.out_features // hd):
-        raise ValueError(f"{name}: {q.out_features // hd} query heads do not split evenly over "
-                         f"{k.out_features // hd} key/value heads")
-    if not (mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features):
-        raise ValueError(f"{name}: MLP projections gate/up/down of shapes {linear_shape(mlp.gate_proj)}/"
-                         f"{linear_shape(mlp.up_proj)}/{linear_shape(mlp.down_proj)} disagree on the channel count")
+def head_counts(family: Family, block: nn.Module) -> Tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of ``block``'s attention, from its linears' sizes."""
+    hd = head_dim(block.get_submodule(family.attention))
+    first = _linear(block, family.attention_inputs[0])
+    if family.fused == "stacked":
+        heads = _linear(block, family.attention_output).in_features // hd
+        return heads, (first.out_features - heads * hd) // (2 * hd), hd
+    if family.fused == "interleaved":
+        return first.out_features // (3 * hd), first.out_features // (3 * hd), hd
+    return first.out_features // hd, _linear(block, family.attention_inputs[1]).out_features // hd, hd
+
+
+def check_block(block: nn.Module, name: str = "block") -> Family:
+    """The family of ``block`` after checking that its attention splits into whole heads, its query
+    heads evenly over its key/value heads and its MLP linears agree on the channel count; ValueError
+    (one line) otherwise."""
+    family = block_family(block, name)
+    heads, kv_heads, hd = head_counts(family, block)
+    shapes = {n: linear_shape(_linear(block, n)) for n in family.linears}
+    rows = {n: sum(r.numel() for _, r in parts) for n, parts in head_rows(family, heads, kv_heads, hd).items()}
+    if kv_heads < 1 or heads < 1 or any(shapes[n][0] != rows[n] for n in rows) \
+            or shapes[family.attention_output][1] != heads * hd:
+        raise ValueError(f"{name}: attention linears {', '.join(f'{n} {shapes[n]}' for n in family.linears[:-2])} "
+                         f"do not split into {family.name} heads of size {hd}")
+    if heads % kv_heads:
+        raise ValueError(f"{name}: {heads} query heads do not split evenly over {kv_heads} key/value heads")
+    channels = shapes[family.mlp_in[0]][0] // family.mlp_parts
+    if any(shapes[n][0] != family.mlp_parts * channels for n in family.mlp_in) \
+            or shapes[family.mlp_out][1] != channels:
+        raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in family.mlp_in + (family.mlp_out,))} "
+                         f"disagree on the channel count")
+    return family
+
+
+#: the name io.model_dir and evaluation call it by
+check_llama_block = check_block
 
 
 def linear_shape(linear: nn.Linear) -> List[int]:
@@ -92,18 +131,16 @@ def linear_shape(linear: nn.Linear) -> List[int]:
 
 
 def block_layout(block: nn.Module) -> Dict:
-    """The sizes of a LLaMA-style block: query heads, key/value heads, head size, MLP channels,
-    and the ``[out, in]`` shape of every linear layer (by its name inside the block)."""
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
-    shapes = {f"self_attn.{n}": linear_shape(getattr(attn, n)) for n in ATTENTION_LINEARS}
-    shapes.update({f"mlp.{n}": linear_shape(getattr(mlp, n)) for n in MLP_LINEARS})
+    """The sizes of a dense block: query heads, key/value heads, head size, MLP channels, and the
+    ``[out, in]`` shape of every linear layer (by its name inside the block)."""
+    family = block_family(block)
+    heads, kv_heads, hd = head_counts(family, block)
     return {
-        "heads": attn.q_proj.out_features // hd,
-        "kv_heads": attn.k_proj.out_features // hd,
+        "heads": heads,
+        "kv_heads": kv_heads,
         "head_dim": hd,
-        "intermediate": mlp.gate_proj.out_features,
-        "shapes": shapes,
+        "intermediate": _linear(block, family.mlp_out).in_features,
+        "shapes": {n: linear_shape(_linear(block, n)) for n in family.linears},
     }
 
 
@@ -125,16 +162,35 @@ def checked_index(index: Indices, size: int, what: str) -> Tensor:
     return index
 
 
+def family_fields(family: Family, heads: int, kv_heads: int, head_size: int, intermediate: int,
+                  hidden: int) -> Optional[Dict[str, int]]:
+    """The config fields that state these block sizes, under the names ``family``'s config uses
+    (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size`` for
+    Llama; OPT's ``ffn_dim``), or None when its config cannot state them: OPT and GPT-NeoX derive
+    the head size as hidden // heads and have one key/value head per query head."""
+    fields = {"num_attention_heads": heads}
+    if family.kv_field is not None:
+        fields[family.kv_field] = kv_heads
+    elif kv_heads != heads:
+        return None
+    if family.head_dim_field is not None:
+        fields[family.head_dim_field] = head_size
+    elif hidden != heads * head_size:
+        return None
+    fields[family.intermediate_field] = intermediate
+    return fields
+
+
 def config_fields(blocks: Sequence[nn.Module]) -> Optional[Dict[str, int]]:
-    """The model-config sizes that describe ``blocks`` (``num_attention_heads``,
-    ``num_key_value_heads``, ``head_dim``, ``intermediate_size``), or None when the blocks differ
-    in size, so that no config of the architecture can describe them."""
+    """The model-config sizes that describe ``blocks`` (:func:`family_fields`), or None when the
+    blocks differ in size or their config cannot state them, so that no config of the architecture
+    can describe them."""
     layouts = [block_layout(block) for block in blocks]
     if not layouts or not layouts_uniform(layouts):
         return None
-    first = layouts[0]
-    return {"num_attention_heads": first["heads"], "num_key_value_heads": first["kv_heads"],
-            "head_dim": first["head_dim"], "intermediate_size": first["intermediate"]}
+    family, first = block_family(blocks[0]), layouts[0]
+    return family_fields(family, first["heads"], first["kv_heads"], first["head_dim"], first["intermediate"],
+                         first["shapes"][family.attention_output][0])
 
 
 def config_accepts(config, fields: Optional[Dict[str, int]]) -> bool:
