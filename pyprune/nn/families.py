@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows"]
+__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,10 @@ def channel_rows(family: Family, channels: int) -> Dict[str, List[Tensor]]:
     """For each MLP input linear, its rows as [channels] index blocks (one per fused part)."""
     return {name: [part * channels + torch.arange(channels) for part in range(family.mlp_parts)]
             for name in family.mlp_in}
+
+
+def experts_in_config(config) -> int:
+    """The experts a config's MoE blocks route between (Mixtral's ``num_local_experts``, Qwen-MoE's
+    ``num_experts``), 0 for a dense model: what a method refuses before the weights are loaded."""
+    counts = [getattr(config, field, None) for field in ("num_local_experts", "num_experts")]
+    return max([n for n in counts if isinstance(n, int)], default=0)
