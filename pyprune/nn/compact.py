@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .families import Family, channel_rows, head_rows
-from .layout import (HIDDEN_READERS, HIDDEN_WRITERS, Indices, block_layout, check_block, checked_index,
+from .layout import (Indices, block_layout, check_block, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream)
 from .sparse import SparseLinear
 
@@ -188,17 +188,6 @@ def resize_block_(block: nn.Module, layout: Dict) -> None:
         raise ValueError(f"saved layer shapes {expected} cannot be rebuilt (got {actual})")
 
 
-def _copied_embedding(old: nn.Embedding, cols: Tensor) -> nn.Embedding:
-    """A new Embedding with ``old``'s columns ``cols`` (same dtype, device, options, requires_grad)."""
-    weight = old.weight.detach().index_select(1, cols.to(old.weight.device))
-    new = nn.Embedding(old.num_embeddings, weight.shape[1], padding_idx=old.padding_idx, max_norm=old.max_norm,
-                       norm_type=old.norm_type, scale_grad_by_freq=old.scale_grad_by_freq, sparse=old.sparse,
-                       device="meta")
-    new.weight = nn.Parameter(weight, requires_grad=old.weight.requires_grad)
-    new.train(old.training)
-    return new
-
-
 @torch.no_grad()
 def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     """Keep only hidden (residual-stream) channels ``keep`` of a LLaMA-family causal LM, the same
@@ -239,23 +228,23 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
                          f"{getattr(config, 'num_attention_heads', None)} (LlamaConfig needs hidden_size "
                          f"divisible by it); keep a multiple of it")
 
-    base = model.model
-    base.embed_tokens = _copied_embedding(embed, index)
+    # the embedding module stays (a scaled one keeps its scale, sqrt of the original hidden size)
+    embed.weight = nn.Parameter(embed.weight.detach().index_select(1, index.to(embed.weight.device)),
+                                requires_grad=embed.weight.requires_grad)
+    embed.embedding_dim = index.numel()
     for norm in stream["norms"].values():
         for name, param in list(norm.named_parameters(recurse=False)):
             setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),
                                              requires_grad=param.requires_grad))
+    for names, side in ((stream["readers"], "cols"), (stream["writers"], "rows")):
+        for name, linear in names.items():
+            _replace(model, name, _copied_linear(linear, **{side: index}))
     for block in stream["layers"]:
-        for names, side in ((HIDDEN_READERS, "cols"), (HIDDEN_WRITERS, "rows")):
-            for name in names:
-                parent_name, _, child = name.rpartition(".")
-                parent = block.get_submodule(parent_name)
-                setattr(parent, child, _copied_linear(getattr(parent, child), **{side: index}))
-        for module in (block, block.mlp):
+        for module in (block, getattr(block, "mlp", None)):
             if isinstance(getattr(module, "hidden_size", None), int):
                 module.hidden_size = index.numel()
-    model.lm_head = _copied_linear(lm_head, cols=index)
+    _replace(model, stream["lm_head_name"], _copied_linear(lm_head, cols=index))
     if tied:
-        model.lm_head.weight = base.embed_tokens.weight
+        model.get_output_embeddings().weight = embed.weight
     for key, value in fields.items():
         setattr(config, key, value)

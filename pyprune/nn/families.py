@@ -19,7 +19,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config"]
+__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "FINAL_NORMS"]
+
+#: where a decoder (``get_decoder()``) keeps the norm after its last block
+FINAL_NORMS = ("norm", "final_layer_norm")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Family:
     head_dim_field: Optional[str] = "head_dim"        #: config field of the head size (None: hidden // heads)
     intermediate_field: str = "intermediate_size"     #: config field of the MLP channels
     heads_from_config: bool = False     #: the attention's forward reads the head counts from its config (Phi-3)
+    norm_offset: float = 0.0            #: its RMSNorms multiply by offset + weight (Gemma: 1 + w)
 
     @property
     def attention_inputs(self) -> Tuple[str, ...]:
@@ -73,7 +77,7 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 FAMILIES = (
     Family("gemma", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
            norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm")),
+                  "post_feedforward_layernorm"), norm_offset=1.0),
     Family("llama", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
            norms=("input_layernorm", "post_attention_layernorm")),
     Family("phi3", "self_attn", ("qkv_proj",), "stacked", "o_proj", mlp_in=("mlp.gate_up_proj",),

@@ -1,6 +1,6 @@
-"""The model description every part of pyprune.nn shares: which modules of a LLaMA-family causal
-LM hold what (the linear layers and norms of a decoder block, the modules that read or write the
-hidden stream), the sizes of a block (:func:`block_layout`) and the config fields that describe
+"""The model description every part of pyprune.nn shares: which modules of a causal LM hold what
+(a block's family, :mod:`pyprune.nn.families`: its linear layers and norms; the modules that read
+or write the hidden stream), the sizes of a block (:func:`block_layout`) and the config fields that describe
 them, and the index checks of a channel selection. :mod:`pyprune.nn.compact` (copying) and
 :mod:`pyprune.nn.sliced` (views) both act on it.
 """
@@ -12,29 +12,23 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .families import FAMILIES, Family, head_rows
+from .anatomy import decoder_blocks
+from .families import FAMILIES, FINAL_NORMS, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
-    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS",
-    "ChannelView", "block_family", "check_block", "check_llama_block", "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields",
-    "config_accepts", "checked_index", "hidden_index", "hidden_stream",
+    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_llama_block",
+    "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts", "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
 ]
 
+#: The linears of a LLaMA-style attention and MLP (LoRA's default targets, runtime.recovery); the
+#: structure of every family is :mod:`pyprune.nn.families`'.
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: The linear layers of a LLaMA-style block, by their name inside the block.
-LINEARS = tuple(f"self_attn.{n}" for n in ATTENTION_LINEARS) + tuple(f"mlp.{n}" for n in MLP_LINEARS)
-#: The RMSNorms of a LLaMA-style block, on the residual stream before attention and before the MLP.
-BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
-#: The linears of a block that read the residual stream (one input column per hidden channel) ...
-HIDDEN_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-#: ... and those that write to it (one output row, and bias entry, per hidden channel).
-HIDDEN_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+LINEARS = next(family for family in FAMILIES if family.name == "llama").linears
 
 Indices = Union[Tensor, Sequence[int]]
-
-
 
 
 class ChannelView(nn.Module):
@@ -233,35 +227,55 @@ def hidden_index(keep: Indices, hidden: int) -> Tensor:
     return index
 
 
+def rescaled_norm_weight(weight: Tensor, scale: float, offset: float) -> Tensor:
+    """The weight of a norm that multiplies by ``offset + weight`` (Gemma: 1 + w) after its
+    multiplier is scaled by ``scale``: (offset + weight)·scale − offset."""
+    return weight * scale if offset == 0 else (weight + offset) * scale - offset
+
+
 def hidden_stream(model: nn.Module) -> Dict:
-    """The modules of ``model`` that carry the hidden dimension (embedding, lm_head, norms, decoder
-    blocks), after checking that each has ``model.config.hidden_size`` channels there and that no
-    other tensor has that size (ValueError otherwise)."""
+    """The modules of ``model`` that carry the hidden dimension, by qualified name: the embedding
+    (``embed``, ``embed_name``; a scaled one such as Gemma's keeps its scale), the LM head, the RMS
+    norms (``norms``; ``norm_offset``: 1 for Gemma's 1 + w, else 0), the linears that read and
+    write the stream (``readers``, ``writers``) and the decoder blocks, after checking that each
+    has ``model.config.hidden_size`` channels there and that no other tensor has that size
+    (ValueError otherwise). LayerNorm families (OPT, GPT-NeoX) are refused: a LayerNorm centres
+    over every channel, so no slice of it computes what the model with channels removed computes."""
     sparse = sorted(name for name, module in model.named_modules()
                     if isinstance(module, (SparseLinear, ChannelView)))
     if sparse:
         raise ValueError(f"model holds SparseLinear/SlicedLinear/SlicedEmbedding/SlicedNorm modules "
                          f"{sparse[:3]}, whose stored weights cannot lose hidden channels; slice the dense model first "
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
-    base, config = getattr(model, "model", None), getattr(model, "config", None)
-    embed, norm = getattr(base, "embed_tokens", None), getattr(base, "norm", None)
-    layers, lm_head = getattr(base, "layers", None), getattr(model, "lm_head", None)
-    if type(embed) is not nn.Embedding or type(lm_head) is not nn.Linear or norm is None \
-            or not isinstance(layers, nn.ModuleList) or len(layers) == 0 \
+    config = getattr(model, "config", None)
+    layers = decoder_blocks(model)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    norm = next((getattr(decoder, n) for n in FINAL_NORMS if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    if not isinstance(embed, nn.Embedding) or type(lm_head) is not nn.Linear or norm is None \
             or not isinstance(getattr(config, "hidden_size", None), int):
-        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM: needs "
-                         f"model.embed_tokens (nn.Embedding), model.layers, model.norm, lm_head (nn.Linear) "
-                         f"and config.hidden_size")
-    norms = {"model.norm": norm}
+        raise ValueError(f"model ({type(model).__name__}) is not a causal LM whose hidden stream pyprune can "
+                         f"slice: needs an nn.Embedding input embedding, an nn.Linear output embedding, a final "
+                         f"norm ({' or '.join(FINAL_NORMS)} under get_decoder()) and config.hidden_size")
+    names = {id(module): name for name, module in model.named_modules()}
+    prefix = names[id(layers)]
+    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]
+    norms = {names[id(norm)]: norm}
     readers, writers = {}, {}
-    for i, block in enumerate(layers):
-        check_llama_block(block, f"model.layers.{i}")
-        norms.update({f"model.layers.{i}.{n}": getattr(block, n, None) for n in BLOCK_NORMS})
-        readers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_READERS})
-        writers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_WRITERS})
+    for i, (block, family) in enumerate(zip(layers, families)):
+        norms.update({f"{prefix}.{i}.{n}": getattr(block, n) for n in family.norms})
+        readers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_readers})
+        writers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_writers})
+    layer_norms = sorted(name for name, module in norms.items() if isinstance(module, nn.LayerNorm))
+    if layer_norms:
+        raise ValueError(f"model ({type(model).__name__}) normalises its hidden stream with LayerNorm "
+                         f"({layer_norms[0]}, ...), which centres over every hidden channel: slicing hidden "
+                         f"channels needs RMS norms (Llama, Mistral, Qwen, Gemma, Phi-3 families)")
     hidden = config.hidden_size
-    wrong = [f"model.embed_tokens {list(embed.weight.shape)}"] if embed.embedding_dim != hidden else []
-    wrong += [f"lm_head {linear_shape(lm_head)}"] if lm_head.in_features != hidden else []
+    wrong = [f"{names[id(embed)]} {list(embed.weight.shape)}"] if embed.embedding_dim != hidden else []
+    wrong += [f"{names[id(lm_head)]} {linear_shape(lm_head)}"] if lm_head.in_features != hidden else []
     wrong += [f"{name} {linear_shape(m)}" for name, m in readers.items() if m.in_features != hidden]
     wrong += [f"{name} {linear_shape(m)}" for name, m in writers.items() if m.out_features != hidden]
     for name, module in norms.items():
@@ -271,7 +285,7 @@ def hidden_stream(model: nn.Module) -> Dict:
             wrong.append(f"{name} (needs a norm with weight [and bias] of shape [{hidden}]; has "
                          f"{ {k: list(p.shape) for k, p in params.items()} })")
     if wrong:
-        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM with hidden size "
+        raise ValueError(f"model ({type(model).__name__}) is not a causal LM with hidden size "
                          f"{hidden} (config.hidden_size): {'; '.join(wrong[:4])}")
     sliced = {id(p) for m in [embed, lm_head, *norms.values(), *readers.values(), *writers.values()]
               for p in m.parameters(recurse=False)}
@@ -280,5 +294,6 @@ def hidden_stream(model: nn.Module) -> Dict:
     if stray:
         raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
                          f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
-    return {"embed": embed, "lm_head": lm_head, "norms": norms, "readers": readers, "writers": writers,
+    return {"embed": embed, "embed_name": names[id(embed)], "lm_head": lm_head, "lm_head_name": names[id(lm_head)],
+            "norms": norms, "norm_offset": families[0].norm_offset, "readers": readers, "writers": writers,
             "layers": layers}

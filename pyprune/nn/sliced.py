@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..ops import _validate as check
 from ..ops.linear import _sliced_linear
-from .layout import ChannelView, hidden_index, hidden_stream
+from .layout import ChannelView, hidden_index, hidden_stream, rescaled_norm_weight
 
 
 class SlicedLinear(ChannelView):
@@ -89,25 +89,25 @@ class SlicedEmbedding(ChannelView):
 
 
 class SlicedNorm(ChannelView):
-    """``base`` (an RMSNorm/LayerNorm over the hidden channels) run on the channels ``index``
-    only: its own forward with its weight (and bias) entries at ``index``, the weight times
-    ``scale``, so its statistics are taken over those channels, as after
+    """``base`` (an RMS norm over the hidden channels) run on the channels ``index`` only: its own
+    forward with its weight (and bias) entries at ``index``, its multiplier (``offset`` + weight;
+    Gemma's is 1 + w) times ``scale``, so its statistics are taken over those channels, as after
     :func:`pyprune.nn.keep_hidden_channels_` and a rescale of the norm by ``scale``."""
 
-    def __init__(self, base: nn.Module, index: Tensor, scale: float = 1.0):
+    def __init__(self, base: nn.Module, index: Tensor, scale: float = 1.0, offset: float = 0.0):
         super().__init__()
-        self.base, self.scale = base, float(scale)
+        self.base, self.scale, self.offset = base, float(scale), float(offset)
         self.register_buffer("index", index.to(base.weight.device).long(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         kept = {name: p.index_select(0, self.index) for name, p in self.base.named_parameters(recurse=False)}
         if self.scale != 1.0:
-            kept["weight"] = kept["weight"] * self.scale
+            kept["weight"] = rescaled_norm_weight(kept["weight"], self.scale, self.offset)
         return torch.func.functional_call(self.base, kept, (x,))
 
 
 def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str, float]] = None) -> None:
-    """Run a LLaMA-family causal LM on the hidden (residual-stream) channels ``keep`` only, in
+    """Run a causal LM of an RMS-norm family (:func:`pyprune.nn.layout.hidden_stream`) on the hidden (residual-stream) channels ``keep`` only, in
     place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
     (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
     :func:`pyprune.nn.keep_hidden_channels_` would make (``keep`` is checked the same way), so a
@@ -116,13 +116,13 @@ def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str
     those norms' weights as a rescale after slicing would."""
     stream = hidden_stream(model)
     index = hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
-    wrapped = {"model.embed_tokens": SlicedEmbedding(stream["embed"], index),
-               "lm_head": SlicedLinear(stream["lm_head"], in_index=index)}
+    wrapped = {stream["embed_name"]: SlicedEmbedding(stream["embed"], index),
+               stream["lm_head_name"]: SlicedLinear(stream["lm_head"], in_index=index)}
     norm_scale = dict(norm_scale or {})
     unknown = sorted(set(norm_scale) - set(stream["norms"]))
     if unknown:
         raise ValueError(f"norm_scale names no norm of the hidden stream: {', '.join(unknown)}")
-    wrapped.update({name: SlicedNorm(norm, index, norm_scale.get(name, 1.0))
+    wrapped.update({name: SlicedNorm(norm, index, norm_scale.get(name, 1.0), stream["norm_offset"])
                     for name, norm in stream["norms"].items()})
     wrapped.update({name: SlicedLinear(m, in_index=index) for name, m in stream["readers"].items()})
     wrapped.update({name: SlicedLinear(m, out_index=index) for name, m in stream["writers"].items()})
