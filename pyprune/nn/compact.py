@@ -25,6 +25,7 @@ the outputs of o/down_proj and the input of lm_head. Heads, ``head_dim`` and MLP
 from __future__ import annotations
 
 import copy
+import math
 from typing import Dict, Optional
 
 import torch
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from .families import Family, channel_rows, head_rows
 from .layout import (Indices, block_layout, check_block, checked_index,
-                     config_accepts, head_counts, head_dim, hidden_index, hidden_stream)
+                     config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
@@ -190,8 +191,9 @@ def resize_block_(block: nn.Module, layout: Dict) -> None:
 
 @torch.no_grad()
 def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
-    """Keep only hidden (residual-stream) channels ``keep`` of a LLaMA-family causal LM, the same
-    channels in every layer: DReSS's slice step (Eqs. 8-9 of the paper, as physical removal).
+    """Keep only hidden (residual-stream) channels ``keep`` of a causal LM of an RMS-norm family
+    (:func:`pyprune.nn.layout.hidden_stream`), the same channels in every layer: DReSS's slice
+    step (Eqs. 8-9 of the paper, as physical removal).
 
     ``keep``: 1-D sorted, distinct indices in [0, config.hidden_size). Sliced: ``embed_tokens``
     and ``lm_head`` columns (re-tied when the model's were tied), every RMSNorm's weight (and bias),
@@ -202,7 +204,14 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
 
     The norms then average over the kept channels only. Exactly: the result computes what the
     unsliced model computes after zeroing the removed channels' embedding columns and o/down_proj
-    rows (and biases), and scaling every norm's weight by sqrt(d'/d) and its eps by d'/d.
+    rows (and biases), and scaling every norm's multiplier (its weight; Gemma's 1 + w) by
+    sqrt(d'/d) and its eps by d'/d.
+
+    A scaled embedding (Gemma: the model multiplies it by ``embed_scale`` = sqrt(hidden_size),
+    rebuilt from the config when the model is loaded) keeps its effect, sqrt(d) of the original
+    width: its weight is multiplied by sqrt(d/d') and its scale set to sqrt(d'), so the saved model
+    reloads the same; when the LM head shares that weight, the final norm's multiplier is divided
+    by sqrt(d/d') so that the logits stay.
 
     Raises ValueError/TypeError, with the model untouched, for a bad ``keep`` (empty, not 1-D,
     not integer, duplicate, unsorted or out-of-range indices, or a count the config class rejects:
@@ -227,11 +236,23 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
                          f"{type(config).__name__} rejects with num_attention_heads="
                          f"{getattr(config, 'num_attention_heads', None)} (LlamaConfig needs hidden_size "
                          f"divisible by it); keep a multiple of it")
+    embed_scale = getattr(embed, "embed_scale", None)
+    if embed_scale is not None and not math.isclose(float(embed_scale), config.hidden_size ** 0.5, rel_tol=1e-6):
+        raise ValueError(f"model: {stream['embed_name']}.embed_scale is {float(embed_scale)}, not "
+                         f"sqrt(hidden_size) = {config.hidden_size ** 0.5}; cannot tell how a reload would scale it")
 
-    # the embedding module stays (a scaled one keeps its scale, sqrt of the original hidden size)
     embed.weight = nn.Parameter(embed.weight.detach().index_select(1, index.to(embed.weight.device)),
                                 requires_grad=embed.weight.requires_grad)
     embed.embedding_dim = index.numel()
+    if embed_scale is not None:
+        ratio = math.sqrt(config.hidden_size / index.numel())
+        embed.weight.mul_(ratio)
+        embed.embed_scale.fill_(index.numel() ** 0.5)
+        if hasattr(embed, "scalar_embed_scale"):
+            embed.scalar_embed_scale = index.numel() ** 0.5
+        if tied:
+            final = stream["norms"][stream["final_norm"]]
+            final.weight.copy_(rescaled_norm_weight(final.weight, 1 / ratio, stream["norm_offset"]))
     for norm in stream["norms"].values():
         for name, param in list(norm.named_parameters(recurse=False)):
             setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),

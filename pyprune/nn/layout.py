@@ -295,5 +295,5 @@ def hidden_stream(model: nn.Module) -> Dict:
         raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
                          f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
     return {"embed": embed, "embed_name": names[id(embed)], "lm_head": lm_head, "lm_head_name": names[id(lm_head)],
-            "norms": norms, "norm_offset": families[0].norm_offset, "readers": readers, "writers": writers,
+            "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset, "readers": readers, "writers": writers,
             "layers": layers}
