@@ -1,26 +1,32 @@
-"""Physical compaction of LLaMA-family models: remove attention heads and MLP channels from
+"""Physical compaction of dense decoder models: remove attention heads and MLP channels from
 decoder blocks, and hidden (residual-stream) channels from a whole causal LM (the model
-description it acts on is :mod:`pyprune.nn.layout`).
+description it acts on is :mod:`pyprune.nn.layout`, each block's family :mod:`pyprune.nn.families`).
 
-A LLaMA-style block (Llama, Mistral, Qwen2, SmolLM, ... in transformers) has
+A LLaMA-style block (Llama, Mistral, Qwen2/3, Gemma, SmolLM, ... in transformers) has
 
 * ``self_attn.{q,k,v}_proj``: rows grouped by head (``head_dim`` rows per head); ``o_proj``:
   columns grouped the same way as ``q_proj``'s rows;
 * ``mlp.{gate,up}_proj``: one row per intermediate channel; ``mlp.down_proj``: one column per channel.
+
+Other families hold the same rows elsewhere (Phi-3's fused qkv_proj [q | k | v] and gate_up_proj
+[gate | up], OPT's out_proj and fc1/fc2, GPT-NeoX's query_key_value [q k v] per head):
+:func:`pyprune.nn.families.head_rows` and :func:`~pyprune.nn.families.channel_rows` say where.
 
 The attention forward infers the number of heads from the projection sizes (it reshapes to
 ``(-1, head_dim)``) and repeats each key/value head ``self_attn.num_key_value_groups`` times
 (``repeat_kv``), so query head ``h`` reads key/value head ``h // num_key_value_groups``. After
 compaction every kept key/value head must therefore serve the same number of kept query heads,
 stored consecutively: :func:`keep_attention_heads_` checks that and sets ``num_key_value_groups``
-(and ``num_heads`` / ``num_key_value_heads`` where a module has them).
+(and ``num_heads`` / ``num_key_value_heads`` where a module has them; Phi-3's attention, which
+reads them from its config, gets a config of its own).
 
 The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kept rows/columns
 (same dtype, device, bias, ``requires_grad`` and train/eval mode); nothing else in the block changes.
 
 :func:`keep_hidden_channels_` (DReSS's slice step) removes the same hidden channels from every
-tensor of the residual stream: the token embedding, every RMSNorm, the inputs of q/k/v/gate/up_proj,
-the outputs of o/down_proj and the input of lm_head. Heads, ``head_dim`` and MLP channels stay.
+tensor of the residual stream: the token embedding, every RMSNorm, the inputs of the attention and
+MLP input linears, the outputs of their output linears and the input of lm_head. Heads,
+``head_dim`` and MLP channels stay.
 """
 from __future__ import annotations
 
@@ -216,8 +222,9 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     Raises ValueError/TypeError, with the model untouched, for a bad ``keep`` (empty, not 1-D,
     not integer, duplicate, unsorted or out-of-range indices, or a count the config class rejects:
     transformers' LlamaConfig needs hidden_size divisible by num_attention_heads), a model that is
-    not LLaMA-style, holds SparseLinear/SlicedLinear layers, or whose ``tie_word_embeddings``
-    disagrees with whether lm_head shares the embedding's weight.
+    not of an RMS-norm family (LayerNorm: OPT, GPT-NeoX), holds SparseLinear/SlicedLinear layers,
+    whose ``tie_word_embeddings`` disagrees with whether lm_head shares the embedding's weight, or
+    whose embedding scale is not sqrt(hidden_size).
     """
     stream = hidden_stream(model)
     config, embed, lm_head = model.config, stream["embed"], stream["lm_head"]
