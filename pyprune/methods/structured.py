@@ -29,8 +29,8 @@ GQA rule. ``repeat_kv`` needs every kept key/value head to serve the same number
   heads, and the same number of MLP channels. All layers end up with the same sizes, which a model
   config can state: ``model.config`` is updated and the model saved by :func:`pyprune.save` loads
   with plain ``from_pretrained`` (OPT's and GPT-NeoX's configs derive the head size from
-  hidden // heads, so there uniform pruning keeps every head). The config class must accept the new sizes: transformers 5's
-  ``LlamaConfig`` requires ``hidden_size`` to be a multiple of ``num_attention_heads``, so when it
+  hidden // heads, so there uniform pruning keeps every head). The config class must accept the
+  new sizes: transformers 5's ``LlamaConfig`` requires ``hidden_size`` to be a multiple of ``num_attention_heads``, so when it
   rejects the target count of KV groups the nearest count it accepts is used (ties: the larger;
   e.g. 32 heads of LLaMA-7B at ratio 0.2 -> 26 is rejected for hidden 4096 and all 32 stay,
   while ratio 0.5 -> 16 heads). The report's ``structure`` shows what each layer kept.

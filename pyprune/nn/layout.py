@@ -18,7 +18,8 @@ from .sparse import SparseLinear
 
 __all__ = [
     "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_llama_block",
-    "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts", "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
+    "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
+    "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
 ]
 
 #: The linears of a LLaMA-style attention and MLP (LoRA's default targets, runtime.recovery); the
@@ -104,14 +105,16 @@ def check_block(block: nn.Module, name: str = "block") -> Family:
     rows = {n: sum(r.numel() for _, r in parts) for n, parts in head_rows(family, heads, kv_heads, hd).items()}
     if kv_heads < 1 or heads < 1 or any(shapes[n][0] != rows[n] for n in rows) \
             or shapes[family.attention_output][1] != heads * hd:
-        raise ValueError(f"{name}: attention linears {', '.join(f'{n} {shapes[n]}' for n in family.linears[:-2])} "
+        attention = family.attention_inputs + (family.attention_output,)
+        raise ValueError(f"{name}: attention linears {', '.join(f'{n} {shapes[n]}' for n in attention)} "
                          f"do not split into {family.name} heads of size {hd}")
     if heads % kv_heads:
         raise ValueError(f"{name}: {heads} query heads do not split evenly over {kv_heads} key/value heads")
     channels = shapes[family.mlp_in[0]][0] // family.mlp_parts
     if any(shapes[n][0] != family.mlp_parts * channels for n in family.mlp_in) \
             or shapes[family.mlp_out][1] != channels:
-        raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in family.mlp_in + (family.mlp_out,))} "
+        mlp = family.mlp_in + (family.mlp_out,)
+        raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in mlp)} "
                          f"disagree on the channel count")
     return family
 
@@ -295,5 +298,6 @@ def hidden_stream(model: nn.Module) -> Dict:
         raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
                          f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
     return {"embed": embed, "embed_name": names[id(embed)], "lm_head": lm_head, "lm_head_name": names[id(lm_head)],
-            "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset, "readers": readers, "writers": writers,
+            "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset,
+            "readers": readers, "writers": writers,
             "layers": layers}

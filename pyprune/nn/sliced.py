@@ -107,9 +107,10 @@ class SlicedNorm(ChannelView):
 
 
 def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str, float]] = None) -> None:
-    """Run a causal LM of an RMS-norm family (:func:`pyprune.nn.layout.hidden_stream`) on the hidden (residual-stream) channels ``keep`` only, in
-    place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
-    (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
+    """Run a causal LM of an RMS-norm family (:func:`pyprune.nn.layout.hidden_stream`) on the
+    hidden (residual-stream) channels ``keep`` only, in place and without copying a weight: the
+    embedding, every norm, every linear reading the stream (input columns) or writing it (output
+    rows) and the LM head are wrapped. It computes what
     :func:`pyprune.nn.keep_hidden_channels_` would make (``keep`` is checked the same way), so a
     method can evaluate (or train through) the sliced model while the full weights stay; undone by
     :func:`unslice_`. ``norm_scale`` (norm name -> factor, e.g. DReSS's ``norm_scale`` report) scales

@@ -43,7 +43,8 @@ def _zeroed_and_rescaled(model, keep, offset):
 @pytest.mark.parametrize("family", RMS_FAMILIES)
 def test_sliced_model_equals_the_zeroed_model_with_rescaled_norms(family):
     keep = sorted(torch.randperm(D, generator=torch.Generator().manual_seed(2))[:KEPT].tolist())
-    sliced, reference = tiny(family), _zeroed_and_rescaled(tiny(family), keep, 1.0 if family.startswith("gemma") else 0.0)
+    offset = 1.0 if family.startswith("gemma") else 0.0  # Gemma's norms multiply by 1 + w
+    sliced, reference = tiny(family), _zeroed_and_rescaled(tiny(family), keep, offset)
     tokens = random_tokens((2, 20), seed=4)
     embedded = sliced.get_input_embeddings()(tokens)[..., keep]  # Gemma's: times sqrt(64)
     keep_hidden_channels_(sliced, keep)
