@@ -4,7 +4,7 @@ Structured methods score a channel mask and want the model's loss under it befor
 it (and to :mod:`pyprune.nn.compact`, which physically copies the kept rows/columns). A
 SlicedLinear wraps the original layer (``base``, whose weight it shares) and index tensors and runs
 :func:`pyprune.ops.sliced_linear`: its input holds the kept input channels, its output the kept
-output channels. :func:`slice_mlp_channels_` applies that to a LLaMA MLP,
+output channels. :func:`slice_mlp_channels_` applies that to a block's MLP,
 :func:`slice_hidden_channels_` to a whole model's hidden dimension (DReSS: the model as it will be
 after slicing, before slicing it; with :class:`SlicedEmbedding` and :class:`SlicedNorm`), and
 :func:`unslice_` puts the original modules back.
@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from ..ops import _validate as check
 from ..ops.linear import _sliced_linear
-from .layout import ChannelView, hidden_index, hidden_stream, rescaled_norm_weight
+from .families import channel_rows
+from .layout import ChannelView, check_block, hidden_index, hidden_stream, rescaled_norm_weight
 
 
 class SlicedLinear(ChannelView):
@@ -59,21 +60,26 @@ class SlicedLinear(ChannelView):
 
 
 def slice_mlp_channels_(block: nn.Module, keep: Tensor) -> None:
-    """Run the LLaMA MLP of ``block`` (gate/up/down_proj) on the intermediate channels ``keep``
-    (indices or a bool mask) only, in place; the weights are shared, not copied. The same
-    selection as :func:`pyprune.nn.keep_mlp_channels_`, undone by :func:`unslice_`."""
-    mlp = block.mlp
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        if not isinstance(getattr(mlp, name, None), nn.Linear):
-            raise TypeError(f"mlp must have nn.Linear gate_proj, up_proj and down_proj (already "
-                            f"sliced? call unslice_ first); {name} is "
-                            f"{type(getattr(mlp, name, None)).__name__}")
+    """Run the MLP of ``block`` (any dense family: the rows of its input linears, each part of a
+    fused gate_up, and the columns of its output linear) on the channels ``keep`` (indices or a
+    bool mask) only, in place; the weights are shared, not copied. The same selection as
+    :func:`pyprune.nn.keep_mlp_channels_`, undone by :func:`unslice_`."""
+    sliced = [name for name, module in block.named_modules() if isinstance(module, SlicedLinear)]
+    if sliced:
+        raise TypeError(f"block holds SlicedLinear {sliced[0]} (already sliced? call unslice_ first)")
+    family = check_block(block)
     keep = torch.as_tensor(keep)
     if keep.dtype == torch.bool:
         keep = keep.nonzero().flatten()
-    mlp.gate_proj = SlicedLinear(mlp.gate_proj, out_index=keep)
-    mlp.up_proj = SlicedLinear(mlp.up_proj, out_index=keep)
-    mlp.down_proj = SlicedLinear(mlp.down_proj, in_index=keep)
+    out = block.get_submodule(family.mlp_out)
+    for name, parts in channel_rows(family, out.in_features).items():
+        _replace(block, name, SlicedLinear(block.get_submodule(name), out_index=torch.cat([p[keep] for p in parts])))
+    _replace(block, family.mlp_out, SlicedLinear(out, in_index=keep))
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
 class SlicedEmbedding(ChannelView):
@@ -128,8 +134,7 @@ def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str
     wrapped.update({name: SlicedLinear(m, in_index=index) for name, m in stream["readers"].items()})
     wrapped.update({name: SlicedLinear(m, out_index=index) for name, m in stream["writers"].items()})
     for name, module in wrapped.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, module)
+        _replace(model, name, module)
 
 
 _WRAPPERS = (SlicedLinear, SlicedEmbedding, SlicedNorm)

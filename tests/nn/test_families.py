@@ -121,3 +121,19 @@ def test_fused_stacked_qkv_and_gate_up_keep_their_parts():
     torch.testing.assert_close(block.self_attn.qkv_proj.weight,
                                torch.cat([qkv[32:64], qkv[64 + 16:64 + 32], qkv[96 + 16:96 + 32]]), rtol=0, atol=0)
     torch.testing.assert_close(block.mlp.gate_up_proj.weight, gate_up[[5, 0, 133, 128]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ("phi3", "opt", "gpt_neox"))
+def test_sliced_mlp_views_equal_the_compacted_mlp(family):
+    """slice_mlp_channels_ (views, weights shared) computes what keep_mlp_channels_ (copies) makes."""
+    from pyprune.nn import slice_mlp_channels_, unslice_
+    model = tiny(family, layers=1)
+    compacted = copy.deepcopy(model)
+    keep = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:50]
+    compact.keep_mlp_channels_(engine.decoder_blocks(compacted)[0], keep)
+    slice_mlp_channels_(engine.decoder_blocks(model)[0], keep)
+    tokens = random_tokens((2, 10), seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, compacted(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert unslice_(model) == 2
