@@ -128,6 +128,10 @@ class DReSS(Method):
         return (energy / energy.sum(1, keepdim=True)).mean(0).cpu()
 
     def check_config(self, config, pattern) -> None:
+        if not hasattr(config, "rms_norm_eps"):  # what transformers' configs of RMS-norm models state
+            raise ValueError(f"method 'dress' slices hidden channels of RMS-norm models (Llama, Mistral, Qwen, Gemma, "
+                             f"Phi-3); {type(config).__name__} has no rms_norm_eps (LayerNorm centres over every "
+                             f"channel)")
         self.pruned_channels(config, pattern.ratio)
         if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
             self._checkpoint(None, pattern).check(parts=["settings"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pyprune
+from pyprune.methods.dress import DReSS
 from pyprune.nn import layout
 from pyprune.nn.compact import keep_hidden_channels_
 from pyprune.patterns import Structured
@@ -92,4 +93,6 @@ def test_layer_norm_families_are_refused_in_one_line_untouched(family):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="LayerNorm"):
         pyprune.prune(model, "dress", Structured(0.25), random_tokens((8, 32)), progress=False, steps=0)
+    with pytest.raises(ValueError, match="no rms_norm_eps"):  # from the config alone, before loading
+        DReSS().check_config(model.config, Structured(0.25))
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
