@@ -34,7 +34,7 @@ from .. import ops
 from ..ops.conventions import kept_count, round_half_up
 from ..evaluation.perplexity import model_cost
 from ..nn.compact import keep_hidden_channels_
-from ..nn.layout import hidden_stream
+from ..nn.layout import hidden_stream, rescaled_norm_weight
 from ..patterns import Structured
 from ..runtime.recovery import DEFAULTS as LORA
 from ..runtime.recovery import lora_finetune
@@ -128,6 +128,10 @@ class DReSS(Method):
         return (energy / energy.sum(1, keepdim=True)).mean(0).cpu()
 
     def check_config(self, config, pattern) -> None:
+        if not hasattr(config, "rms_norm_eps"):  # what transformers' configs of RMS-norm models state
+            raise ValueError(f"method 'dress' slices hidden channels of RMS-norm models (Llama, Mistral, Qwen, Gemma, "
+                             f"Phi-3); {type(config).__name__} has no rms_norm_eps (LayerNorm centres over every "
+                             f"channel)")
         self.pruned_channels(config, pattern.ratio)
         if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
             self._checkpoint(None, pattern).check(parts=["settings"])
@@ -158,12 +162,12 @@ class DReSS(Method):
         columns, reader input columns, writer output rows, norm entries; a tied LM head shares the
         embedding's tensor and appears once."""
         stream = hidden_stream(model)
-        slices = [("model.embed_tokens", stream["embed"].weight, 1)]
+        slices = [(stream["embed_name"], stream["embed"].weight, 1)]
         slices += [(name, linear.weight, 1) for name, linear in stream["readers"].items()]
         slices += [(name, linear.weight, 0) for name, linear in stream["writers"].items()]
         slices += [(name, norm.weight, 0) for name, norm in stream["norms"].items()]
         if stream["lm_head"].weight is not stream["embed"].weight:
-            slices.append(("lm_head", stream["lm_head"].weight, 1))
+            slices.append((stream["lm_head_name"], stream["lm_head"].weight, 1))
         return slices
 
     @staticmethod
@@ -252,9 +256,10 @@ class DReSS(Method):
 
     @torch.no_grad()
     def _rescale_norms(self, model, scales: Dict[str, float]) -> None:
-        for name, norm in hidden_stream(model)["norms"].items():
+        stream = hidden_stream(model)
+        for name, norm in stream["norms"].items():
             if name in scales:
-                norm.weight.mul_(scales[name])
+                norm.weight.copy_(rescaled_norm_weight(norm.weight, scales[name], stream["norm_offset"]))
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor,
                     checkpoint: Optional[TrainingCheckpoint], progress: bool) -> Dict:

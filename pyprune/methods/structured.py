@@ -1,4 +1,6 @@
-"""Structured pruning of LLaMA-family decoder blocks from per-element importance scores.
+"""Structured pruning of dense decoder blocks from per-element importance scores: every family
+:mod:`pyprune.nn.families` describes (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3's fused qkv and
+gate_up, OPT, GPT-NeoX's interleaved query_key_value); an MoE model is refused from its config.
 
 Every structured method here (Taylor / LLM-Pruner, MoreauPruner, MoreauPruner-GS, SmoothGrad)
 differs only in how it scores each weight element; this module holds what they share:
@@ -6,8 +8,9 @@ differs only in how it scores each weight element; this module holds what they s
 1. the scores of each pruned linear layer's weights (and biases) are summed over each coupled
    group of weights (:func:`group_scores`; LLM-Pruner Eq. 4-5 with Agg = sum):
 
-   * an MLP channel: its row of ``gate_proj`` and ``up_proj`` and its column of ``down_proj``;
-   * a query head: its ``head_dim`` rows of ``q_proj`` and columns of ``o_proj``;
+   * an MLP channel: its row of ``gate_proj`` and ``up_proj`` (both halves of a fused gate_up,
+     OPT's fc1) and its column of ``down_proj`` (fc2);
+   * a query head: its ``head_dim`` rows of ``q_proj`` (or of a fused qkv) and columns of ``o_proj``;
    * a key/value head: its rows of ``k_proj`` and ``v_proj``. With grouped-query attention (GQA) a
      key/value head is shared by ``groups = heads / kv_heads`` consecutive query heads, so the
      coupled unit is the *KV group*: the key/value head plus its query heads. Its score is the
@@ -25,8 +28,9 @@ GQA rule. ``repeat_kv`` needs every kept key/value head to serve the same number
   ``round((1 - ratio) · kv_heads)`` (at least one) highest-scoring KV groups with all their query
   heads, and the same number of MLP channels. All layers end up with the same sizes, which a model
   config can state: ``model.config`` is updated and the model saved by :func:`pyprune.save` loads
-  with plain ``from_pretrained``. The config class must accept the new sizes: transformers 5's
-  ``LlamaConfig`` requires ``hidden_size`` to be a multiple of ``num_attention_heads``, so when it
+  with plain ``from_pretrained`` (OPT's and GPT-NeoX's configs derive the head size from
+  hidden // heads, so there uniform pruning keeps every head). The config class must accept the
+  new sizes: transformers 5's ``LlamaConfig`` requires ``hidden_size`` to be a multiple of ``num_attention_heads``, so when it
   rejects the target count of KV groups the nearest count it accepts is used (ties: the larger;
   e.g. 32 heads of LLaMA-7B at ratio 0.2 -> 26 is rejected for hidden 4096 and all 32 stay,
   while ratio 0.5 -> 16 heads). The report's ``structure`` shows what each layer kept.
@@ -57,7 +61,9 @@ from torch import Tensor, nn
 from ..runtime import engine
 from ..ops.conventions import kept_count
 from ..nn import compact
-from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields, head_dim, layouts_uniform
+from ..nn.families import channel_rows, experts_in_config, head_rows
+from ..nn.layout import (block_family, block_layout, check_block, config_accepts, config_fields, family_fields,
+                         head_counts, layouts_uniform)
 from ..patterns import Structured
 from .base import Method
 from .options import option
@@ -65,45 +71,54 @@ from .options import option
 ElementScores = Callable[[nn.Parameter], Optional[Tensor]]
 
 
-def _score(linear: nn.Linear, dim: int, groups: int, element_scores: ElementScores) -> Tensor:
-    """The per-element scores of ``linear`` summed into ``groups`` equal consecutive groups along
-    ``dim`` (0: rows, 1: columns), plus the bias rows when grouping rows. fp32 [groups]; a
-    parameter without scores counts as zero."""
+def _score(linear: nn.Linear, rows: Optional[Tensor], groups: int, element_scores: ElementScores) -> Tensor:
+    """The per-element scores of ``linear`` summed into ``groups`` groups: of its ``rows`` ([groups,
+    width] row indices, with their bias entries) or, with ``rows`` None, of ``groups`` equal
+    consecutive column blocks. fp32 [groups]; a parameter without scores counts as zero."""
     score = element_scores(linear.weight)
     if score is None:
         score = torch.zeros(linear.weight.shape, dtype=torch.float32, device=linear.weight.device)
     score = score.float()
-    if dim == 0:
-        total = score.reshape(groups, -1).sum(dim=1)
-        bias = element_scores(linear.bias) if linear.bias is not None else None
-        if bias is not None:
-            total = total + bias.float().reshape(groups, -1).sum(dim=1)
-        return total
-    return score.reshape(score.shape[0], groups, -1).sum(dim=(0, 2))
+    if rows is None:
+        return score.reshape(score.shape[0], groups, -1).sum(dim=(0, 2))
+    rows = rows.flatten().to(score.device)
+    total = score.index_select(0, rows).reshape(groups, -1).sum(dim=1)
+    bias = element_scores(linear.bias) if linear.bias is not None else None
+    if bias is not None:
+        total = total + bias.float().index_select(0, rows).reshape(groups, -1).sum(dim=1)
+    return total
 
 
 def group_scores(block: nn.Module, element_scores: ElementScores) -> Dict[str, Tensor]:
-    """Importance of the coupled groups of a LLaMA-style block (LLM-Pruner Eq. 4-5 with Agg = sum,
+    """Importance of the coupled groups of a dense block (LLM-Pruner Eq. 4-5 with Agg = sum,
     MoreauPruner Eq. 4-5): ``element_scores(param)`` gives each weight's (and bias's) fp32
     per-element importance, or None for zero; all results fp32:
 
-    * ``heads`` [heads]: each query head's q_proj rows + o_proj columns;
-    * ``kv_heads`` [kv_heads]: each key/value head's k_proj + v_proj rows;
-    * ``channels`` [intermediate]: each MLP channel's gate_proj + up_proj rows + down_proj column.
+    * ``heads`` [heads]: each query head's rows of the attention input (q_proj, or its part of a
+      fused qkv) + its columns of the attention output (o_proj);
+    * ``kv_heads`` [kv_heads]: each key/value head's key and value rows;
+    * ``channels`` [intermediate]: each MLP channel's input rows (gate_proj + up_proj, both parts of
+      a fused gate_up, fc1) + its column of the MLP output (down_proj, fc2).
     """
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
-    n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
-    n_ch = mlp.gate_proj.out_features
+    family = check_block(block)
+    n_q, n_kv, hd = head_counts(family, block)
+    mlp_out = block.get_submodule(family.mlp_out)
+    n_ch = mlp_out.in_features
+    counts = {"q": n_q, "kv": n_kv}
     with torch.no_grad():
-        return {
-            "heads": _score(attn.q_proj, 0, n_q, element_scores) + _score(attn.o_proj, 1, n_q, element_scores),
-            "kv_heads": _score(attn.k_proj, 0, n_kv, element_scores)
-            + _score(attn.v_proj, 0, n_kv, element_scores),
-            "channels": _score(mlp.gate_proj, 0, n_ch, element_scores)
-            + _score(mlp.up_proj, 0, n_ch, element_scores)
-            + _score(mlp.down_proj, 1, n_ch, element_scores),
-        }
+        totals: Dict[str, Tensor] = {}
+        for name, parts in head_rows(family, n_q, n_kv, hd).items():
+            for role, rows in parts:
+                score = _score(block.get_submodule(name), rows, counts[role], element_scores)
+                totals[role] = totals[role] + score if role in totals else score
+        channels = None
+        for name, parts in channel_rows(family, n_ch).items():
+            for rows in parts:
+                score = _score(block.get_submodule(name), rows[:, None], n_ch, element_scores)
+                channels = score if channels is None else channels + score
+        out = block.get_submodule(family.attention_output)
+        return {"heads": totals["q"] + _score(out, None, n_q, element_scores), "kv_heads": totals["kv"],
+                "channels": channels + _score(mlp_out, None, n_ch, element_scores)}
 
 
 def _top(scores: Tensor, count: int) -> Tensor:
@@ -224,12 +239,21 @@ class StructuredMethod(Method):
                              f"selects no layers of a model with {n_layers} decoder blocks")
         return first, last
 
+    def check_config(self, config, pattern) -> None:
+        """An MoE model is refused from its config (its experts are neither heads nor MLP channels)."""
+        super().check_config(config, pattern)
+        experts = experts_in_config(config)
+        if experts:
+            raise ValueError(f"method {self.name!r} prunes attention heads and MLP channels of dense decoder "
+                             f"blocks; {type(config).__name__} has mixture-of-experts blocks ({experts} experts)")
+
     def check(self, model: nn.Module, pattern) -> None:
         super().check(model, pattern)
+        self.check_config(getattr(model, "config", None), pattern)
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
         for index, block in enumerate(blocks):
-            check_llama_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+            check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
         first, last = self.layer_range(len(blocks))
         if pattern.uniform and pattern.ratio > 0:
             if (first, last) != (0, len(blocks) - 1):
@@ -242,16 +266,15 @@ class StructuredMethod(Method):
     def _uniform_kv_groups(self, model: nn.Module, blocks, ratio: float) -> int:
         """KV groups every layer keeps under uniform pruning, snapped to a count the model's
         config class accepts (transformers 5's LlamaConfig wants hidden_size % heads == 0)."""
-        layout = block_layout(blocks[0])
+        layout, family = block_layout(blocks[0]), block_family(blocks[0])
         groups = layout["heads"] // layout["kv_heads"]
+        hidden = layout["shapes"][family.attention_output][0]
         channels = max(1, kept_count(layout["intermediate"], ratio)) if self.channels \
             else layout["intermediate"]
         config = getattr(model, "config", None)
 
         def allowed(n: int) -> bool:
-            return config_accepts(config, {
-                "num_attention_heads": n * groups, "num_key_value_heads": n,
-                "head_dim": layout["head_dim"], "intermediate_size": channels})
+            return config_accepts(config, family_fields(family, n * groups, n, layout["head_dim"], channels, hidden))
 
         return uniform_kv_groups(layout["kv_heads"], ratio if self.heads else 0.0, allowed)
 

@@ -1,4 +1,5 @@
-"""LLM-Pruner-style Taylor structured pruning (Ma et al., 2023) of LLaMA-family decoder blocks.
+"""LLM-Pruner-style Taylor structured pruning (Ma et al., 2023) of dense decoder blocks
+(every family of :mod:`pyprune.nn.families`).
 
 Importance is first order (LLM-Pruner / MoreauPruner Eq. 3): the gradient of the mean next-token
 loss over the calibration tokens (:func:`pyprune.runtime.engine.loss_gradients`) times the weights,

@@ -1,9 +1,11 @@
 """pyprune.nn: turning pruned dense weights into smaller or faster layers.
 
-* :mod:`pyprune.nn.layout` — the model description the others share: the linear layers and norms
-  of a LLaMA-family block, its sizes and config fields, the modules of the hidden stream.
+* :mod:`pyprune.nn.families` — one block anatomy per dense family (Llama-style, Gemma, Phi-3,
+  OPT, GPT-NeoX): which linears form heads and MLP channels, the norms on the hidden stream.
+* :mod:`pyprune.nn.layout` — the model description the others share: a block's family, its sizes
+  and config fields, the modules of the hidden stream.
 * :mod:`pyprune.nn.compact` — physically remove attention heads and MLP channels from
-  LLaMA-family decoder blocks (structured pruning's output) and hidden channels from a whole
+  dense decoder blocks (structured pruning's output) and hidden channels from a whole
   model (DReSS), and rebuild saved sizes.
 * :mod:`pyprune.nn.sparse` — :class:`SparseLinear`, a drop-in nn.Linear holding an N:M weight in
   the compressed form, :func:`sparsify_` to swap it into a pruned model (where it pays, with

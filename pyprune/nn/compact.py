@@ -1,36 +1,45 @@
-"""Physical compaction of LLaMA-family models: remove attention heads and MLP channels from
+"""Physical compaction of dense decoder models: remove attention heads and MLP channels from
 decoder blocks, and hidden (residual-stream) channels from a whole causal LM (the model
-description it acts on is :mod:`pyprune.nn.layout`).
+description it acts on is :mod:`pyprune.nn.layout`, each block's family :mod:`pyprune.nn.families`).
 
-A LLaMA-style block (Llama, Mistral, Qwen2, SmolLM, ... in transformers) has
+A LLaMA-style block (Llama, Mistral, Qwen2/3, Gemma, SmolLM, ... in transformers) has
 
 * ``self_attn.{q,k,v}_proj``: rows grouped by head (``head_dim`` rows per head); ``o_proj``:
   columns grouped the same way as ``q_proj``'s rows;
 * ``mlp.{gate,up}_proj``: one row per intermediate channel; ``mlp.down_proj``: one column per channel.
+
+Other families hold the same rows elsewhere (Phi-3's fused qkv_proj [q | k | v] and gate_up_proj
+[gate | up], OPT's out_proj and fc1/fc2, GPT-NeoX's query_key_value [q k v] per head):
+:func:`pyprune.nn.families.head_rows` and :func:`~pyprune.nn.families.channel_rows` say where.
 
 The attention forward infers the number of heads from the projection sizes (it reshapes to
 ``(-1, head_dim)``) and repeats each key/value head ``self_attn.num_key_value_groups`` times
 (``repeat_kv``), so query head ``h`` reads key/value head ``h // num_key_value_groups``. After
 compaction every kept key/value head must therefore serve the same number of kept query heads,
 stored consecutively: :func:`keep_attention_heads_` checks that and sets ``num_key_value_groups``
-(and ``num_heads`` / ``num_key_value_heads`` where a module has them).
+(and ``num_heads`` / ``num_key_value_heads`` where a module has them; Phi-3's attention, which
+reads them from its config, gets a config of its own).
 
 The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kept rows/columns
 (same dtype, device, bias, ``requires_grad`` and train/eval mode); nothing else in the block changes.
 
 :func:`keep_hidden_channels_` (DReSS's slice step) removes the same hidden channels from every
-tensor of the residual stream: the token embedding, every RMSNorm, the inputs of q/k/v/gate/up_proj,
-the outputs of o/down_proj and the input of lm_head. Heads, ``head_dim`` and MLP channels stay.
+tensor of the residual stream: the token embedding, every RMSNorm, the inputs of the attention and
+MLP input linears, the outputs of their output linears and the input of lm_head. Heads,
+``head_dim`` and MLP channels stay.
 """
 from __future__ import annotations
 
+import copy
+import math
 from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .layout import (HIDDEN_READERS, HIDDEN_WRITERS, Indices, block_layout, checked_index, config_accepts,
-                     head_dim, hidden_index, hidden_stream)
+from .families import Family, channel_rows, head_rows
+from .layout import (Indices, block_layout, check_block, checked_index,
+                     config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
@@ -70,26 +79,42 @@ def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional
     return new
 
 
-def _head_rows(heads: Tensor, hd: int) -> Tensor:
-    return (heads[:, None] * hd + torch.arange(hd)[None, :]).flatten()
+def _replace(block: nn.Module, name: str, linear: nn.Linear) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(block.get_submodule(parent) if parent else block, child, linear)
 
 
-def _set_head_counts(attn: nn.Module, heads: int, kv_heads: int) -> None:
+def _kept_rows(parts, kept: Dict[str, Tensor]) -> Tensor:
+    """The rows of the kept heads/channels among ``parts`` ((role, [n, width]) pairs), part after part."""
+    return torch.cat([index[kept[role]].flatten() for role, index in parts])
+
+
+def _set_head_counts(family: Family, attn: nn.Module, heads: int, kv_heads: int) -> None:
+    """Tell ``attn`` its new head counts; a family whose forward reads them from the config
+    (Phi-3) gets a config of its own stating them."""
     attn.num_key_value_groups = heads // kv_heads
     for name, value in (("num_heads", heads), ("num_attention_heads", heads),
                         ("num_key_value_heads", kv_heads), ("num_kv_heads", kv_heads)):
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, value)
+    if family.heads_from_config and (attn.config.num_attention_heads, attn.config.num_key_value_heads) \
+            != (heads, kv_heads):
+        attn.config = copy.copy(attn.config)
+        attn.config.num_attention_heads, attn.config.num_key_value_heads = heads, kv_heads
 
 
 @torch.no_grad()
 def keep_mlp_channels_(block: nn.Module, index: Indices) -> None:
-    """Keep only MLP channels ``index`` (rows of gate/up_proj, columns of down_proj), in that order."""
-    mlp = block.mlp
-    index = checked_index(index, mlp.gate_proj.out_features, "keep_mlp_channels_")
-    mlp.gate_proj = _copied_linear(mlp.gate_proj, rows=index)
-    mlp.up_proj = _copied_linear(mlp.up_proj, rows=index)
-    mlp.down_proj = _copied_linear(mlp.down_proj, cols=index)
+    """Keep only MLP channels ``index`` (rows of the input linears, e.g. gate/up_proj, each part of
+    a fused gate_up, OPT's fc1; columns of the output linear), in that order."""
+    family = check_block(block)
+    channels = block.get_submodule(family.mlp_out).in_features
+    index = checked_index(index, channels, "keep_mlp_channels_")
+    for name, parts in channel_rows(family, channels).items():
+        rows = _kept_rows([("ch", part[:, None]) for part in parts], {"ch": index})
+        _replace(block, name, _copied_linear(block.get_submodule(name), rows=rows))
+    _replace(block, family.mlp_out, _copied_linear(block.get_submodule(family.mlp_out), cols=index))
+    mlp = block.get_submodule(family.mlp_out.rpartition(".")[0])
     if isinstance(getattr(mlp, "intermediate_size", None), int):
         mlp.intermediate_size = index.numel()
 
@@ -100,7 +125,7 @@ def grouped_query_heads(q_heads: Indices, kv_heads: Indices, groups: int) -> Ten
     Query head ``h`` reads key/value head ``h // groups``. Valid: every kept query head's key/value
     head is kept, and every kept key/value head keeps the same number of query heads. The new
     order lists, for each kept key/value head in ascending order, its kept query heads ascending,
-    which is what ``repeat_kv`` expects."""
+    which is what ``repeat_kv`` expects (that is, ascending)."""
     q = torch.as_tensor(q_heads, dtype=torch.long).flatten().cpu()
     kv = torch.as_tensor(kv_heads, dtype=torch.long).flatten().cpu().sort().values
     owners = q // groups
@@ -117,47 +142,51 @@ def grouped_query_heads(q_heads: Indices, kv_heads: Indices, groups: int) -> Ten
 
 @torch.no_grad()
 def keep_attention_heads_(block: nn.Module, q_heads: Indices, kv_heads: Indices) -> None:
-    """Keep only query heads ``q_heads`` and key/value heads ``kv_heads`` of ``block.self_attn``.
+    """Keep only query heads ``q_heads`` and key/value heads ``kv_heads`` of the block's attention.
 
-    Removes the heads' rows of q/k/v_proj (and bias entries) and the query heads' columns of
-    o_proj; sets ``num_key_value_groups`` to kept query heads / kept key/value heads. The selection
-    must be GQA-valid (see :func:`grouped_query_heads`); with plain multi-head attention
-    (one query head per key/value head) pass the same indices twice."""
-    attn = block.self_attn
-    hd = head_dim(attn)
-    n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+    Removes the heads' rows of the attention's input linears (q/k/v_proj, or their rows in a fused
+    qkv: Phi-3's [q | k | v], GPT-NeoX's [q k v] per head; bias entries too) and the query heads'
+    columns of its output linear; sets ``num_key_value_groups`` to kept query heads / kept
+    key/value heads. The selection must be GQA-valid (see :func:`grouped_query_heads`); with plain
+    multi-head attention (one query head per key/value head) pass the same indices twice."""
+    family = check_block(block)
+    n_q, n_kv, hd = head_counts(family, block)
     q = checked_index(q_heads, n_q, "keep_attention_heads_ q_heads")
     kv = checked_index(kv_heads, n_kv, "keep_attention_heads_ kv_heads").sort().values
     q = grouped_query_heads(q, kv, n_q // n_kv)
-    q_rows, kv_rows = _head_rows(q, hd), _head_rows(kv, hd)
-    attn.q_proj = _copied_linear(attn.q_proj, rows=q_rows)
-    attn.k_proj = _copied_linear(attn.k_proj, rows=kv_rows)
-    attn.v_proj = _copied_linear(attn.v_proj, rows=kv_rows)
-    attn.o_proj = _copied_linear(attn.o_proj, cols=q_rows)
-    _set_head_counts(attn, q.numel(), kv.numel())
+    for name, parts in head_rows(family, n_q, n_kv, hd).items():
+        # q and kv are ascending, so the kept rows in the linear's own order are these rows sorted
+        rows = _kept_rows(parts, {"q": q, "kv": kv}).sort().values
+        _replace(block, name, _copied_linear(block.get_submodule(name), rows=rows))
+    out = block.get_submodule(family.attention_output)
+    _replace(block, family.attention_output, _copied_linear(out, cols=(q[:, None] * hd + torch.arange(hd)).flatten()))
+    _set_head_counts(family, block.get_submodule(family.attention), q.numel(), kv.numel())
 
 
 @torch.no_grad()
 def resize_block_(block: nn.Module, layout: Dict) -> None:
     """Give ``block``'s linear layers the sizes of ``layout`` (a :func:`block_layout` dict) with
     uninitialised weights, ready for ``load_state_dict``; sets the head counts to match."""
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
+    family = check_block(block)
+    hd = head_counts(family, block)[2]
     if int(layout["head_dim"]) != hd:
         raise ValueError(f"saved head size {layout['head_dim']} differs from the model's {hd}")
     heads, kv_heads = int(layout["heads"]), int(layout["kv_heads"])
     channels = int(layout["intermediate"])
-    if heads < 1 or kv_heads < 1 or channels < 1 or heads % kv_heads:
-        raise ValueError(f"bad saved block sizes: {heads} query heads, {kv_heads} key/value heads, "
+    if heads < 1 or kv_heads < 1 or channels < 1 or heads % kv_heads \
+            or (family.fused == "interleaved" and heads != kv_heads):
+        raise ValueError(f"bad saved {family.name} block sizes: {heads} query heads, {kv_heads} key/value heads, "
                          f"{channels} MLP channels")
-    attn.q_proj = _copied_linear(attn.q_proj, out_features=heads * hd)
-    attn.k_proj = _copied_linear(attn.k_proj, out_features=kv_heads * hd)
-    attn.v_proj = _copied_linear(attn.v_proj, out_features=kv_heads * hd)
-    attn.o_proj = _copied_linear(attn.o_proj, in_features=heads * hd)
-    _set_head_counts(attn, heads, kv_heads)
-    mlp.gate_proj = _copied_linear(mlp.gate_proj, out_features=channels)
-    mlp.up_proj = _copied_linear(mlp.up_proj, out_features=channels)
-    mlp.down_proj = _copied_linear(mlp.down_proj, in_features=channels)
+    for name, parts in head_rows(family, heads, kv_heads, hd).items():
+        rows = sum(index.numel() for _, index in parts)
+        _replace(block, name, _copied_linear(block.get_submodule(name), out_features=rows))
+    _replace(block, family.attention_output,
+             _copied_linear(block.get_submodule(family.attention_output), in_features=heads * hd))
+    _set_head_counts(family, block.get_submodule(family.attention), heads, kv_heads)
+    for name in family.mlp_in:
+        _replace(block, name, _copied_linear(block.get_submodule(name), out_features=family.mlp_parts * channels))
+    _replace(block, family.mlp_out, _copied_linear(block.get_submodule(family.mlp_out), in_features=channels))
+    mlp = block.get_submodule(family.mlp_out.rpartition(".")[0])
     if isinstance(getattr(mlp, "intermediate_size", None), int):
         mlp.intermediate_size = channels
     actual = block_layout(block)["shapes"]
@@ -166,21 +195,11 @@ def resize_block_(block: nn.Module, layout: Dict) -> None:
         raise ValueError(f"saved layer shapes {expected} cannot be rebuilt (got {actual})")
 
 
-def _copied_embedding(old: nn.Embedding, cols: Tensor) -> nn.Embedding:
-    """A new Embedding with ``old``'s columns ``cols`` (same dtype, device, options, requires_grad)."""
-    weight = old.weight.detach().index_select(1, cols.to(old.weight.device))
-    new = nn.Embedding(old.num_embeddings, weight.shape[1], padding_idx=old.padding_idx, max_norm=old.max_norm,
-                       norm_type=old.norm_type, scale_grad_by_freq=old.scale_grad_by_freq, sparse=old.sparse,
-                       device="meta")
-    new.weight = nn.Parameter(weight, requires_grad=old.weight.requires_grad)
-    new.train(old.training)
-    return new
-
-
 @torch.no_grad()
 def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
-    """Keep only hidden (residual-stream) channels ``keep`` of a LLaMA-family causal LM, the same
-    channels in every layer: DReSS's slice step (Eqs. 8-9 of the paper, as physical removal).
+    """Keep only hidden (residual-stream) channels ``keep`` of a causal LM of an RMS-norm family
+    (:func:`pyprune.nn.layout.hidden_stream`), the same channels in every layer: DReSS's slice
+    step (Eqs. 8-9 of the paper, as physical removal).
 
     ``keep``: 1-D sorted, distinct indices in [0, config.hidden_size). Sliced: ``embed_tokens``
     and ``lm_head`` columns (re-tied when the model's were tied), every RMSNorm's weight (and bias),
@@ -191,13 +210,21 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
 
     The norms then average over the kept channels only. Exactly: the result computes what the
     unsliced model computes after zeroing the removed channels' embedding columns and o/down_proj
-    rows (and biases), and scaling every norm's weight by sqrt(d'/d) and its eps by d'/d.
+    rows (and biases), and scaling every norm's multiplier (its weight; Gemma's 1 + w) by
+    sqrt(d'/d) and its eps by d'/d.
+
+    A scaled embedding (Gemma: the model multiplies it by ``embed_scale`` = sqrt(hidden_size),
+    rebuilt from the config when the model is loaded) keeps its effect, sqrt(d) of the original
+    width: its weight is multiplied by sqrt(d/d') and its scale set to sqrt(d'), so the saved model
+    reloads the same; when the LM head shares that weight, the final norm's multiplier is divided
+    by sqrt(d/d') so that the logits stay.
 
     Raises ValueError/TypeError, with the model untouched, for a bad ``keep`` (empty, not 1-D,
     not integer, duplicate, unsorted or out-of-range indices, or a count the config class rejects:
     transformers' LlamaConfig needs hidden_size divisible by num_attention_heads), a model that is
-    not LLaMA-style, holds SparseLinear/SlicedLinear layers, or whose ``tie_word_embeddings``
-    disagrees with whether lm_head shares the embedding's weight.
+    not of an RMS-norm family (LayerNorm: OPT, GPT-NeoX), holds SparseLinear/SlicedLinear layers,
+    whose ``tie_word_embeddings`` disagrees with whether lm_head shares the embedding's weight, or
+    whose embedding scale is not sqrt(hidden_size).
     """
     stream = hidden_stream(model)
     config, embed, lm_head = model.config, stream["embed"], stream["lm_head"]
@@ -216,24 +243,36 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
                          f"{type(config).__name__} rejects with num_attention_heads="
                          f"{getattr(config, 'num_attention_heads', None)} (LlamaConfig needs hidden_size "
                          f"divisible by it); keep a multiple of it")
+    embed_scale = getattr(embed, "embed_scale", None)
+    if embed_scale is not None and not math.isclose(float(embed_scale), config.hidden_size ** 0.5, rel_tol=1e-6):
+        raise ValueError(f"model: {stream['embed_name']}.embed_scale is {float(embed_scale)}, not "
+                         f"sqrt(hidden_size) = {config.hidden_size ** 0.5}; cannot tell how a reload would scale it")
 
-    base = model.model
-    base.embed_tokens = _copied_embedding(embed, index)
+    embed.weight = nn.Parameter(embed.weight.detach().index_select(1, index.to(embed.weight.device)),
+                                requires_grad=embed.weight.requires_grad)
+    embed.embedding_dim = index.numel()
+    if embed_scale is not None:
+        ratio = math.sqrt(config.hidden_size / index.numel())
+        embed.weight.mul_(ratio)
+        embed.embed_scale.fill_(index.numel() ** 0.5)
+        if hasattr(embed, "scalar_embed_scale"):
+            embed.scalar_embed_scale = index.numel() ** 0.5
+        if tied:
+            final = stream["norms"][stream["final_norm"]]
+            final.weight.copy_(rescaled_norm_weight(final.weight, 1 / ratio, stream["norm_offset"]))
     for norm in stream["norms"].values():
         for name, param in list(norm.named_parameters(recurse=False)):
             setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),
                                              requires_grad=param.requires_grad))
+    for names, side in ((stream["readers"], "cols"), (stream["writers"], "rows")):
+        for name, linear in names.items():
+            _replace(model, name, _copied_linear(linear, **{side: index}))
     for block in stream["layers"]:
-        for names, side in ((HIDDEN_READERS, "cols"), (HIDDEN_WRITERS, "rows")):
-            for name in names:
-                parent_name, _, child = name.rpartition(".")
-                parent = block.get_submodule(parent_name)
-                setattr(parent, child, _copied_linear(getattr(parent, child), **{side: index}))
-        for module in (block, block.mlp):
+        for module in (block, getattr(block, "mlp", None)):
             if isinstance(getattr(module, "hidden_size", None), int):
                 module.hidden_size = index.numel()
-    model.lm_head = _copied_linear(lm_head, cols=index)
+    _replace(model, stream["lm_head_name"], _copied_linear(lm_head, cols=index))
     if tied:
-        model.lm_head.weight = base.embed_tokens.weight
+        model.get_output_embeddings().weight = embed.weight
     for key, value in fields.items():
         setattr(config, key, value)

@@ -1,39 +1,35 @@
-"""The model description every part of pyprune.nn shares: which modules of a LLaMA-family causal
-LM hold what (the linear layers and norms of a decoder block, the modules that read or write the
-hidden stream), the sizes of a block (:func:`block_layout`) and the config fields that describe
+"""The model description every part of pyprune.nn shares: which modules of a causal LM hold what
+(a block's family, :mod:`pyprune.nn.families`: its linear layers and norms; the modules that read
+or write the hidden stream), the sizes of a block (:func:`block_layout`) and the config fields that describe
 them, and the index checks of a channel selection. :mod:`pyprune.nn.compact` (copying) and
 :mod:`pyprune.nn.sliced` (views) both act on it.
 """
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from .anatomy import decoder_blocks
+from .families import FAMILIES, FINAL_NORMS, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
-    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "BLOCK_NORMS", "HIDDEN_READERS", "HIDDEN_WRITERS",
-    "ChannelView", "check_llama_block", "head_dim", "block_layout", "layouts_uniform", "config_fields",
-    "config_accepts", "checked_index", "hidden_index", "hidden_stream",
+    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_llama_block",
+    "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
+    "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
 ]
 
+#: The linears of a LLaMA-style attention and MLP (LoRA's default targets, runtime.recovery); the
+#: structure of every family is :mod:`pyprune.nn.families`'.
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: The linear layers of a LLaMA-style block, by their name inside the block.
-LINEARS = tuple(f"self_attn.{n}" for n in ATTENTION_LINEARS) + tuple(f"mlp.{n}" for n in MLP_LINEARS)
-#: The RMSNorms of a LLaMA-style block, on the residual stream before attention and before the MLP.
-BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
-#: The linears of a block that read the residual stream (one input column per hidden channel) ...
-HIDDEN_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-#: ... and those that write to it (one output row, and bias entry, per hidden channel).
-HIDDEN_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+LINEARS = next(family for family in FAMILIES if family.name == "llama").linears
 
 Indices = Union[Tensor, Sequence[int]]
-
-
 
 
 class ChannelView(nn.Module):
@@ -41,21 +37,43 @@ class ChannelView(nn.Module):
     copying its weights (:mod:`pyprune.nn.sliced`); a model holding one cannot lose channels."""
 
 
-def _missing(block: nn.Module) -> Optional[str]:
-    for name in LINEARS:
-        node = block
-        for part in name.split("."):
-            node = getattr(node, part, None)
-        if not isinstance(node, (nn.Linear, SparseLinear)):
-            return name
-    return None
+def _linear(block: nn.Module, name: str) -> Optional[nn.Module]:
+    node = block
+    for part in name.split("."):
+        node = getattr(node, part, None)
+    return node if isinstance(node, (nn.Linear, SparseLinear)) else None
+
+
+def _has_experts(block: nn.Module) -> bool:
+    return any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
+
+
+def block_family(block: nn.Module, name: str = "block") -> Family:
+    """The dense family (:data:`pyprune.nn.families.FAMILIES`) whose linears and norms ``block``
+    has; ValueError (one line) naming what the nearest family misses otherwise, or that an MoE
+    block's experts are not heads or channels."""
+    if _has_experts(block):
+        raise ValueError(f"{name} ({type(block).__name__}) is a mixture-of-experts block: structured pruning of "
+                         f"heads and MLP channels supports dense blocks only (families "
+                         f"{', '.join(f.name for f in FAMILIES)})")
+    missing = {}
+    for family in FAMILIES:
+        missing[family.name] = [n for n in family.linears if _linear(block, n) is None] \
+            + [n for n in family.norms if not isinstance(getattr(block, n, None), nn.Module)]
+        if not missing[family.name]:
+            return family
+    nearest = min(missing, key=lambda f: len(missing[f]))
+    raise ValueError(f"{name} ({type(block).__name__}) is no supported dense decoder block: nearest family "
+                     f"{nearest} misses {', '.join(missing[nearest])} (supported: {', '.join(missing)})")
 
 
 def head_dim(attn: nn.Module) -> int:
-    """The per-head width of an attention module (``attn.head_dim``, else from its config)."""
-    value = getattr(attn, "head_dim", None)
-    if isinstance(value, int) and value > 0:
-        return value
+    """The per-head width of an attention module (``attn.head_dim`` or GPT-NeoX's ``head_size``,
+    else from its config)."""
+    for field in ("head_dim", "head_size"):
+        value = getattr(attn, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
     config = getattr(attn, "config", None)
     value = getattr(config, "head_dim", None)
     if isinstance(value, int) and value > 0:
@@ -65,26 +83,44 @@ def head_dim(attn: nn.Module) -> int:
     raise ValueError(f"cannot tell the head size of attention module {type(attn).__name__}")
 
 
-def check_llama_block(block: nn.Module, name: str = "block") -> None:
-    """Raise ValueError (one line) unless ``block`` is a LLaMA-style decoder block whose
-    projections split into whole heads and whose query heads split evenly over key/value heads."""
-    missing = _missing(block)
-    if missing is not None:
-        raise ValueError(f"{name} ({type(block).__name__}) is not a LLaMA-style decoder block: it has no "
-                         f"linear {missing} (needs self_attn.q/k/v/o_proj and mlp.gate/up/down_proj)")
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    if q.out_features % hd or k.out_features % hd or k.out_features != v.out_features \
-            or o.in_features != q.out_features or k.out_features == 0:
-        raise ValueError(f"{name}: attention projections q/k/v/o of shapes {linear_shape(q)}/{linear_shape(k)}/"
-                         f"{linear_shape(v)}/{linear_shape(o)} do not split into heads of size {hd}")
-    if (q.out_features // hd) % (k.out_features // hd):
-        raise ValueError(f"{name}: {q.out_features // hd} query heads do not split evenly over "
-                         f"{k.out_features // hd} key/value heads")
-    if not (mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features):
-        raise ValueError(f"{name}: MLP projections gate/up/down of shapes {linear_shape(mlp.gate_proj)}/"
-                         f"{linear_shape(mlp.up_proj)}/{linear_shape(mlp.down_proj)} disagree on the channel count")
+def head_counts(family: Family, block: nn.Module) -> Tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of ``block``'s attention, from its linears' sizes."""
+    hd = head_dim(block.get_submodule(family.attention))
+    first = _linear(block, family.attention_inputs[0])
+    if family.fused == "stacked":
+        heads = _linear(block, family.attention_output).in_features // hd
+        return heads, (first.out_features - heads * hd) // (2 * hd), hd
+    if family.fused == "interleaved":
+        return first.out_features // (3 * hd), first.out_features // (3 * hd), hd
+    return first.out_features // hd, _linear(block, family.attention_inputs[1]).out_features // hd, hd
+
+
+def check_block(block: nn.Module, name: str = "block") -> Family:
+    """The family of ``block`` after checking that its attention splits into whole heads, its query
+    heads evenly over its key/value heads and its MLP linears agree on the channel count; ValueError
+    (one line) otherwise."""
+    family = block_family(block, name)
+    heads, kv_heads, hd = head_counts(family, block)
+    shapes = {n: linear_shape(_linear(block, n)) for n in family.linears}
+    rows = {n: sum(r.numel() for _, r in parts) for n, parts in head_rows(family, heads, kv_heads, hd).items()}
+    if kv_heads < 1 or heads < 1 or any(shapes[n][0] != rows[n] for n in rows) \
+            or shapes[family.attention_output][1] != heads * hd:
+        attention = family.attention_inputs + (family.attention_output,)
+        raise ValueError(f"{name}: attention linears {', '.join(f'{n} {shapes[n]}' for n in attention)} "
+                         f"do not split into {family.name} heads of size {hd}")
+    if heads % kv_heads:
+        raise ValueError(f"{name}: {heads} query heads do not split evenly over {kv_heads} key/value heads")
+    channels = shapes[family.mlp_in[0]][0] // family.mlp_parts
+    if any(shapes[n][0] != family.mlp_parts * channels for n in family.mlp_in) \
+            or shapes[family.mlp_out][1] != channels:
+        mlp = family.mlp_in + (family.mlp_out,)
+        raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in mlp)} "
+                         f"disagree on the channel count")
+    return family
+
+
+#: the name io.model_dir and evaluation call it by
+check_llama_block = check_block
 
 
 def linear_shape(linear: nn.Linear) -> List[int]:
@@ -92,18 +128,16 @@ def linear_shape(linear: nn.Linear) -> List[int]:
 
 
 def block_layout(block: nn.Module) -> Dict:
-    """The sizes of a LLaMA-style block: query heads, key/value heads, head size, MLP channels,
-    and the ``[out, in]`` shape of every linear layer (by its name inside the block)."""
-    attn, mlp = block.self_attn, block.mlp
-    hd = head_dim(attn)
-    shapes = {f"self_attn.{n}": linear_shape(getattr(attn, n)) for n in ATTENTION_LINEARS}
-    shapes.update({f"mlp.{n}": linear_shape(getattr(mlp, n)) for n in MLP_LINEARS})
+    """The sizes of a dense block: query heads, key/value heads, head size, MLP channels, and the
+    ``[out, in]`` shape of every linear layer (by its name inside the block)."""
+    family = block_family(block)
+    heads, kv_heads, hd = head_counts(family, block)
     return {
-        "heads": attn.q_proj.out_features // hd,
-        "kv_heads": attn.k_proj.out_features // hd,
+        "heads": heads,
+        "kv_heads": kv_heads,
         "head_dim": hd,
-        "intermediate": mlp.gate_proj.out_features,
-        "shapes": shapes,
+        "intermediate": _linear(block, family.mlp_out).in_features,
+        "shapes": {n: linear_shape(_linear(block, n)) for n in family.linears},
     }
 
 
@@ -125,16 +159,35 @@ def checked_index(index: Indices, size: int, what: str) -> Tensor:
     return index
 
 
+def family_fields(family: Family, heads: int, kv_heads: int, head_size: int, intermediate: int,
+                  hidden: int) -> Optional[Dict[str, int]]:
+    """The config fields that state these block sizes, under the names ``family``'s config uses
+    (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size`` for
+    Llama; OPT's ``ffn_dim``), or None when its config cannot state them: OPT and GPT-NeoX derive
+    the head size as hidden // heads and have one key/value head per query head."""
+    fields = {"num_attention_heads": heads}
+    if family.kv_field is not None:
+        fields[family.kv_field] = kv_heads
+    elif kv_heads != heads:
+        return None
+    if family.head_dim_field is not None:
+        fields[family.head_dim_field] = head_size
+    elif hidden != heads * head_size:
+        return None
+    fields[family.intermediate_field] = intermediate
+    return fields
+
+
 def config_fields(blocks: Sequence[nn.Module]) -> Optional[Dict[str, int]]:
-    """The model-config sizes that describe ``blocks`` (``num_attention_heads``,
-    ``num_key_value_heads``, ``head_dim``, ``intermediate_size``), or None when the blocks differ
-    in size, so that no config of the architecture can describe them."""
+    """The model-config sizes that describe ``blocks`` (:func:`family_fields`), or None when the
+    blocks differ in size or their config cannot state them, so that no config of the architecture
+    can describe them."""
     layouts = [block_layout(block) for block in blocks]
     if not layouts or not layouts_uniform(layouts):
         return None
-    first = layouts[0]
-    return {"num_attention_heads": first["heads"], "num_key_value_heads": first["kv_heads"],
-            "head_dim": first["head_dim"], "intermediate_size": first["intermediate"]}
+    family, first = block_family(blocks[0]), layouts[0]
+    return family_fields(family, first["heads"], first["kv_heads"], first["head_dim"], first["intermediate"],
+                         first["shapes"][family.attention_output][0])
 
 
 def config_accepts(config, fields: Optional[Dict[str, int]]) -> bool:
@@ -177,35 +230,55 @@ def hidden_index(keep: Indices, hidden: int) -> Tensor:
     return index
 
 
+def rescaled_norm_weight(weight: Tensor, scale: float, offset: float) -> Tensor:
+    """The weight of a norm that multiplies by ``offset + weight`` (Gemma: 1 + w) after its
+    multiplier is scaled by ``scale``: (offset + weight)·scale − offset."""
+    return weight * scale if offset == 0 else (weight + offset) * scale - offset
+
+
 def hidden_stream(model: nn.Module) -> Dict:
-    """The modules of ``model`` that carry the hidden dimension (embedding, lm_head, norms, decoder
-    blocks), after checking that each has ``model.config.hidden_size`` channels there and that no
-    other tensor has that size (ValueError otherwise)."""
+    """The modules of ``model`` that carry the hidden dimension, by qualified name: the embedding
+    (``embed``, ``embed_name``; a scaled one such as Gemma's keeps its scale), the LM head, the RMS
+    norms (``norms``; ``norm_offset``: 1 for Gemma's 1 + w, else 0), the linears that read and
+    write the stream (``readers``, ``writers``) and the decoder blocks, after checking that each
+    has ``model.config.hidden_size`` channels there and that no other tensor has that size
+    (ValueError otherwise). LayerNorm families (OPT, GPT-NeoX) are refused: a LayerNorm centres
+    over every channel, so no slice of it computes what the model with channels removed computes."""
     sparse = sorted(name for name, module in model.named_modules()
                     if isinstance(module, (SparseLinear, ChannelView)))
     if sparse:
         raise ValueError(f"model holds SparseLinear/SlicedLinear/SlicedEmbedding/SlicedNorm modules "
                          f"{sparse[:3]}, whose stored weights cannot lose hidden channels; slice the dense model first "
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
-    base, config = getattr(model, "model", None), getattr(model, "config", None)
-    embed, norm = getattr(base, "embed_tokens", None), getattr(base, "norm", None)
-    layers, lm_head = getattr(base, "layers", None), getattr(model, "lm_head", None)
-    if type(embed) is not nn.Embedding or type(lm_head) is not nn.Linear or norm is None \
-            or not isinstance(layers, nn.ModuleList) or len(layers) == 0 \
+    config = getattr(model, "config", None)
+    layers = decoder_blocks(model)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    norm = next((getattr(decoder, n) for n in FINAL_NORMS if isinstance(getattr(decoder, n, None), nn.Module)), None)
+    if not isinstance(embed, nn.Embedding) or type(lm_head) is not nn.Linear or norm is None \
             or not isinstance(getattr(config, "hidden_size", None), int):
-        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM: needs "
-                         f"model.embed_tokens (nn.Embedding), model.layers, model.norm, lm_head (nn.Linear) "
-                         f"and config.hidden_size")
-    norms = {"model.norm": norm}
+        raise ValueError(f"model ({type(model).__name__}) is not a causal LM whose hidden stream pyprune can "
+                         f"slice: needs an nn.Embedding input embedding, an nn.Linear output embedding, a final "
+                         f"norm ({' or '.join(FINAL_NORMS)} under get_decoder()) and config.hidden_size")
+    names = {id(module): name for name, module in model.named_modules()}
+    prefix = names[id(layers)]
+    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]
+    norms = {names[id(norm)]: norm}
     readers, writers = {}, {}
-    for i, block in enumerate(layers):
-        check_llama_block(block, f"model.layers.{i}")
-        norms.update({f"model.layers.{i}.{n}": getattr(block, n, None) for n in BLOCK_NORMS})
-        readers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_READERS})
-        writers.update({f"model.layers.{i}.{n}": block.get_submodule(n) for n in HIDDEN_WRITERS})
+    for i, (block, family) in enumerate(zip(layers, families)):
+        norms.update({f"{prefix}.{i}.{n}": getattr(block, n) for n in family.norms})
+        readers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_readers})
+        writers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_writers})
+    layer_norms = sorted(name for name, module in norms.items() if isinstance(module, nn.LayerNorm))
+    if layer_norms:
+        raise ValueError(f"model ({type(model).__name__}) normalises its hidden stream with LayerNorm "
+                         f"({layer_norms[0]}, ...), which centres over every hidden channel: slicing hidden "
+                         f"channels needs RMS norms (Llama, Mistral, Qwen, Gemma, Phi-3 families)")
     hidden = config.hidden_size
-    wrong = [f"model.embed_tokens {list(embed.weight.shape)}"] if embed.embedding_dim != hidden else []
-    wrong += [f"lm_head {linear_shape(lm_head)}"] if lm_head.in_features != hidden else []
+    wrong = [f"{names[id(embed)]} {list(embed.weight.shape)}"] if embed.embedding_dim != hidden else []
+    wrong += [f"{names[id(lm_head)]} {linear_shape(lm_head)}"] if lm_head.in_features != hidden else []
     wrong += [f"{name} {linear_shape(m)}" for name, m in readers.items() if m.in_features != hidden]
     wrong += [f"{name} {linear_shape(m)}" for name, m in writers.items() if m.out_features != hidden]
     for name, module in norms.items():
@@ -215,7 +288,7 @@ def hidden_stream(model: nn.Module) -> Dict:
             wrong.append(f"{name} (needs a norm with weight [and bias] of shape [{hidden}]; has "
                          f"{ {k: list(p.shape) for k, p in params.items()} })")
     if wrong:
-        raise ValueError(f"model ({type(model).__name__}) is not a LLaMA-style causal LM with hidden size "
+        raise ValueError(f"model ({type(model).__name__}) is not a causal LM with hidden size "
                          f"{hidden} (config.hidden_size): {'; '.join(wrong[:4])}")
     sliced = {id(p) for m in [embed, lm_head, *norms.values(), *readers.values(), *writers.values()]
               for p in m.parameters(recurse=False)}
@@ -224,5 +297,7 @@ def hidden_stream(model: nn.Module) -> Dict:
     if stray:
         raise ValueError(f"model ({type(model).__name__}) has tensors with a dimension of hidden size {hidden} "
                          f"that keep_hidden_channels_ does not know how to slice: {stray[:4]}")
-    return {"embed": embed, "lm_head": lm_head, "norms": norms, "readers": readers, "writers": writers,
+    return {"embed": embed, "embed_name": names[id(embed)], "lm_head": lm_head, "lm_head_name": names[id(lm_head)],
+            "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset,
+            "readers": readers, "writers": writers,
             "layers": layers}

@@ -4,7 +4,7 @@ Structured methods score a channel mask and want the model's loss under it befor
 it (and to :mod:`pyprune.nn.compact`, which physically copies the kept rows/columns). A
 SlicedLinear wraps the original layer (``base``, whose weight it shares) and index tensors and runs
 :func:`pyprune.ops.sliced_linear`: its input holds the kept input channels, its output the kept
-output channels. :func:`slice_mlp_channels_` applies that to a LLaMA MLP,
+output channels. :func:`slice_mlp_channels_` applies that to a block's MLP,
 :func:`slice_hidden_channels_` to a whole model's hidden dimension (DReSS: the model as it will be
 after slicing, before slicing it; with :class:`SlicedEmbedding` and :class:`SlicedNorm`), and
 :func:`unslice_` puts the original modules back.
@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from ..ops import _validate as check
 from ..ops.linear import _sliced_linear
-from .layout import ChannelView, hidden_index, hidden_stream
+from .families import channel_rows
+from .layout import ChannelView, check_block, hidden_index, hidden_stream, rescaled_norm_weight
 
 
 class SlicedLinear(ChannelView):
@@ -59,21 +60,26 @@ class SlicedLinear(ChannelView):
 
 
 def slice_mlp_channels_(block: nn.Module, keep: Tensor) -> None:
-    """Run the LLaMA MLP of ``block`` (gate/up/down_proj) on the intermediate channels ``keep``
-    (indices or a bool mask) only, in place; the weights are shared, not copied. The same
-    selection as :func:`pyprune.nn.keep_mlp_channels_`, undone by :func:`unslice_`."""
-    mlp = block.mlp
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        if not isinstance(getattr(mlp, name, None), nn.Linear):
-            raise TypeError(f"mlp must have nn.Linear gate_proj, up_proj and down_proj (already "
-                            f"sliced? call unslice_ first); {name} is "
-                            f"{type(getattr(mlp, name, None)).__name__}")
+    """Run the MLP of ``block`` (any dense family: the rows of its input linears, each part of a
+    fused gate_up, and the columns of its output linear) on the channels ``keep`` (indices or a
+    bool mask) only, in place; the weights are shared, not copied. The same selection as
+    :func:`pyprune.nn.keep_mlp_channels_`, undone by :func:`unslice_`."""
+    sliced = [name for name, module in block.named_modules() if isinstance(module, SlicedLinear)]
+    if sliced:
+        raise TypeError(f"block holds SlicedLinear {sliced[0]} (already sliced? call unslice_ first)")
+    family = check_block(block)
     keep = torch.as_tensor(keep)
     if keep.dtype == torch.bool:
         keep = keep.nonzero().flatten()
-    mlp.gate_proj = SlicedLinear(mlp.gate_proj, out_index=keep)
-    mlp.up_proj = SlicedLinear(mlp.up_proj, out_index=keep)
-    mlp.down_proj = SlicedLinear(mlp.down_proj, in_index=keep)
+    out = block.get_submodule(family.mlp_out)
+    for name, parts in channel_rows(family, out.in_features).items():
+        _replace(block, name, SlicedLinear(block.get_submodule(name), out_index=torch.cat([p[keep] for p in parts])))
+    _replace(block, family.mlp_out, SlicedLinear(out, in_index=keep))
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
 class SlicedEmbedding(ChannelView):
@@ -89,46 +95,46 @@ class SlicedEmbedding(ChannelView):
 
 
 class SlicedNorm(ChannelView):
-    """``base`` (an RMSNorm/LayerNorm over the hidden channels) run on the channels ``index``
-    only: its own forward with its weight (and bias) entries at ``index``, the weight times
-    ``scale``, so its statistics are taken over those channels, as after
+    """``base`` (an RMS norm over the hidden channels) run on the channels ``index`` only: its own
+    forward with its weight (and bias) entries at ``index``, its multiplier (``offset`` + weight;
+    Gemma's is 1 + w) times ``scale``, so its statistics are taken over those channels, as after
     :func:`pyprune.nn.keep_hidden_channels_` and a rescale of the norm by ``scale``."""
 
-    def __init__(self, base: nn.Module, index: Tensor, scale: float = 1.0):
+    def __init__(self, base: nn.Module, index: Tensor, scale: float = 1.0, offset: float = 0.0):
         super().__init__()
-        self.base, self.scale = base, float(scale)
+        self.base, self.scale, self.offset = base, float(scale), float(offset)
         self.register_buffer("index", index.to(base.weight.device).long(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         kept = {name: p.index_select(0, self.index) for name, p in self.base.named_parameters(recurse=False)}
         if self.scale != 1.0:
-            kept["weight"] = kept["weight"] * self.scale
+            kept["weight"] = rescaled_norm_weight(kept["weight"], self.scale, self.offset)
         return torch.func.functional_call(self.base, kept, (x,))
 
 
 def slice_hidden_channels_(model: nn.Module, keep, norm_scale: Optional[Dict[str, float]] = None) -> None:
-    """Run a LLaMA-family causal LM on the hidden (residual-stream) channels ``keep`` only, in
-    place and without copying a weight: the embedding, every norm, every q/k/v/gate/up_proj
-    (input columns), o/down_proj (output rows) and the LM head are wrapped. It computes what
+    """Run a causal LM of an RMS-norm family (:func:`pyprune.nn.layout.hidden_stream`) on the
+    hidden (residual-stream) channels ``keep`` only, in place and without copying a weight: the
+    embedding, every norm, every linear reading the stream (input columns) or writing it (output
+    rows) and the LM head are wrapped. It computes what
     :func:`pyprune.nn.keep_hidden_channels_` would make (``keep`` is checked the same way), so a
     method can evaluate (or train through) the sliced model while the full weights stay; undone by
     :func:`unslice_`. ``norm_scale`` (norm name -> factor, e.g. DReSS's ``norm_scale`` report) scales
     those norms' weights as a rescale after slicing would."""
     stream = hidden_stream(model)
     index = hidden_index(keep, model.config.hidden_size).to(stream["embed"].weight.device)
-    wrapped = {"model.embed_tokens": SlicedEmbedding(stream["embed"], index),
-               "lm_head": SlicedLinear(stream["lm_head"], in_index=index)}
+    wrapped = {stream["embed_name"]: SlicedEmbedding(stream["embed"], index),
+               stream["lm_head_name"]: SlicedLinear(stream["lm_head"], in_index=index)}
     norm_scale = dict(norm_scale or {})
     unknown = sorted(set(norm_scale) - set(stream["norms"]))
     if unknown:
         raise ValueError(f"norm_scale names no norm of the hidden stream: {', '.join(unknown)}")
-    wrapped.update({name: SlicedNorm(norm, index, norm_scale.get(name, 1.0))
+    wrapped.update({name: SlicedNorm(norm, index, norm_scale.get(name, 1.0), stream["norm_offset"])
                     for name, norm in stream["norms"].items()})
     wrapped.update({name: SlicedLinear(m, in_index=index) for name, m in stream["readers"].items()})
     wrapped.update({name: SlicedLinear(m, out_index=index) for name, m in stream["writers"].items()})
     for name, module in wrapped.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, module)
+        _replace(model, name, module)
 
 
 _WRAPPERS = (SlicedLinear, SlicedEmbedding, SlicedNorm)

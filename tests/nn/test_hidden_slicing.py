@@ -252,7 +252,7 @@ BAD_KEEPS = [
 BAD_MODELS = [
     (_sparse, "SparseLinear"),
     (_sliced_mlp, "SlicedLinear"),
-    (lambda model: model.model, "is not a LLaMA-style causal LM"),
+    (lambda model: model.model, "is not a causal LM whose hidden stream pyprune can slice"),
     (_stale_hidden_size, "hidden size 32"),
     (_extra_hidden_parameter, "does not know how to slice: ['model.layers.1.scale']"),
     (_untied_in_config, "tie_word_embeddings"),
