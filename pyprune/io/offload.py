@@ -24,7 +24,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..nn import anatomy
+from ..nn import anatomy, experts
 from . import storage
 from .manifest import read_manifest
 
@@ -138,6 +138,9 @@ def load_offloaded(directory: str, dtype: torch.dtype, offload_dir: str) -> nn.M
         raise ValueError(f"offload_dir {offload_dir!r} exists and is not a directory")
     sources = weight_map(directory)
     model = skeleton(directory, dtype)
+    if experts.fused_experts(anatomy.decoder_blocks(model)[0], strict=False):
+        raise ValueError(f"cannot offload {directory}: its blocks hold fused mixture-of-experts weights, which "
+                         "offload does not read yet; load the model whole (without an offload directory)")
     prefix = anatomy.block_prefix(model) + "."
     from safetensors import safe_open
     rest = {}

@@ -140,3 +140,13 @@ def test_the_cli_refuses_a_prune_that_does_not_fit_before_loading(source, tmp_pa
                     r"[0-9.]+ GiB of memory \(weights .*\), 0\.3 GiB available; with --offload \(weights on "
                     r"disk, one block in memory\) it needs about [0-9.]+ GiB$", err), err
     assert os.listdir(tmp_path) == []
+
+
+def test_an_moe_model_is_refused_in_one_line_before_the_offload_directory_is_made(tmp_path):
+    """Offload reads a block's tensors by their saved names, which transformers 5 writes per expert
+    for fused MoE weights: such a model is refused, and nothing is written."""
+    from tests.helpers import tiny_decoder
+    tiny_decoder("mixtral", layers=2).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match="fused mixture-of-experts") as info:
+        offload.load_offloaded(str(tmp_path / "moe"), torch.float32, str(tmp_path / "blocks"))
+    assert "\n" not in str(info.value) and not (tmp_path / "blocks").exists()
