@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from ..nn.anatomy import (block_linears, block_prefix, block_store, decoder_blocks, resident_blocks,
                           unpruned_matrices)
 from ..nn.experts import expert_linears
-from ..nn.layout import block_layout, check_llama_block
+from ..nn.layout import block_layout, check_block
 from ..nn.sliced import SlicedLinear
 from ..nn.sparse import SparseLinear
 from ..patterns import NM
@@ -113,7 +113,7 @@ def model_cost(model: nn.Module, seqlen: int) -> Dict[str, int]:
     linear_flops = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     attention_flops = 0
     for index, block in enumerate(decoder_blocks(model)):
-        check_llama_block(block, f"block {index}")
+        check_block(block, f"block {index}")
         layout = block_layout(block)
         attention_flops += 4 * layout["heads"] * layout["head_dim"] * seqlen
     return {"parameters": parameter_count(model), "linear_flops_per_token": linear_flops,

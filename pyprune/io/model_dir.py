@@ -36,7 +36,7 @@ from torch import nn
 from ..nn import anatomy, compact, sparse
 from . import offload, storage
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, read_manifest
-from ..nn.layout import block_layout, check_llama_block, config_accepts, config_fields
+from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
 __all__ = ["save", "load", "check_weights", "model_layout"]
 
@@ -50,7 +50,7 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
     try:
         blocks = anatomy.decoder_blocks(model)
         for index, block in enumerate(blocks):
-            check_llama_block(block, f"block {index}")
+            check_block(block, f"block {index}")
     except ValueError:
         return {"layers": None, "config_compatible": True, "config_fields": None}
     layouts = [block_layout(block) for block in blocks]

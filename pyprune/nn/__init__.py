@@ -17,12 +17,12 @@
 """
 from .compact import (grouped_query_heads, keep_attention_heads_, keep_hidden_channels_, keep_mlp_channels_,
                       resize_block_)
-from .layout import block_layout, check_llama_block, config_accepts, config_fields, layouts_uniform
+from .layout import block_layout, check_block, config_accepts, config_fields, layouts_uniform
 from .sliced import (SlicedEmbedding, SlicedLinear, SlicedNorm, slice_hidden_channels_, slice_mlp_channels_,
                      unslice_)
 from .sparse import SparseLinear, densify_slower_, detect_pattern, sparsify_
 
-__all__ = ["block_layout", "check_llama_block", "config_accepts", "config_fields",
+__all__ = ["block_layout", "check_block", "config_accepts", "config_fields",
            "grouped_query_heads", "keep_attention_heads_", "keep_hidden_channels_", "keep_mlp_channels_",
            "layouts_uniform", "resize_block_",
            "SparseLinear", "sparsify_", "densify_slower_", "detect_pattern",

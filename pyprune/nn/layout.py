@@ -17,7 +17,7 @@ from .families import FAMILIES, FINAL_NORMS, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
-    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_llama_block",
+    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block",
     "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
     "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
 ]
@@ -120,9 +120,6 @@ def check_block(block: nn.Module, name: str = "block") -> Family:
 
 
 #: the name io.model_dir and evaluation call it by
-check_llama_block = check_block
-
-
 def linear_shape(linear: nn.Linear) -> List[int]:
     return [linear.out_features, linear.in_features]
 
