@@ -8,6 +8,9 @@ Each method runs on a fresh copy of the dense model; results go to JSON and a ma
     python benchmarks/baselines_smollm2.py --nsamples 16 --seqlen 256 --eval-tokens 16384
     python benchmarks/baselines_smollm2.py --model gemma3-270m --nsamples 16 --seqlen 256 --eval-tokens 4096 \
         --only magnitude wanda sparsegpt                         # -> results/baselines-gemma3-270m.{json,md}
+
+A run with --only adds its rows to an existing results file of the same protocol (calibration, evaluation,
+model), replacing rows of the same method and pattern, so a long table can be measured in parts.
 """
 import argparse
 import copy
@@ -35,6 +38,9 @@ RUNS = [  # (method, pattern, method options)
     ("magnitude", NM(4, 8), {}), ("wanda", NM(4, 8), {}), ("sparsegpt", NM(4, 8), {}),
     ("taylor", Structured(0.2), {}),
     ("taylor", Structured(0.2), {"first_layer": 3, "last_layer": -2}),  # LLM-Pruner keeps ends dense
+    ("moreau", Structured(0.2), {}),
+    ("dress", Structured(0.25), {}),
+    ("safe+", NM(2, 4), {}),
 ]
 
 
@@ -58,9 +64,10 @@ def main(argv=None):
     calib = data.calibration_samples(tokenizer, calib_source, nsamples=args.nsamples, seqlen=args.seqlen,
                                      seed=args.seed)
     tokens = data.eval_tokens(tokenizer, eval_source, max_tokens=args.eval_tokens)
-    rows = [{"method": "dense", "pattern": "-", "sparsity": 0.0,
-             "perplexity": perplexity(dense_model, tokens, args.seqlen, bos_token_id=bos), "time_s": 0.0}]
-    print(f"dense: {rows[0]['perplexity']:.3f}", flush=True)
+    dense = {"method": "dense", "pattern": "-", "sparsity": 0.0,
+             "perplexity": perplexity(dense_model, tokens, args.seqlen, bos_token_id=bos), "time_s": 0.0}
+    print(f"dense: {dense['perplexity']:.3f}", flush=True)
+    rows = earlier_rows(args, tokens, bos, dense)
     write_results(args, tokens, rows, bos)
     for method, pattern, options in RUNS:
         if args.only and method not in args.only:
@@ -69,8 +76,9 @@ def main(argv=None):
         report = pyprune.prune(model, method, pattern, calib, **options)
         ppl = perplexity(model, tokens, args.seqlen, bos_token_id=bos)
         label = str(pattern) + "".join(f", {k}={v}" for k, v in options.items())
-        rows.append({"method": method, "pattern": label, "sparsity": round(report["sparsity"], 4),
-                     "perplexity": ppl, "time_s": report["time_s"]})
+        row = {"method": method, "pattern": label, "sparsity": round(report["sparsity"], 4),
+               "perplexity": ppl, "time_s": report["time_s"]}
+        rows = [r for r in rows if (r["method"], r["pattern"]) != (method, label)] + [row]
         print(f"{method} {label}: sparsity {report['sparsity']:.4f}, perplexity {ppl:.3f}, "
               f"{report['time_s']:.1f} s", flush=True)
         del model
@@ -78,15 +86,41 @@ def main(argv=None):
     return 0
 
 
-def write_results(args, tokens, rows, bos):
-    """JSON + markdown table, rewritten atomically after every run (a long run can be stopped)."""
+def earlier_rows(args, tokens, bos, dense):
+    """The rows of an earlier run of the same protocol at args.output (dense first), else just ``dense``.
+
+    The dense perplexity must reproduce to 1e-6 relative: otherwise the file measured something else
+    (another calibration, text or model) and mixing its rows would be a different table."""
+    if not os.path.exists(args.output):
+        return [dense]
+    with open(args.output) as f:
+        earlier = json.load(f)
+    protocol = describe_protocol(args, tokens, bos)
+    if any(earlier.get(key) != value for key, value in protocol.items()):
+        sys.exit(f"{args.output} holds another protocol ({ {k: earlier.get(k) for k in protocol} }); "
+                 "pass another --output")
+    old_dense = earlier["results"][0]["perplexity"]
+    if abs(old_dense - dense["perplexity"]) > 1e-6 * dense["perplexity"]:
+        sys.exit(f"{args.output}: dense perplexity {old_dense} there, {dense['perplexity']} now; pass another --output")
+    return [dense] + earlier["results"][1:]
+
+
+def describe_protocol(args, tokens, bos):
+    """The fields that make two runs' rows comparable."""
     text = args.seqlen - 1 if bos is not None else args.seqlen
     windows = f"{args.seqlen}-token windows" + (" each starting with <bos>" if bos is not None else " (no BOS)")
-    result = {
+    return {
         "model": MODELS.get(args.model, args.model),
         "calibration": f"{args.nsamples} x {args.seqlen} tokens of austen/emma.txt, seed {args.seed}"
                        + (" (<bos> first)" if bos is not None else ""),
         "evaluation": f"first {tokens.numel() // text * text} tokens of austen/pride_and_prejudice.txt, {windows}",
+    }
+
+
+def write_results(args, tokens, rows, bos):
+    """JSON + markdown table, rewritten atomically after every run (a long run can be stopped)."""
+    result = {
+        **describe_protocol(args, tokens, bos),
         "bos": bos is not None,
         "machine": f"{cpu_info().get('model', platform.machine())} CPU, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "pyprune": pyprune.__version__,
