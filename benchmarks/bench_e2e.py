@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 from _common import environment, write_atomic, write_json
@@ -24,7 +25,7 @@ from _common import environment, write_atomic, write_json
 import pyprune
 from pyprune.runtime.decode import greedy_generate
 from pyprune.inputs.models import load_model
-from pyprune.nn import SparseLinear, sparsify_
+from pyprune.nn import SparseLinear, dispatch, sparsify_, tuning
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -76,6 +77,7 @@ def measure(name, pattern, where, args, device, dtype):
     dense = build(name, args.layers, dtype, device)
     pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
+    cost_before = dict(tuning.COST)
     # "faster": as `pyprune generate` does by default, only the layers the dispatch table measured
     # faster sparse at one token (greedy decode) become SparseLinear; "all": every N:M linear
     replaced = sparsify_(sparse, pattern, backend=args.backend,
@@ -90,8 +92,15 @@ def measure(name, pattern, where, args, device, dtype):
         backends = {klass: sorted({m.choose_backend(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
                                    for m in layers})
                     for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
+    # where each converted layer's decode and prefill backends came from (pyprune.nn.dispatch.SOURCES),
+    # and what tuning on first use measured in this row (those answers then read back as "cache")
+    sources = {bucket: dict(Counter(m.decisions[bucket][1] for m in layers if bucket in m.decisions))
+               for bucket in ("1", dispatch.token_bucket(args.prefill))}
+    tuned = {"cases": tuning.COST["cases"] - cost_before["cases"],
+             "seconds": round(tuning.COST["seconds"] - cost_before["seconds"], 3)}
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "pattern": pattern,
            "sparse_where": where, "sparse_layers": len(replaced), "backends": backends,
+           "decision_sources": sources, "tuned_on_first_use": tuned,
            "prefill_tokens": args.prefill, "new_tokens": args.decode, "repeats": args.repeat,
            "top1_agreement_sparse_vs_dense": round(float(agreement), 4)}
     models = {"dense": dense, "sparse": sparse}
@@ -132,8 +141,9 @@ def markdown(report):
              "SparseLinear caches for its dense fallback.", "",
              "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
              "| sparse prefill ms | prefill speedup | new tokens | dense decode tok/s | sparse decode tok/s "
-             "| decode speedup | same tokens | dense MB | sparse MB | load (1/5/15 min) |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+             "| decode speedup | same tokens | dense MB | sparse MB | backends from (decode; prefill) "
+             "| tuned here | load (1/5/15 min) |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|"]
     for r in report["results"]:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['pattern']} | {r.get('sparse_where', 'all')} | "
                      f"{r['sparse_layers']} | "
@@ -141,9 +151,22 @@ def markdown(report):
                      f"{r['prefill_tokens']} | {r['dense_prefill_ms']} | {r['sparse_prefill_ms']} | "
                      f"{r['prefill_speedup']}× | {r['new_tokens']} | {r['dense_decode_tok_s']} | "
                      f"{r['sparse_decode_tok_s']} | {r['decode_speedup']}× | {r['same_generated_tokens']} | "
-                     f"{r['dense_weight_mb']} | {r['sparse_weight_mb']} | "
+                     f"{r['dense_weight_mb']} | {r['sparse_weight_mb']} | {_sources(r)} | {_tuned(r)} | "
                      f"{' '.join(str(v) for v in r.get('load_average') or [])} |")
     return "\n".join(lines) + "\n"
+
+
+def _sources(row):
+    """"cache 90; cache 90"-style counts of where the decode and prefill backends came from."""
+    if "decision_sources" not in row:
+        return "–"
+    return "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "–"
+                     for counts in row["decision_sources"].values())
+
+
+def _tuned(row):
+    tuned = row.get("tuned_on_first_use")
+    return "–" if tuned is None else f"{tuned['cases']} cases, {tuned['seconds']} s"
 
 
 def main(argv=None):

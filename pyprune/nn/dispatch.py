@@ -25,7 +25,7 @@ import json
 import os
 import platform
 from functools import lru_cache
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -123,12 +123,28 @@ def case_key(device: torch.device, dtype: torch.dtype, pattern: str, out_feature
                      token_bucket(tokens))
 
 
+#: Where a layer's backend came from: the per-user cache, the shipped table (the prior), a
+#: measurement taken on first use, or no measurement at all (dense).
+SOURCES = ("cache", "prior", "measured", "fallback")
+
+
+def answer(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
+           in_features: int, tokens: int) -> Optional[Tuple[str, str]]:
+    """(backend, source) measured for this case: the per-user cache's answer (source ``cache``),
+    else the shipped table's (``prior``), else None."""
+    key = case_key(device, dtype, pattern, out_features, in_features, tokens)
+    entry = cached_entries(device).get(key)
+    if entry is not None:
+        return entry["backend"], "cache"
+    entry = table().get("entries", {}).get(key)
+    return None if entry is None else (entry["backend"], "prior")
+
+
 def lookup(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
            in_features: int, tokens: int) -> Optional[str]:
-    """The measured backend for this case: the per-user cache's, else the shipped table's, else None."""
-    key = case_key(device, dtype, pattern, out_features, in_features, tokens)
-    entry = cached_entries(device).get(key) or table().get("entries", {}).get(key)
-    return None if entry is None else entry["backend"]
+    """The measured backend for this case (see :func:`answer`), else None."""
+    found = answer(device, dtype, pattern, out_features, in_features, tokens)
+    return None if found is None else found[0]
 
 
 # -- the per-user cache of measurements ------------------------------------------------------------

@@ -93,6 +93,8 @@ class SparseLinear(nn.Module):
         self._cache: Dict[str, Tuple[tuple, object]] = {}
         self._cusparselt_algorithms: Dict[int, int] = {}
         self._choices: Dict[tuple, str] = {}  # backend="auto": the table's answer per case
+        #: backend="auto": (backend, source in dispatch.SOURCES) per token bucket met so far
+        self.decisions: Dict[str, Tuple[str, str]] = {}
 
     def get_extra_state(self) -> Tensor:
         return torch.tensor([self.n, self.m, self.in_features], dtype=torch.int64)
@@ -120,10 +122,11 @@ class SparseLinear(nn.Module):
         self._cache.clear()
         self._cusparselt_algorithms.clear()
         self._choices.clear()
+        self.decisions.clear()
 
     def __getstate__(self):
         state = super().__getstate__()
-        return dict(state, _cache={}, _cusparselt_algorithms={}, _choices={})
+        return dict(state, _cache={}, _cusparselt_algorithms={}, _choices={}, decisions={})
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, pattern: Union[str, NM, Tuple[int, int]] = "2:4",
@@ -192,14 +195,15 @@ class SparseLinear(nn.Module):
                     dispatch.cache_root(), torch.get_num_threads())  # what else picks the cache file
             name = self._choices.get(case)
             if name is None:
-                name = dispatch.lookup(x.device, x.dtype, str(self.pattern), self.out_features,
-                                       self.in_features, tokens)
-                if name is None and tuning.can_tune(x.device):
-                    name = self.tune(tokens)[0]["backend"]
-                name = name or dispatch.FALLBACK_BACKEND
+                found = dispatch.answer(x.device, x.dtype, str(self.pattern), self.out_features,
+                                        self.in_features, tokens)
+                if found is None and tuning.can_tune(x.device):
+                    found = self.tune(tokens)[0]["backend"], "measured"
+                name, source = found or (dispatch.FALLBACK_BACKEND, "fallback")
                 if not self.supports(name, x):
-                    name = dispatch.FALLBACK_BACKEND
+                    name, source = dispatch.FALLBACK_BACKEND, "fallback"
                 self._choices[case] = name
+                self.decisions[dispatch.token_bucket(tokens)] = (name, source)
         elif not self.supports(name, x):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")

@@ -1,6 +1,6 @@
 """Baselines on the real SmolLM2-135M (slow; runs in CI): the orderings every paper reports.
 
-Calibration: 16 x 256 tokens of Emma; evaluation: the first 4096 tokens of Pride and Prejudice
+Calibration: 8 x 256 tokens of Emma; evaluation: the first 2048 tokens of Pride and Prejudice
 in 256-token windows. Small enough for two CPU cores, large enough for stable orderings.
 """
 import copy
@@ -18,9 +18,9 @@ SEQLEN = 256
 @pytest.fixture(scope="module")
 def setup(smollm2):
     model, tokenizer = smollm2
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=16,
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=8,
                                      seqlen=SEQLEN, seed=0)
-    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=4096)
+    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=2048)
     return model, calib, tokens, perplexity(model, tokens, SEQLEN, progress=False)
 
 

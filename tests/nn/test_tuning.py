@@ -56,11 +56,14 @@ def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected
     timings["speedup"] = speedup
     layer = _layer()
     assert _choose(layer) == expected and timings["calls"] == 1
+    assert layer.decisions == {"1": (expected, "measured")}
     key = dispatch.case_key(CPU, torch.float32, "2:4", 32, 64, 1)
     entry = dispatch.cached_entries(CPU)[key]
     assert entry["backend"] == expected and entry["sparse_speedup_vs_dense"] == speedup
     assert entry["kernel_ms"] > 0 and entry["dense_ms"] > 0 and entry["tokens"] == 1
-    assert _choose(_layer(seed=1)) == expected  # a new layer of the same bucket: the cache answers
+    other = _layer(seed=1)
+    assert _choose(other) == expected  # a new layer of the same bucket: the cache answers
+    assert other.decisions == {"1": (expected, "cache")}
     assert _choose(layer, tokens=3) == expected and timings["calls"] == 2  # the 4-token bucket is new
     assert ("dense" in layer._cache) == (expected == "dense")  # the dense copy kept only when dense won
     with torch.no_grad():  # and the layer computes the same either way
@@ -146,7 +149,7 @@ def test_changing_any_key_part_measures_again(timings, monkeypatch, part):
 def test_the_off_switch_never_times(timings, monkeypatch):
     monkeypatch.setenv("PYPRUNE_TUNE", "0")
     layer = _layer()
-    assert _choose(layer) == dispatch.FALLBACK_BACKEND
+    assert _choose(layer) == dispatch.FALLBACK_BACKEND and layer.decisions == {"1": ("dense", "fallback")}
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     with torch.no_grad():
         model[0].weight.mul_(ops.score_nm_mask(model[0].weight, 2, 4))
@@ -191,9 +194,11 @@ def test_the_shipped_table_answers_where_the_cache_has_nothing_and_the_cache_ove
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
-    assert _choose(_layer()) == "kernel" and timings["calls"] == 0
+    layer = _layer()
+    assert _choose(layer) == "kernel" and timings["calls"] == 0 and layer.decisions == {"1": ("kernel", "prior")}
     dispatch.record(CPU, {key: {"backend": "dense"}})
-    assert _choose(_layer()) == "dense" and timings["calls"] == 0
+    layer = _layer()
+    assert _choose(layer) == "dense" and timings["calls"] == 0 and layer.decisions == {"1": ("dense", "cache")}
 
 
 def test_interleaved_rounds_alternate_and_respect_the_bounds():
