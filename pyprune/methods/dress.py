@@ -156,25 +156,34 @@ class DReSS(Method):
 
     # -- regularise, slice, recover ----------------------------------------------------------------
 
-    def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int]]:
-        """(name, parameter, dim of the hidden channels) of every tensor that reads or writes them
-        (Eqs. 2-4), as :func:`pyprune.nn.layout.hidden_stream` lists them: embedding and LM-head
+    def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int, float]]:
+        """(name, parameter, dim of the hidden channels, offset) of every tensor that reads or writes
+        them (Eqs. 2-4), as :func:`pyprune.nn.layout.hidden_stream` lists them: embedding and LM-head
         columns, reader input columns, writer output rows, norm entries; a tied LM head shares the
-        embedding's tensor and appears once."""
+        embedding's tensor and appears once. The penalty and the mass act on parameter + offset, the
+        norm's effective scale: 1 + w for Gemma's norms (driving w to 0 would leave the scale at 1),
+        the weight itself (offset 0) everywhere else."""
         stream = hidden_stream(model)
-        slices = [(stream["embed_name"], stream["embed"].weight, 1)]
-        slices += [(name, linear.weight, 1) for name, linear in stream["readers"].items()]
-        slices += [(name, linear.weight, 0) for name, linear in stream["writers"].items()]
-        slices += [(name, norm.weight, 0) for name, norm in stream["norms"].items()]
+        slices = [(stream["embed_name"], stream["embed"].weight, 1, 0.0)]
+        slices += [(name, linear.weight, 1, 0.0) for name, linear in stream["readers"].items()]
+        slices += [(name, linear.weight, 0, 0.0) for name, linear in stream["writers"].items()]
+        slices += [(name, norm.weight, 0, float(stream["norm_offset"])) for name, norm in stream["norms"].items()]
         if stream["lm_head"].weight is not stream["embed"].weight:
-            slices.append((stream["lm_head_name"], stream["lm_head"].weight, 1))
+            slices.append((stream["lm_head_name"], stream["lm_head"].weight, 1, 0.0))
         return slices
 
     @staticmethod
+    def effective(parameter: Tensor, offset: float) -> Tensor:
+        """The values the penalty acts on: ``parameter`` itself, or a detached parameter + offset."""
+        return parameter if offset == 0 else parameter.detach() + offset
+
+    @staticmethod
     def slice_mass(slices, channels: Tensor) -> Dict[str, float]:
-        """Σ|W| over the P-slices of every penalised tensor (Fig. 5's measure), by tensor name."""
+        """Σ|W| over the P-slices of every penalised tensor (Fig. 5's measure; W + offset for an
+        offset norm), by tensor name."""
         with torch.no_grad():
-            return {name: float(p.index_select(dim, channels.to(p.device)).abs().sum()) for name, p, dim in slices}
+            return {name: float(DReSS.effective(p, offset).index_select(dim, channels.to(p.device)).abs().sum())
+                    for name, p, dim, offset in slices}
 
     @staticmethod
     def mass_ratio_by(start: Dict[str, float], end: Dict[str, float], group) -> Dict[str, float]:
@@ -268,8 +277,9 @@ class DReSS(Method):
         index = channels.to(next(model.parameters()).device)
 
         def penalty() -> Dict[str, float]:
-            total = sum(float(ops.channel_penalty_(p.grad, p, index, dim, self.lam, self.norm).sum())
-                        for _, p, dim in slices)
+            total = sum(float(ops.channel_penalty_(p.grad, self.effective(p, offset), index, dim, self.lam,
+                                                   self.norm).sum())
+                        for _, p, dim, offset in slices)
             return {"penalty": round(self.lam * total, 6)}
 
         start = time.perf_counter()

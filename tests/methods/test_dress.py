@@ -260,3 +260,21 @@ def test_on_smollm2_quiet_channels_and_regularisation_each_lower_the_sliced_perp
     print(f"\nsliced perplexity {ppl}, slice mass {mass}")
     assert ppl["quiet"] < ppl["last"] / 100
     assert ppl["dress"] < 0.8 * ppl["quiet"] and mass["dress"] < 0.9
+
+
+def test_on_gemma_the_penalty_shrinks_the_norms_effective_scale_one_plus_w():
+    """Gemma's norms multiply by 1 + w: the penalty and the slice mass act on 1 + w (the scale the
+    sliced channels carry), so regularising shrinks |1 + w| of the selected channels."""
+    from tests.helpers import tiny_decoder
+    model = tiny_decoder("gemma3", layers=2)
+    slices = DReSS().penalised_slices(model)
+    offsets = {name: offset for name, _, _, offset in slices}
+    assert {offset for name, offset in offsets.items() if "norm" in name} == {1.0}
+    assert {offset for name, offset in offsets.items() if "norm" not in name} == {0.0}
+    channels = torch.arange(0, model.config.hidden_size, 4)
+    norm_name, norm_weight = next((n, p) for n, p, _, o in slices if o == 1.0)
+    mass = DReSS.slice_mass(slices, channels)[norm_name]
+    assert mass == pytest.approx(float((norm_weight.detach()[channels] + 1).abs().sum()), rel=1e-6)
+    calib = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
+    report = pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=6, lam=1.0, lr=1e-2)
+    assert report["slice_mass_ratio_per_kind"]["input_layernorm"] < 0.99
