@@ -52,6 +52,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2-135m", help="a model alias or directory (pyprune.inputs.models)")
     parser.add_argument("--only", nargs="*", help="methods to run (default: all)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="calibration batch (the gradient methods on Gemma's 262k-token head need 1-2 "
+                             "within a few GB)")
     parser.add_argument("--output", help="results JSON (default: results/baselines-<model>.json)")
     args = parser.parse_args(argv)
     if args.output is None:
@@ -73,7 +76,7 @@ def main(argv=None):
         if args.only and method not in args.only:
             continue
         model = copy.deepcopy(dense_model)
-        report = pyprune.prune(model, method, pattern, calib, **options)
+        report = pyprune.prune(model, method, pattern, calib, batch_size=args.batch_size, **options)
         ppl = perplexity(model, tokens, args.seqlen, bos_token_id=bos)
         label = str(pattern) + "".join(f", {k}={v}" for k, v in options.items())
         row = {"method": method, "pattern": label, "sparsity": round(report["sparsity"], 4),
