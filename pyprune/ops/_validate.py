@@ -51,6 +51,19 @@ def column_vector(name: str, value: Optional[Tensor], columns: int) -> Optional[
     return value
 
 
+def sums_of_squares(name: str, value: Optional[Tensor]) -> None:
+    """Every entry of the activation statistic ``value`` (Σ x², e.g. act_sqnorm) is >= 0: a negative
+    or NaN one is not a statistic (its square root would turn scores into NaN). Called inside the
+    custom ops, where the values are real also under torch.compile."""
+    if value is None:
+        return
+    bad = ~(value >= 0)
+    if bool(bad.any()):
+        column = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name} must be >= 0 (a sum of squares of activations); got {float(value[column])} "
+                         f"at column {column}")
+
+
 def nm_pair(n, m) -> None:
     for arg, v in (("n", n), ("m", m)):
         if isinstance(v, bool) or not isinstance(v, int):
