@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import compare, continual, demo, evaluate, generate, options, prune, recover, robustness, tune
+from . import compare, continual, demo, environment, evaluate, generate, options, prune, recover, robustness, tune
 from .checks import UsageError
 
 #: one module per subcommand, each with ``COMMAND``, ``register(subparsers, method)`` and ``run(args)``
@@ -38,6 +38,8 @@ def build_parser(method: Optional[str] = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.register(sub, method)
+    for subparser in sub.choices.values():
+        environment.add_flags(subparser)
     return parser
 
 
@@ -50,7 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             options.check_method(args.command, args.method)
         if extras:
             raise UsageError(options.unrecognised(args, extras))
-        return args.run(args)
+        with environment.applied(args):
+            return args.run(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 2

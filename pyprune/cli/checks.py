@@ -94,6 +94,18 @@ def check_model(model: str):
     return config
 
 
+def check_lengths(args, config, flags: Iterable[str]) -> None:
+    """Every sequence-length flag in ``flags`` (those given) is within the model's
+    ``max_position_embeddings``: longer windows run, but on positions the model never learnt."""
+    from ..runtime.tokens import position_limit
+    limit = position_limit(config)
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if limit is not None and value is not None and value > limit:
+            raise UsageError(f"--{flag.replace('_', '-')} {value} is longer than the model's {limit} positions "
+                             f"(max_position_embeddings of --model {args.model})")
+
+
 def check_offload(args, runner) -> None:
     """--offload's requirements: a method that prunes block by block, --output (the blocks are
     written there), the CPU, and no evaluation (it needs the whole model in memory)."""

@@ -37,7 +37,7 @@ def run(args) -> int:
     from ..runtime import recovery
     recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
-    checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_tokens",))
     if args.seqlen < 2:
         raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
     if args.batch_size > args.nsamples:
@@ -46,10 +46,10 @@ def run(args) -> int:
     checks.check_output(args.output, "--output")
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_model(args.model)
+    checks.check_lengths(args, checks.check_model(args.model), ("seqlen", "eval_seqlen"))
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args)
-    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens, "--eval",
                                  "--eval-seqlen")
 
     model, tok = steps.load(args)

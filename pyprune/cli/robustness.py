@@ -34,14 +34,16 @@ def run(args) -> int:
     runner = options.build_method(args)
     pattern = options.structured_from(args)
     options.apply_calibration_defaults(args, runner)
-    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_sources((args.calib, args.eval))
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    config = checks.check_model(args.model)
+    checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
+    checks.check_method_config(runner, config, pattern)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args)
-    [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_max_tokens, "--eval",
+    [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_tokens, "--eval",
                                        "--eval-seqlen")
 
     model, _ = steps.load(args, dtype=torch.float32)

@@ -27,6 +27,8 @@ def files(tmp_path_factory):
     text = base / "text.txt"
     text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
     (base / "short.txt").write_text("the house is good")
+    (base / "blank.txt").write_text(" \n\n\t  \n")
+    (base / "one-line.txt").write_text("the house is good and the man is good " * 20)
     (base / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (base / "a-directory").mkdir()
     garbage = _copy_model(model, base / "garbage-config")
@@ -79,8 +81,8 @@ WANDA = ["--method", "wanda", "--pattern", "2:4"]
 CASES = [
     ("prune-eval-seqlen-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
                              "--eval-seqlen", "0"], r"--eval-seqlen must be >= 1; got 0", {}),
-    ("prune-eval-max-tokens-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
-                                 "--eval-max-tokens", "0"], r"--eval-max-tokens must be >= 1", {}),
+    ("prune-eval-tokens-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
+                             "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
     ("prune-eval-shorter-than-a-window", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval",
                                           "{short.txt}", "--eval-seqlen", "16"],
      r"--eval .*short.txt has 4 tokens, fewer than one window of --eval-seqlen 16", {}),
@@ -130,8 +132,8 @@ CASES = [
                             "{new}", "--eval", "{text.txt}"], r"--offload evaluates nothing", {}),
     ("eval-seqlen-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "0"],
      r"--seqlen must be >= 1; got 0", {}),
-    ("eval-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
-     r"--max-tokens must be >= 1", {}),
+    ("eval-old-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
+     r"--eval-tokens must be >= 1; got 0", {}),
     ("eval-data-shorter-than-a-window", ["eval", "--model", "{tiny}", "--data", "{short.txt}", "--seqlen", "16"],
      r"--data .*short.txt has 4 tokens, fewer than one window of --seqlen 16", {}),
     ("eval-data-offline", ["eval", "--model", "{tiny}", "--data", "c4"],
@@ -192,6 +194,37 @@ CASES = [
     ("tune-garbage-config", ["tune", "--model", "{garbage-config}"], r"config.json is not a valid model config", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
+    # Inputs that are accepted but would mean nothing: a text of whitespace, a window longer than the
+    # model's positions, a token limit shorter than a window, a thread count of 0.
+    ("prune-whitespace-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{blank.txt}", "--seqlen", "16"],
+     r"--calib .*blank.txt: .*blank.txt holds only whitespace; give a text", {}),
+    ("eval-whitespace-data", ["eval", "--model", "{tiny}", "--data", "{blank.txt}", "--seqlen", "16"],
+     r"--data .*blank.txt: .*blank.txt holds only whitespace", {}),
+    ("recover-whitespace-calib", ["recover", "--model", "{tiny}", "--calib", "{blank.txt}", "--steps", "1", "--seqlen",
+                                  "16", "--eval-seqlen", "16", "--output", "{new}"], r"holds only whitespace", {}),
+    ("continual-whitespace-half", ["continual", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.5",
+                                   "--datasets", "{one-line.txt}", "emma", "--seqlen", "4", "--eval-seqlen", "16",
+                                   "--report", "{new}.json"], r"one-line.txt:second_half holds only whitespace", {}),
+    ("prune-seqlen-beyond-positions", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--seqlen", "4096"],
+     r"--seqlen 4096 is longer than the model's 2048 positions \(max_position_embeddings of --model .*tiny\)", {}),
+    ("prune-eval-seqlen-beyond-positions", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--seqlen",
+                                            "16", "--eval", "{text.txt}", "--eval-seqlen", "2049"],
+     r"--eval-seqlen 2049 is longer than the model's 2048 positions", {}),
+    ("eval-seqlen-beyond-positions", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "4096"],
+     r"--seqlen 4096 is longer than the model's 2048 positions", {}),
+    ("robustness-seqlen-beyond-positions", ["robustness", "--model", "{tiny}", "--method", "taylor", "--ratio", "0.25",
+                                            "--calib", "{text.txt}", "--eval", "{text.txt}", "--seqlen", "4096",
+                                            "--report", "{new}.json"], r"--seqlen 4096 is longer than the model's", {}),
+    ("eval-tokens-shorter-than-a-window", ["eval", "--model", "{tiny}", "--data", "emma", "--seqlen", "64",
+                                           "--eval-tokens", "10"],
+     r"error: --eval-tokens 10 is fewer than one window of --seqlen 64$", {}),
+    ("prune-old-eval-max-tokens-shorter-than-a-window", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}",
+                                                         "--seqlen", "16", "--eval", "emma", "--eval-seqlen", "64",
+                                                         "--eval-max-tokens", "10"],
+     r"error: --eval-tokens 10 is fewer than one window of --eval-seqlen 64$", {}),
+    ("generate-threads-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--threads", "0"],
+     r"--threads must be >= 1; got 0", {}),
+    ("compare-threads-negative", ["compare", "{report.json}", "--threads", "-2"], r"--threads must be >= 1; got -2", {}),
 ]
 
 
