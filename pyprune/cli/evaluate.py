@@ -25,7 +25,7 @@ def run(args) -> int:
     checks.check_sources(args.data)
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_lengths(args, checks.check_model(args.model), ("seqlen",))
+    checks.check_lengths(args, checks.check_model(args.model), ("seqlen",) if args.data else ())
     streams = steps.eval_streams(steps.tokenizer(args.model), args.data, args.seqlen, args.eval_tokens, "--data",
                                  "--seqlen")
     tasks = steps.zero_shot_tasks(args)
