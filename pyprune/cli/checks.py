@@ -9,13 +9,10 @@ from typing import Iterable, Optional
 import torch
 
 from ..inputs import data
+from .usage import UsageError
 
 #: the --dtype choices
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UsageError(Exception):
-    """A bad argument: reported in one line with exit status 2."""
 
 
 def first_line(error: BaseException) -> str:

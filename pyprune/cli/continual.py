@@ -2,6 +2,7 @@
 all after each (:mod:`pyprune.studies.continual`); the report is rewritten after every order and resumed."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..inputs import data
 from . import checks, options, steps
 from .checks import UsageError
@@ -10,8 +11,7 @@ COMMAND = "continual"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="continual pruning over a sequence of datasets with backward "
-                            "transfer (COPAL)")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     options.add_method_flag(parser, COMMAND)
     options.add_pattern_flags(parser, structured=False)

@@ -1,6 +1,7 @@
 """``pyprune demo``: Wanda 2:4 on SmolLM2-135M, calibrated on Emma, measured on Pride and Prejudice."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..inputs import data
 from . import checks, options
 
@@ -8,7 +9,7 @@ COMMAND = "demo"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="Wanda 2:4 on SmolLM2-135M with Austen text")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--nsamples", type=int, default=16,
                         help="calibration windows of 256 tokens of Emma (default 16)")
     options.add_eval_tokens_flag(parser, default=8192)

@@ -8,7 +8,7 @@ import contextlib
 import warnings
 from typing import Iterator
 
-from .checks import UsageError
+from .usage import UsageError
 
 
 def add_flags(parser) -> None:

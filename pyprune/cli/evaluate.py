@@ -1,6 +1,7 @@
 """``pyprune eval``: perplexity of a model on texts and zero-shot accuracy on tasks."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -8,7 +9,7 @@ COMMAND = "eval"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="perplexity of a model on texts, zero-shot accuracy on tasks")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     parser.add_argument("--data", nargs="*", default=[], help="texts for perplexity (as prune's --calib)")
     parser.add_argument("--seqlen", type=int, default=512, help="perplexity window (default 512)")

@@ -3,6 +3,7 @@ user feels what N:M ``SparseLinear`` layers buy (saved by ``pyprune prune --spar
 made here from an N:M-pruned model with ``--sparsify``)."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -12,7 +13,7 @@ WHERE = ("faster", "all")
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="greedy text from a model, with prefill time and decode tokens/s")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
                         "directory (its SparseLinear layers included), or the alias smollm2-135m")
     parser.add_argument("--prompt", required=True, help="the text to continue")

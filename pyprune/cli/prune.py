@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 from ..patterns import NM
@@ -11,7 +12,7 @@ COMMAND = "prune"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="prune a model with one method and pattern")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     options.add_method_flag(parser, COMMAND)
     options.add_pattern_flags(parser)

@@ -1,6 +1,7 @@
 """``pyprune recover``: LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..runtime.recovery import DEFAULTS as LORA
 from . import checks, options, steps
 from .checks import UsageError
@@ -9,8 +10,7 @@ COMMAND = "recover"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="LoRA recovery fine-tuning (RFT) of a pruned model, merged back into "
-                            "dense weights")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser, batch_size=LORA.batch_size, batch_help="training samples per step, also the evaluation "
                             "batch (DReSS: 64)")
     parser.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .commands import SUMMARIES
 from ..studies import robustness
 from . import checks, options, steps
 
@@ -10,7 +11,7 @@ COMMAND = "robustness"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="prune in bf16 and in fp16 and compare (MoreauPruner Table 1)")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser, dtype=False, model_help="as for prune; loaded in fp32, then cast to each format")
     options.add_method_flag(parser, COMMAND)
     options.add_ratio_flags(parser, required=True)

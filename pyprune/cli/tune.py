@@ -4,6 +4,7 @@ shape of a model on this CPU, print the table and keep it in the per-user cache 
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -11,8 +12,7 @@ COMMAND = "tune"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="measure sparse kernel vs dense for a model's N:M layer shapes on this "
-                                          "CPU and cache the answers")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
                         "directory (its SparseLinear layers included), or a model alias")
     parser.add_argument("--tokens", nargs="+", type=int, default=None,

@@ -4,12 +4,15 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import pyprune
+import pyprune.methods
 from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
@@ -320,3 +323,42 @@ def test_reports_record_the_run(tiny_model_dir, tmp_path):
     assert {key: report[key] for key in expected} == expected
     report = json.loads(eval_report.read_text())
     assert {key: report[key] for key in expected} == dict(expected, batch_size=8, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["frobnicate"], ["prnue", "--model", "x"], ["--version"]])
+def test_help_and_a_missing_or_unknown_command_are_answered_without_importing_torch(argv):
+    """The top-level parser is built from names and summaries alone: no subcommand module loads."""
+    script = ("import sys\nfrom pyprune import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+              "    code = e.code\nprint('torch' in sys.modules, code)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(Path(pyprune.__file__).parents[1])))
+    assert done.stdout.strip().splitlines()[-1] == f"False {0 if argv == ['--help'] else 2}", done.stderr
+    if argv != ["--help"]:
+        assert done.stderr.startswith("usage: pyprune") and "pyprune: error: " in done.stderr
+
+
+@pytest.mark.parametrize("method", [None, *sorted(pyprune.methods.METHODS)])
+def test_every_flag_of_every_subcommand_says_what_it_does(method):
+    subparsers = next(a for a in cli.build_parser(method)._actions if a.dest == "command")
+    for command, parser in subparsers.choices.items():
+        silent = [action.option_strings or action.dest for action in parser._actions
+                  if not (action.help or "").strip()]
+        assert not silent, f"pyprune {command} (--method {method}): flags without help: {silent}"
+
+
+def test_threads_and_quiet_hold_for_the_run_only(tiny_model_dir, tmp_path, capsys):
+    """--threads sets torch's threads for the run (the report records them), --quiet silences
+    transformers' loading bar; both are undone when the command returns."""
+    model_dir, text = tiny_model_dir
+    argv = ["eval", "--model", str(model_dir), "--data", str(text), "--seqlen", "16"]
+    threads = torch.get_num_threads()
+    assert cli.main(argv) == 0
+    assert "Loading weights" in capsys.readouterr().err  # what --quiet takes away
+    report = tmp_path / "eval.json"
+    assert cli.main(argv + ["--quiet", "--threads", str(threads + 1), "--report", str(report)]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "%|" not in err, err
+    assert json.loads(report.read_text())["threads"] == threads + 1
+    assert torch.get_num_threads() == threads
+    assert cli.main(argv) == 0
+    assert "Loading weights" in capsys.readouterr().err
