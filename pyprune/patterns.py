@@ -125,3 +125,14 @@ def parse(spec: Union[str, float, Pattern]) -> Pattern:
     except (TypeError, ValueError):
         raise ValueError(f"pattern must look like N:M (e.g. 2:4, 4:8) or be a sparsity in [0, 1); "
                          f"got {spec!r}") from None
+
+
+def written_as(kind: type, like: Pattern) -> str:
+    """How a pattern of class ``kind`` is written in a ``pyprune.prune`` call, with the amount of
+    ``like`` where it has one: the hint of a refused pattern (``Structured(0.2)``, ``0.2``, ``"2:4"``)."""
+    amount = getattr(like, "sparsity", getattr(like, "ratio", 0.5))
+    if kind is Structured:
+        return f"Structured({amount:g})"
+    if kind is Unstructured:
+        return f"{amount:g}"
+    return '"2:4"'

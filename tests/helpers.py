@@ -78,12 +78,13 @@ def rand(shape, seed=0):
 
 def tiny_llama(seed=0, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=128, **config):
     """A small random-weight Llama causal LM (eval mode, fp32); ``config`` sets further LlamaConfig
-    fields (e.g. tie_word_embeddings, attention_bias)."""
+    fields (e.g. tie_word_embeddings, attention_bias). Its 2048 positions (RoPE: no parameters)
+    admit every command's default window, as a real model's do."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=256, **config)
+                         num_key_value_heads=kv_heads, max_position_embeddings=2048, **config)
     return LlamaForCausalLM(config).eval()
 
 

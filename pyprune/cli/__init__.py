@@ -21,36 +21,58 @@ one-line error and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
-from . import compare, continual, demo, evaluate, generate, options, prune, recover, robustness, tune
-from .checks import UsageError
-
-#: one module per subcommand, each with ``COMMAND``, ``register(subparsers, method)`` and ``run(args)``
-SUBCOMMANDS = (prune, evaluate, compare, recover, robustness, continual, generate, tune, demo)
+from .commands import MODULES, SUMMARIES
+from .usage import UsageError
 
 
-def build_parser(method: Optional[str] = None) -> argparse.ArgumentParser:
-    """The parser; the subcommands that take ``--method`` get ``method``'s own option flags."""
+def _module(command: str):
+    return importlib.import_module(f"{__name__}.{MODULES[command]}")
+
+
+def build_parser(method: Optional[str] = None, commands: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
+    """The parser; the subcommands that take ``--method`` get ``method``'s own option flags. Only
+    the subcommands in ``commands`` (default: all) get their flags, which imports their modules
+    (and torch); the others are listed by name and summary alone."""
+    from . import environment
     parser = argparse.ArgumentParser(prog="pyprune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS:
-        module.register(sub, method)
+    full = set(MODULES if commands is None else commands)
+    for command in MODULES:
+        if command in full:
+            _module(command).register(sub, method)
+            environment.add_flags(sub.choices[command])
+        else:
+            sub.add_parser(command, help=SUMMARIES[command])
     return parser
+
+
+def _command_in(argv: List[str]) -> Optional[str]:
+    """The subcommand ``argv`` names (its first word that is not an option), if it is one."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in MODULES else None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(options.method_named_in(argv))
+    command = _command_in(argv)
+    if command is None:  # no or an unknown subcommand, or --help: answered without importing torch
+        build_parser(commands=()).parse_args(argv)
+        return 2  # not reached: that parse prints the help or the usage error and exits
+    from . import environment, options
+    parser = build_parser(options.method_named_in(argv), commands=[command])
     args, extras = parser.parse_known_args(argv)
     try:
         if getattr(args, "method", None) is not None:
             options.check_method(args.command, args.method)
         if extras:
             raise UsageError(options.unrecognised(args, extras))
-        return args.run(args)
+        with environment.applied(args):
+            return args.run(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 2

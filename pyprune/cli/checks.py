@@ -9,13 +9,10 @@ from typing import Iterable, Optional
 import torch
 
 from ..inputs import data
+from .usage import UsageError
 
 #: the --dtype choices
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UsageError(Exception):
-    """A bad argument: reported in one line with exit status 2."""
 
 
 def first_line(error: BaseException) -> str:
@@ -92,6 +89,18 @@ def check_model(model: str):
     io.read_manifest(directory)
     io.check_weights(directory)
     return config
+
+
+def check_lengths(args, config, flags: Iterable[str]) -> None:
+    """Every sequence-length flag in ``flags`` (those given) is within the model's
+    ``max_position_embeddings``: longer windows run, but on positions the model never learnt."""
+    from ..runtime.tokens import position_limit
+    limit = position_limit(config)
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if limit is not None and value is not None and value > limit:
+            raise UsageError(f"--{flag.replace('_', '-')} {value} is longer than the model's {limit} positions "
+                             f"(max_position_embeddings of --model {args.model})")
 
 
 def check_offload(args, runner) -> None:

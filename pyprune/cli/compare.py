@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 
+from .commands import SUMMARIES
 from .checks import UsageError
 
 COMMAND = "compare"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="reports of prune/eval runs -> one markdown table and a figure")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("reports", nargs="+", help="JSON reports (pyprune prune/eval --report)")
     parser.add_argument("--output", default=".", help="directory for NAME.md, NAME.png, NAME.svg (default .)")
     parser.add_argument("--name", default="compare", help="file name stem (default compare)")

@@ -2,6 +2,7 @@
 all after each (:mod:`pyprune.studies.continual`); the report is rewritten after every order and resumed."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..inputs import data
 from . import checks, options, steps
 from .checks import UsageError
@@ -10,8 +11,7 @@ COMMAND = "continual"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="continual pruning over a sequence of datasets with backward "
-                            "transfer (COPAL)")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     options.add_method_flag(parser, COMMAND)
     options.add_pattern_flags(parser, structured=False)
@@ -71,15 +71,18 @@ def run(args) -> int:
         raise UsageError(f"--datasets needs two or more distinct texts; got {args.datasets}")
     pairs = _sources(args)
     options.apply_calibration_defaults(args, runner)
-    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    config = checks.check_model(args.model)
+    checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
+    checks.check_method_config(runner, config, pattern)
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
                 "scope": getattr(runner.resolve(pattern), "scope", None), "init": args.init,
                 "permutations": args.permutations, "datasets": args.datasets,
                 "sources": [list(pair) for pair in pairs], "nsamples": args.nsamples, "seqlen": args.seqlen,
-                "seed": args.seed, "eval_seqlen": args.eval_seqlen, "eval_max_tokens": args.eval_max_tokens,
+                "seed": args.seed, "eval_seqlen": args.eval_seqlen,
+                "eval_max_tokens": args.eval_tokens,  # the key of earlier reports, so they resume
                 "options": runner.settings}
     try:
         done = continual.resume(args.report, settings, label="--report")
@@ -90,7 +93,7 @@ def run(args) -> int:
 
     tok = steps.tokenizer(args.model)
     tasks = [continual.Task(name, steps.calibration(tok, calib, args, "--datasets"),
-                            steps.eval_streams(tok, [evaluation], args.eval_seqlen, args.eval_max_tokens,
+                            steps.eval_streams(tok, [evaluation], args.eval_seqlen, args.eval_tokens,
                                                "--eval" if args.eval else "--datasets", "--eval-seqlen")[0][1])
              for name, (calib, evaluation) in zip(args.datasets, pairs)]
     model, _ = steps.load(args)

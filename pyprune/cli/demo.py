@@ -1,17 +1,18 @@
 """``pyprune demo``: Wanda 2:4 on SmolLM2-135M, calibrated on Emma, measured on Pride and Prejudice."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..inputs import data
-from . import checks
+from . import checks, options
 
 COMMAND = "demo"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="Wanda 2:4 on SmolLM2-135M with Austen text")
-    parser.add_argument("--nsamples", type=int, default=16)
-    parser.add_argument("--eval-tokens", type=int, default=8192)
-    parser.add_argument("--quiet", action="store_true")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
+    parser.add_argument("--nsamples", type=int, default=16,
+                        help="calibration windows of 256 tokens of Emma (default 16)")
+    options.add_eval_tokens_flag(parser, default=8192)
     parser.set_defaults(run=run)
 
 

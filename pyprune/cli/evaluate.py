@@ -1,6 +1,7 @@
 """``pyprune eval``: perplexity of a model on texts and zero-shot accuracy on tasks."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -8,25 +9,25 @@ COMMAND = "eval"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="perplexity of a model on texts, zero-shot accuracy on tasks")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     parser.add_argument("--data", nargs="*", default=[], help="texts for perplexity (as prune's --calib)")
     parser.add_argument("--seqlen", type=int, default=512, help="perplexity window (default 512)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens only")
+    options.add_eval_tokens_flag(parser, old="--max-tokens")
     parser.add_argument("--report", help="JSON report path")
     options.add_zero_shot_flags(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    checks.check_counts(args, ("seqlen", "batch_size"), optional=("max_tokens",))
+    checks.check_counts(args, ("seqlen", "batch_size"), optional=("eval_tokens",))
     if not args.data and args.tasks is None:
         raise UsageError("give --data TEXT ... (perplexity) and/or --tasks NAME,... (zero-shot accuracy)")
     checks.check_sources(args.data)
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_model(args.model)
-    streams = steps.eval_streams(steps.tokenizer(args.model), args.data, args.seqlen, args.max_tokens, "--data",
+    checks.check_lengths(args, checks.check_model(args.model), ("seqlen",) if args.data else ())
+    streams = steps.eval_streams(steps.tokenizer(args.model), args.data, args.seqlen, args.eval_tokens, "--data",
                                  "--seqlen")
     tasks = steps.zero_shot_tasks(args)
     model, tok = steps.load(args)

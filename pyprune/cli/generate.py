@@ -3,6 +3,7 @@ user feels what N:M ``SparseLinear`` layers buy (saved by ``pyprune prune --spar
 made here from an N:M-pruned model with ``--sparsify``)."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -12,7 +13,7 @@ WHERE = ("faster", "all")
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="greedy text from a model, with prefill time and decode tokens/s")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
                         "directory (its SparseLinear layers included), or the alias smollm2-135m")
     parser.add_argument("--prompt", required=True, help="the text to continue")
@@ -26,8 +27,7 @@ def register(sub, method) -> None:
                              "see pyprune tune), the others are (turned back into) nn.Linear; all: every N:M "
                              "layer sparse")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(options.DTYPES))
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    options.add_dtype_flag(parser)
     parser.set_defaults(run=run)
 
 
@@ -36,13 +36,11 @@ def run(args) -> int:
 
     from ..runtime.decode import greedy_generate
     from ..nn import SparseLinear, densify_slower_, detect_pattern, sparsify_, tuning
-    checks.check_counts(args, ("max_new_tokens",), optional=("threads",))
+    checks.check_counts(args, ("max_new_tokens",))
     if not args.prompt.strip():
         raise UsageError("--prompt is empty; give the text to continue")
     checks.check_device(args.device)
     checks.check_model(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tok = steps.load(args)
     cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]  # first-use tuning of this command
     faster_at = 1 if args.sparse_where == "faster" else None  # greedy decode of one sequence

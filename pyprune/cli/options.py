@@ -1,5 +1,6 @@
-"""The flags that several subcommands share (model, device, dtype, batch size, quiet; calibration;
-evaluation; pattern; zero-shot tasks) and the method's own options.
+"""The flags that several subcommands share (model, device, dtype, batch size; calibration;
+evaluation; pattern; zero-shot tasks) and the method's own options (--threads and --quiet, flags of
+every subcommand: :mod:`pyprune.cli.environment`).
 
 A method's options are flags of the subcommand only when ``--method NAME`` names a method that
 serves it: :func:`method_named_in` reads the name before the parser is built, and
@@ -30,14 +31,18 @@ def method_named_in(argv: Sequence[str]) -> Optional[str]:
 
 def add_model_flags(parser: argparse.ArgumentParser, *, dtype: bool = True, batch_size: int = 8,
                     batch_help: str = "calibration/evaluation batch size", model_help: str = "") -> None:
-    """--model, --device, --dtype (unless ``dtype`` is False), --batch-size, --quiet."""
+    """--model, --device, --dtype (unless ``dtype`` is False), --batch-size."""
     parser.add_argument("--model", required=True, help=model_help or "a Hugging Face model directory, a pyprune "
                         "output directory, or the alias smollm2-135m")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     if dtype:
-        parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+        add_dtype_flag(parser)
     parser.add_argument("--batch-size", type=int, default=batch_size, help=f"{batch_help} (default {batch_size})")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_dtype_flag(parser: argparse.ArgumentParser, what: str = "the model's weights and activations") -> None:
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help=f"dtype of {what} (default float32)")
 
 
 def add_method_flag(parser: argparse.ArgumentParser, command: str, required: bool = True) -> None:
@@ -83,10 +88,20 @@ def source_help(what: str) -> str:
 
 def add_eval_flags(parser: argparse.ArgumentParser, *, nargs: str = "*", required: bool = False,
                    seqlen: int = 512, eval_help: str = "evaluation texts (same forms as --calib)") -> None:
-    """--eval, --eval-seqlen, --eval-max-tokens."""
+    """--eval, --eval-seqlen, --eval-tokens."""
     parser.add_argument("--eval", nargs=nargs, required=required, help=eval_help)
     parser.add_argument("--eval-seqlen", type=int, default=seqlen, help=f"perplexity window (default {seqlen})")
-    parser.add_argument("--eval-max-tokens", type=int, default=None, help="evaluate the first N tokens only")
+    add_eval_tokens_flag(parser, old="--eval-max-tokens")
+
+
+def add_eval_tokens_flag(parser: argparse.ArgumentParser, old: Optional[str] = None,
+                         default: Optional[int] = None) -> None:
+    """--eval-tokens: the one name of the evaluation token limit in every subcommand (``old``, the
+    name it had in this subcommand, still works)."""
+    names = ["--eval-tokens"] + ([old] if old else [])
+    parser.add_argument(*names, dest="eval_tokens", type=int, default=default, metavar="N",
+                        help="evaluate the first N tokens of each text only (default: "
+                             f"{'all' if default is None else default})" + (f"; {old} is the old name" if old else ""))
 
 
 def add_pattern_flags(parser: argparse.ArgumentParser, structured: bool = True) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 from ..patterns import NM
@@ -11,7 +12,7 @@ COMMAND = "prune"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="prune a model with one method and pattern")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser)
     options.add_method_flag(parser, COMMAND)
     options.add_pattern_flags(parser)
@@ -46,15 +47,18 @@ def run(args) -> int:
     checks.check_report(args.report)
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
-    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_device(args.device)
     if args.offload:
         checks.check_offload(args, runner)
-    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    config = checks.check_model(args.model)
+    checks.check_lengths(args, config, (["seqlen"] if runner.needs_calibration else [])
+                         + (["eval_seqlen"] if args.eval else []))
+    checks.check_method_config(runner, config, pattern)
     checks.check_memory(args, runner, args.offload)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
-    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens, "--eval",
                                  "--eval-seqlen")
     tasks = steps.zero_shot_tasks(args)
 

@@ -1,6 +1,7 @@
 """``pyprune recover``: LoRA recovery fine-tuning of a (pruned) model, merged back into dense weights."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from ..runtime.recovery import DEFAULTS as LORA
 from . import checks, options, steps
 from .checks import UsageError
@@ -9,8 +10,7 @@ COMMAND = "recover"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="LoRA recovery fine-tuning (RFT) of a pruned model, merged back into "
-                            "dense weights")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser, batch_size=LORA.batch_size, batch_help="training samples per step, also the evaluation "
                             "batch (DReSS: 64)")
     parser.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")
@@ -37,7 +37,7 @@ def run(args) -> int:
     from ..runtime import recovery
     recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)
-    checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_tokens",))
     if args.seqlen < 2:
         raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
     if args.batch_size > args.nsamples:
@@ -46,10 +46,10 @@ def run(args) -> int:
     checks.check_output(args.output, "--output")
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_model(args.model)
+    checks.check_lengths(args, checks.check_model(args.model), ("seqlen", "eval_seqlen"))
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args)
-    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_max_tokens, "--eval",
+    streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens, "--eval",
                                  "--eval-seqlen")
 
     model, tok = steps.load(args)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .commands import SUMMARIES
 from ..studies import robustness
 from . import checks, options, steps
 
@@ -10,7 +11,7 @@ COMMAND = "robustness"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="prune in bf16 and in fp16 and compare (MoreauPruner Table 1)")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     options.add_model_flags(parser, dtype=False, model_help="as for prune; loaded in fp32, then cast to each format")
     options.add_method_flag(parser, COMMAND)
     options.add_ratio_flags(parser, required=True)
@@ -34,14 +35,16 @@ def run(args) -> int:
     runner = options.build_method(args)
     pattern = options.structured_from(args)
     options.apply_calibration_defaults(args, runner)
-    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_max_tokens",))
+    checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_sources((args.calib, args.eval))
     checks.check_report(args.report)
     checks.check_device(args.device)
-    checks.check_method_config(runner, checks.check_model(args.model), pattern)
+    config = checks.check_model(args.model)
+    checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
+    checks.check_method_config(runner, config, pattern)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args)
-    [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_max_tokens, "--eval",
+    [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_tokens, "--eval",
                                        "--eval-seqlen")
 
     model, _ = steps.load(args, dtype=torch.float32)

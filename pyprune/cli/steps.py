@@ -24,11 +24,12 @@ def tokenizer(model: str):
 
 
 def _read(flag: str, source: str, read):
-    """``read()`` of a text source; a dataset that cannot be loaded now becomes a UsageError."""
+    """``read()`` of a text source; a dataset that cannot be loaded now, or a text that cannot
+    serve (not UTF-8, only whitespace, too short), becomes a UsageError naming the flag."""
     try:
         return read()
-    except RuntimeError as error:
-        raise UsageError(f"{flag} {source}: {error}") from None
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(f"{flag} {source}: {first_line(error)}") from None
 
 
 def calibration(tok, source: str, args, flag: str = "--calib"):
@@ -39,12 +40,14 @@ def calibration(tok, source: str, args, flag: str = "--calib"):
 
 def eval_streams(tok, sources: List[str], seqlen: int, max_tokens: Optional[int], flag: str,
                  seqlen_flag: str) -> list:
-    """(source, token stream) of every evaluation text, each checked to hold one window at least,
-    before the model loads."""
+    """(source, token stream) of every evaluation text (its first ``max_tokens``, --eval-tokens,
+    when given), each checked to hold one window at least, before the model loads."""
     streams = []
     for source in sources:
         tokens = _read(flag, source, lambda: data.eval_tokens(tok, source, max_tokens=max_tokens))
         if tokens.numel() < seqlen:
+            if max_tokens is not None and tokens.numel() == max_tokens:  # the limit is short, not the text
+                raise UsageError(f"--eval-tokens {max_tokens} is fewer than one window of {seqlen_flag} {seqlen}")
             raise UsageError(f"{flag} {source} has {tokens.numel()} tokens, fewer than one window of "
                              f"{seqlen_flag} {seqlen}")
         streams.append((source, tokens))

@@ -4,6 +4,7 @@ shape of a model on this CPU, print the table and keep it in the per-user cache 
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
 
+from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -11,17 +12,13 @@ COMMAND = "tune"
 
 
 def register(sub, method) -> None:
-    parser = sub.add_parser(COMMAND, help="measure sparse kernel vs dense for a model's N:M layer shapes on this "
-                                          "CPU and cache the answers")
+    parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
                         "directory (its SparseLinear layers included), or a model alias")
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help="token counts per forward to measure (default: every token bucket, "
                              "1 2 4 ... 256; batch size for decode, prompt length for prefill)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(options.DTYPES),
-                        help="the dtype the model will run in (default float32)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads (default: torch's; the answers are kept per thread count)")
+    options.add_dtype_flag(parser, "the model when it runs")  # the answers are kept per dtype and --threads
     parser.add_argument("--force", action="store_true", help="measure again the cases the cache already has")
     parser.set_defaults(run=run, device="cpu")
 
@@ -32,13 +29,10 @@ def run(args) -> int:
     import torch
 
     from ..nn import SparseLinear, detect_pattern, dispatch, tuning
-    checks.check_counts(args, (), optional=("threads",))
     tokens = sorted(set(args.tokens or dispatch.TOKEN_BUCKETS))
     if tokens[0] < 1:
         raise UsageError(f"--tokens must be token counts >= 1; got {tokens[0]}")
     checks.check_model(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, _ = steps.load(args)
     groups = {}  # (pattern, shape bucket) -> [representative layer, number of layers]
     for module in model.modules():

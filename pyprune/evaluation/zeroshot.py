@@ -216,14 +216,19 @@ def _manager(task_dir: str, with_hub_tasks: bool):
 
 
 def _quiet(factory, *args, **kwargs):
-    """Call ``factory`` with lm-eval's info/warning logging silenced."""
+    """Call ``factory`` with lm-eval's info/warning logging silenced, and without its probe of the
+    working directory's git commit (``git describe`` prints "fatal: not a git repository" to the
+    terminal outside a repository; pyprune's reports do not use the hash)."""
+    from lm_eval import evaluator
     logger = logging.getLogger("lm_eval")
-    level = logger.level
+    level, probe = logger.level, evaluator.get_git_commit_hash
     logger.setLevel(logging.ERROR)
+    evaluator.get_git_commit_hash = lambda: None
     try:
         return factory(*args, **kwargs)
     finally:
         logger.setLevel(level)
+        evaluator.get_git_commit_hash = probe
 
 
 def load_tasks(names: Sequence[str], *, task_dir: Optional[str] = None) -> LoadedTasks:

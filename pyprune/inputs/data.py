@@ -106,7 +106,8 @@ def load_text(source: str | os.PathLike, *, split: str = "eval") -> str:
 
     Raises:
         FileNotFoundError: ``source`` is neither an existing path nor a known corpus or dataset name.
-        ValueError: bad ``split``, or a directory without ``*.txt`` files.
+        ValueError: bad ``split``, a directory without ``*.txt`` files, or a text (or half) that is
+            empty or whitespace only.
         RuntimeError: a dataset could not be loaded (e.g. offline with nothing cached).
     """
     if split not in _SPLITS:
@@ -116,6 +117,8 @@ def load_text(source: str | os.PathLike, *, split: str = "eval") -> str:
     if part is not None:
         first, second = _halves(text)
         text = first if part == "first_half" else second
+    if not text.strip():  # its tokens (newlines, spaces) would calibrate and score as if a text
+        raise ValueError(f"{os.fspath(source)} holds only whitespace; give a text")
     return text
 
 

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.experts import expert_linears, fused_experts
-from ..runtime import engine, memory
-from ..patterns import NM, Pattern, Unstructured
+from ..runtime import engine, memory, tokens
+from ..patterns import NM, Pattern, Structured, Unstructured, written_as
 from .options import Option, collect, resolve
 
 #: Every method class by name, filled as its module is imported (:meth:`Method.__init_subclass__`).
@@ -41,6 +41,8 @@ class Method(ABC):
     #: ``accumulate_across_calls``): a continual run keeps one per order instead of re-pruning from
     #: the dense model
     keeps_state: bool = False
+    #: the method computes gradients (so it cannot run under ``torch.inference_mode()``)
+    uses_gradients: bool = False
     #: why this method cannot prune an offloaded model (:mod:`pyprune.io.offload`); None when it can
     offload_refusal: Optional[str] = "it computes gradients through the whole model at once"
 
@@ -80,7 +82,11 @@ class Method(ABC):
         before anything is modified. Changes nothing, on the model or on this object."""
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
-            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
+            spelled = " or ".join(written_as(kind, pattern) for kind in self.patterns)
+            imported = ", ".join(p.__name__ for p in self.patterns if p is Structured)
+            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}: write "
+                             f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
+                             + (f" with from pyprune.patterns import {imported}" if imported else ""))
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")
@@ -96,18 +102,30 @@ class Method(ABC):
                     for name, linear in engine.block_linears(block).items():
                         pattern.check_layer(f"{prefix}.{index}.{name}", linear.in_features)
 
-    def check_calibration(self, calib: Optional[Tensor]) -> None:
-        """Reject missing or misshapen calibration tokens of a method that needs them."""
-        if self.needs_calibration and (calib is None or calib.dim() != 2 or calib.numel() == 0):
-            raise ValueError(f"method {self.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
+    def check_calibration(self, model: nn.Module, calib) -> None:
+        """Reject missing calibration tokens of a method that needs them, and calibration that is not
+        token ids of ``model`` (:func:`pyprune.runtime.tokens.check_token_ids`)."""
+        if calib is None:
+            if self.needs_calibration:
+                raise ValueError(f"method {self.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
+            return
+        tokens.check_token_ids(calib, model, "calib")
+
+    def check_grad_mode(self) -> None:
+        """A method that computes gradients turns them on itself (it runs under ``torch.no_grad()``
+        too), but no code can leave ``torch.inference_mode()``: refused there, saying so."""
+        if self.uses_gradients and torch.is_inference_mode_enabled():
+            raise RuntimeError(f"method {self.name!r} computes gradients, which torch.inference_mode() forbids; "
+                               "call pyprune.prune outside it (torch.no_grad() is fine)")
 
     def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor] = None, *,
               batch_size: int = 8, progress: bool = True) -> Dict:
         """Prune ``model`` in place; return details for the report. Checks everything first
         (:meth:`check`, :meth:`check_calibration`, the memory it needs:
         :func:`pyprune.runtime.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
+        self.check_grad_mode()
         self.check(model, pattern)
-        self.check_calibration(calib)
+        self.check_calibration(model, calib)
         nsamples, seqlen = calib.shape if calib is not None else (0, 0)
         memory.check_prune(model, self, nsamples, seqlen, batch_size, f"pruning with {self.name}",
                            resident=memory.resident_bytes(model), offload_hint="load_model(..., offload_dir=DIR)")

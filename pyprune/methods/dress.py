@@ -54,6 +54,7 @@ def _layer_of(name: str) -> str:
 class DReSS(Method):
     name = "dress"
     patterns = (Structured,)
+    uses_gradients = True
     calibration = (800, 128)  # 600 windows regularise (one pass of the default steps), 200 for LoRA
     #: windows whose residual stream ranks the channels for ``channels="quiet"``
     energy_windows = 64

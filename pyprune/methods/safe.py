@@ -55,6 +55,7 @@ class Safe(BlockwiseMethod):
 
     name = "safe"
     patterns = (Unstructured, NM)
+    uses_gradients = True
     default_scope = "row"
     #: 64 x 256 tokens, 3 passes (96 steps per block at batch 2): 4x the windows of (16, 256) at 10
     #: passes for about the same steps; held-out block error 0.416 of Wanda's one-shot against 0.455

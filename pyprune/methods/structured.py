@@ -206,6 +206,7 @@ class StructuredMethod(Method):
     After a prune, ``layer_scores`` holds each pruned layer's :func:`group_scores`."""
 
     patterns = (Structured,)
+    uses_gradients = True
     commands = ("prune", "robustness")
     calibration = (10, 128)  # LLM-Pruner's and MoreauPruner's batch: 10 samples of 128 tokens
     first_layer: int = option(0, "structured: first pruned decoder layer (negative: from the end)")

@@ -12,7 +12,10 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_NAMES = "float32, float16, bfloat16"
 
 
-def tensor(name: str, value, *, dims: Optional[Sequence[int]] = None, floating: bool = True) -> Tensor:
+def tensor(name: str, value, *, dims: Optional[Sequence[int]] = None, floating: bool = True,
+           empty: bool = False) -> Tensor:
+    """``value`` is a tensor (of a float dtype when ``floating``, of one of ``dims`` dimensions),
+    with elements unless ``empty`` allows none."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     if floating and value.dtype not in FLOAT_DTYPES:
@@ -20,7 +23,7 @@ def tensor(name: str, value, *, dims: Optional[Sequence[int]] = None, floating: 
     if dims is not None and value.dim() not in dims:
         allowed = " or ".join(f"{d}-D" for d in dims)
         raise ValueError(f"{name} must be {allowed}; got shape {tuple(value.shape)}")
-    if value.numel() == 0:
+    if value.numel() == 0 and not empty:
         raise ValueError(f"{name} must not be empty; got shape {tuple(value.shape)}")
     return value
 
@@ -46,6 +49,19 @@ def column_vector(name: str, value: Optional[Tensor], columns: int) -> Optional[
     if value.shape[0] != columns:
         raise ValueError(f"{name} must have one entry per input column ({columns}); got {value.shape[0]}")
     return value
+
+
+def sums_of_squares(name: str, value: Optional[Tensor]) -> None:
+    """Every entry of the activation statistic ``value`` (Σ x², e.g. act_sqnorm) is >= 0: a negative
+    or NaN one is not a statistic (its square root would turn scores into NaN). Called inside the
+    custom ops, where the values are real also under torch.compile."""
+    if value is None:
+        return
+    bad = ~(value >= 0)
+    if bool(bad.any()):
+        column = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name} must be >= 0 (a sum of squares of activations); got {float(value[column])} "
+                         f"at column {column}")
 
 
 def nm_pair(n, m) -> None:

@@ -16,6 +16,12 @@ def _flatten(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _empty_batch(x: Tensor, out_features: int) -> Optional[Tensor]:
+    """The result for an x without rows ([0, in], [2, 0, in]), as F.linear gives it: empty, no
+    kernel launched; None for any other x."""
+    return x.new_empty(*x.shape[:-1], out_features) if x.numel() == 0 else None
+
+
 def _triton_nm_linear(x, values, meta, n, m, bias):
     if m & (m - 1):  # the fused kernels read whole groups' bits, which needs a power-of-two m
         dense = kernels("nm_format").nm_decompress(values, meta, n, m)
@@ -52,6 +58,9 @@ _NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linea
 
 @torch.library.custom_op("pyprune::nm_linear", mutates_args=())
 def _nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int, bias: Optional[Tensor]) -> Tensor:
+    empty = _empty_batch(x, values.shape[0])
+    if empty is not None:
+        return empty
     out = run("nm_linear", _NM_LINEAR_IMPLS, x.device, _flatten(x), values.contiguous(),
               meta.contiguous(), n, m, bias)
     return out.reshape(*x.shape[:-1], values.shape[0])
@@ -90,7 +99,9 @@ _nm_linear.register_autograd(_nm_linear_backward, setup_context=_nm_linear_setup
 
 def _check_x_and_bias(x: Tensor, weight: Tensor, weight_name: str, in_features: int,
                       bias: Optional[Tensor], out_features: int) -> None:
-    check.tensor("x", x)
+    check.tensor("x", x, empty=True)  # an empty batch is a batch, as for nn.Linear
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim (its last holds the features); got a 0-D tensor")
     if x.dtype != weight.dtype:
         raise TypeError(f"x and {weight_name} must have one dtype; got {x.dtype} and {weight.dtype}")
     if x.shape[-1] != in_features:
@@ -117,7 +128,7 @@ def nm_linear_prechecked(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int
     (SparseLinear): a decode-size x on the CPU in plain eager inference goes straight to the C++
     GEMV, since Python's argument checks, backend choice and custom-op dispatch (~60 us) cost
     more than the GEMV of a small layer (~20 us for 576x576); anything else is :func:`nm_linear`."""
-    if (x.device.type == "cpu" and x.dtype == values.dtype and x.numel() <= CPU_GEMV_MAX_ROWS * x.shape[-1]
+    if (x.device.type == "cpu" and x.dtype == values.dtype and 0 < x.numel() <= CPU_GEMV_MAX_ROWS * x.shape[-1]
             and _plain_eager_inference(x, values, bias) and backend.forced_backend() in (None, "cpu")
             and native("cpu") is not None):
         out = native("cpu").nm_linear_gemv(_flatten(x), values, meta, n, m, bias)
@@ -141,6 +152,9 @@ _SPARSE24_DTYPES = (torch.float16, torch.bfloat16)
 
 @torch.library.custom_op("pyprune::sparse24_linear", mutates_args=())
 def _sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor]) -> Tensor:
+    empty = _empty_batch(x, values.shape[0])
+    if empty is not None:
+        return empty
     out = run("sparse24_linear", _SPARSE24_IMPLS, x.device, _flatten(x), values.contiguous(),
               mma_meta.contiguous(), None if bias is None else bias.contiguous())
     return out.reshape(*x.shape[:-1], values.shape[0])
@@ -189,6 +203,9 @@ def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optio
         check.index_values("in_index", in_index, w.shape[1], "w's input dim")
         check.index_values("out_index", out_index, w.shape[0], "w's output dim")
     n_out = w.shape[0] if out_index is None else out_index.numel()
+    empty = _empty_batch(x, n_out)
+    if empty is not None:
+        return empty
     out = run("sliced_linear", _SLICED_IMPLS, x.device, _flatten(x), w.contiguous(), bias,
               in_index, out_index)
     return out.reshape(*x.shape[:-1], n_out)

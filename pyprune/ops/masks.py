@@ -52,6 +52,7 @@ _NM_IMPLS = {
 
 @torch.library.custom_op("pyprune::nm_mask", mutates_args=())
 def _nm_mask(src: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int, kind: int) -> Tensor:
+    check.sums_of_squares("act_sqnorm", act_sqnorm)
     act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
     return run("nm_mask", _NM_IMPLS, src.device, src.contiguous(), act_sqnorm, n, m, kind)
 
@@ -83,6 +84,7 @@ _TOPK_IMPLS = {"reference": _reference_topk, "triton": _triton_topk, "cpu": _nat
 
 @torch.library.custom_op("pyprune::topk_mask", mutates_args=())
 def _topk_mask(src: Tensor, act_sqnorm: Optional[Tensor], keep: int, per_row: bool, kind: int) -> Tensor:
+    check.sums_of_squares("act_sqnorm", act_sqnorm)
     act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
     return run("topk_mask", _TOPK_IMPLS, src.device, src.contiguous(), act_sqnorm, keep, per_row, kind)
 

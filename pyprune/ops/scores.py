@@ -27,6 +27,8 @@ _SCORE_IMPLS = {
 
 @torch.library.custom_op("pyprune::score", mutates_args=())
 def _score(src: Tensor, aux: Optional[Tensor], kind: int) -> Tensor:
+    if kind == ScoreKind.WANDA:
+        check.sums_of_squares("act_sqnorm", aux)
     return run("score", _SCORE_IMPLS, src.device, src.contiguous(),
                None if aux is None else aux.contiguous(), kind)
 

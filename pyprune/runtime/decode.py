@@ -35,10 +35,10 @@ def greedy_generate(model: nn.Module, prompt: Tensor, max_new_tokens: int) -> Ge
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     prefill_s = time.perf_counter() - begin
-    cache = out.past_key_values
+    cache = out.cache  # transformers 5's name (past_key_values is deprecated, with a warning per call)
     begin = time.perf_counter()
     for _ in range(max_new_tokens - 1):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         tokens.append(token)
     return Generation(torch.cat(tokens, dim=1), prefill_s, time.perf_counter() - begin)

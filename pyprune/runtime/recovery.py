@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from . import engine
 from .training import train
+from .tokens import check_token_ids
 from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
 from ..nn.sliced import SlicedLinear
 from ..nn.sparse import SparseLinear
@@ -78,21 +79,13 @@ def check_settings(*, steps: int, rank: int, alpha: float, lr: float, batch_size
 
 
 def _check_tokens(model: nn.Module, tokens, batch_size: int) -> None:
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
-            or tokens.is_complex() or tokens.dtype == torch.bool:
-        described = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
-        raise ValueError(f"tokens must be a 2-D integer tensor [nsamples, seqlen] of token ids; got {described}"
-                         + (f" {tokens.dtype}" if isinstance(tokens, Tensor) else ""))
+    check_token_ids(tokens, model, "tokens")
     nsamples, seqlen = tokens.shape
-    if nsamples < 1 or seqlen < 2:
-        raise ValueError(f"tokens must hold at least one sample of at least 2 tokens (next-token loss); "
-                         f"got shape {tuple(tokens.shape)}")
+    if seqlen < 2:
+        raise ValueError(f"tokens must hold samples of at least 2 tokens (next-token loss); got shape "
+                         f"{tuple(tokens.shape)}")
     if batch_size > nsamples:
         raise ValueError(f"batch_size must be <= the number of samples in tokens ({nsamples}); got {batch_size}")
-    vocab = model.get_input_embeddings().num_embeddings
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab:
-        raise ValueError(f"tokens must be ids in [0, {vocab}) (the model's vocabulary); got ids {low}..{high}")
 
 
 def _targets(model: nn.Module, target_modules: Sequence[str]) -> Dict[str, nn.Linear]:

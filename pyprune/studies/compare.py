@@ -159,16 +159,19 @@ def plot(table_rows: Sequence[Dict], stem: str, title: str = "") -> List[str]:
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    figure.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 4), frameon=False)
     if title:
         figure.suptitle(title)
-    figure.tight_layout(rect=(0, 0.08 if nrows == 1 else 0.05, 1, 1))
+    figure.tight_layout()
+    # below the panels, at most two entries per panel column in a row, and the saved canvas grown
+    # to hold it (bbox_inches="tight"): long labels never run off the figure's edge
+    figure.legend(list(legend.values()), list(legend), loc="upper center", bbox_to_anchor=(0.5, 0),
+                  ncol=min(len(legend), 2 * ncols), frameon=False)
     paths = []
     for ext in ("png", "svg"):
         path = f"{stem}.{ext}"
         tmp = f"{stem}.tmp-{os.getpid()}.{ext}"
         with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
-            figure.savefig(tmp, dpi=110)
+            figure.savefig(tmp, dpi=110, bbox_inches="tight")
         os.replace(tmp, path)
         paths.append(path)
     plt.close(figure)

@@ -4,12 +4,15 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import pyprune
+import pyprune.methods
 from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
@@ -27,6 +30,8 @@ def files(tmp_path_factory):
     text = base / "text.txt"
     text.write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(600)))
     (base / "short.txt").write_text("the house is good")
+    (base / "blank.txt").write_text(" \n\n\t  \n")
+    (base / "one-line.txt").write_text("the house is good and the man is good " * 20)
     (base / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (base / "a-directory").mkdir()
     garbage = _copy_model(model, base / "garbage-config")
@@ -79,8 +84,8 @@ WANDA = ["--method", "wanda", "--pattern", "2:4"]
 CASES = [
     ("prune-eval-seqlen-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
                              "--eval-seqlen", "0"], r"--eval-seqlen must be >= 1; got 0", {}),
-    ("prune-eval-max-tokens-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
-                                 "--eval-max-tokens", "0"], r"--eval-max-tokens must be >= 1", {}),
+    ("prune-eval-tokens-0", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval", "{text.txt}",
+                             "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
     ("prune-eval-shorter-than-a-window", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--eval",
                                           "{short.txt}", "--eval-seqlen", "16"],
      r"--eval .*short.txt has 4 tokens, fewer than one window of --eval-seqlen 16", {}),
@@ -130,8 +135,8 @@ CASES = [
                             "{new}", "--eval", "{text.txt}"], r"--offload evaluates nothing", {}),
     ("eval-seqlen-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "0"],
      r"--seqlen must be >= 1; got 0", {}),
-    ("eval-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
-     r"--max-tokens must be >= 1", {}),
+    ("eval-old-max-tokens-0", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--max-tokens", "0"],
+     r"--eval-tokens must be >= 1; got 0", {}),
     ("eval-data-shorter-than-a-window", ["eval", "--model", "{tiny}", "--data", "{short.txt}", "--seqlen", "16"],
      r"--data .*short.txt has 4 tokens, fewer than one window of --seqlen 16", {}),
     ("eval-data-offline", ["eval", "--model", "{tiny}", "--data", "c4"],
@@ -192,6 +197,37 @@ CASES = [
     ("tune-garbage-config", ["tune", "--model", "{garbage-config}"], r"config.json is not a valid model config", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
+    # Inputs that are accepted but would mean nothing: a text of whitespace, a window longer than the
+    # model's positions, a token limit shorter than a window, a thread count of 0.
+    ("prune-whitespace-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{blank.txt}", "--seqlen", "16"],
+     r"--calib .*blank.txt: .*blank.txt holds only whitespace; give a text", {}),
+    ("eval-whitespace-data", ["eval", "--model", "{tiny}", "--data", "{blank.txt}", "--seqlen", "16"],
+     r"--data .*blank.txt: .*blank.txt holds only whitespace", {}),
+    ("recover-whitespace-calib", ["recover", "--model", "{tiny}", "--calib", "{blank.txt}", "--steps", "1", "--seqlen",
+                                  "16", "--eval-seqlen", "16", "--output", "{new}"], r"holds only whitespace", {}),
+    ("continual-whitespace-half", ["continual", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.5",
+                                   "--datasets", "{one-line.txt}", "emma", "--seqlen", "4", "--eval-seqlen", "16",
+                                   "--report", "{new}.json"], r"one-line.txt:second_half holds only whitespace", {}),
+    ("prune-seqlen-beyond-positions", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--seqlen", "4096"],
+     r"--seqlen 4096 is longer than the model's 2048 positions \(max_position_embeddings of --model .*tiny\)", {}),
+    ("prune-eval-seqlen-beyond-positions", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--seqlen",
+                                            "16", "--eval", "{text.txt}", "--eval-seqlen", "2049"],
+     r"--eval-seqlen 2049 is longer than the model's 2048 positions", {}),
+    ("eval-seqlen-beyond-positions", ["eval", "--model", "{tiny}", "--data", "{text.txt}", "--seqlen", "4096"],
+     r"--seqlen 4096 is longer than the model's 2048 positions", {}),
+    ("robustness-seqlen-beyond-positions", ["robustness", "--model", "{tiny}", "--method", "taylor", "--ratio", "0.25",
+                                            "--calib", "{text.txt}", "--eval", "{text.txt}", "--seqlen", "4096",
+                                            "--report", "{new}.json"], r"--seqlen 4096 is longer than the model's", {}),
+    ("eval-tokens-shorter-than-a-window", ["eval", "--model", "{tiny}", "--data", "emma", "--seqlen", "64",
+                                           "--eval-tokens", "10"],
+     r"error: --eval-tokens 10 is fewer than one window of --seqlen 64$", {}),
+    ("prune-old-eval-max-tokens-shorter-than-a-window", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}",
+                                                         "--seqlen", "16", "--eval", "emma", "--eval-seqlen", "64",
+                                                         "--eval-max-tokens", "10"],
+     r"error: --eval-tokens 10 is fewer than one window of --eval-seqlen 64$", {}),
+    ("generate-threads-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--threads", "0"],
+     r"--threads must be >= 1; got 0", {}),
+    ("compare-threads-negative", ["compare", "{report.json}", "--threads", "-2"], r"--threads must be >= 1; got -2", {}),
 ]
 
 
@@ -287,3 +323,42 @@ def test_reports_record_the_run(tiny_model_dir, tmp_path):
     assert {key: report[key] for key in expected} == expected
     report = json.loads(eval_report.read_text())
     assert {key: report[key] for key in expected} == dict(expected, batch_size=8, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["frobnicate"], ["prnue", "--model", "x"], ["--version"]])
+def test_help_and_a_missing_or_unknown_command_are_answered_without_importing_torch(argv):
+    """The top-level parser is built from names and summaries alone: no subcommand module loads."""
+    script = ("import sys\nfrom pyprune import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+              "    code = e.code\nprint('torch' in sys.modules, code)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(Path(pyprune.__file__).parents[1])))
+    assert done.stdout.strip().splitlines()[-1] == f"False {0 if argv == ['--help'] else 2}", done.stderr
+    if argv != ["--help"]:
+        assert done.stderr.startswith("usage: pyprune") and "pyprune: error: " in done.stderr
+
+
+@pytest.mark.parametrize("method", [None, *sorted(pyprune.methods.METHODS)])
+def test_every_flag_of_every_subcommand_says_what_it_does(method):
+    subparsers = next(a for a in cli.build_parser(method)._actions if a.dest == "command")
+    for command, parser in subparsers.choices.items():
+        silent = [action.option_strings or action.dest for action in parser._actions
+                  if not (action.help or "").strip()]
+        assert not silent, f"pyprune {command} (--method {method}): flags without help: {silent}"
+
+
+def test_threads_and_quiet_hold_for_the_run_only(tiny_model_dir, tmp_path, capsys):
+    """--threads sets torch's threads for the run (the report records them), --quiet silences
+    transformers' loading bar; both are undone when the command returns."""
+    model_dir, text = tiny_model_dir
+    argv = ["eval", "--model", str(model_dir), "--data", str(text), "--seqlen", "16"]
+    threads = torch.get_num_threads()
+    assert cli.main(argv) == 0
+    assert "Loading weights" in capsys.readouterr().err  # what --quiet takes away
+    report = tmp_path / "eval.json"
+    assert cli.main(argv + ["--quiet", "--threads", str(threads + 1), "--report", str(report)]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "%|" not in err, err
+    assert json.loads(report.read_text())["threads"] == threads + 1
+    assert torch.get_num_threads() == threads
+    assert cli.main(argv) == 0
+    assert "Loading weights" in capsys.readouterr().err

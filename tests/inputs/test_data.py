@@ -92,6 +92,17 @@ def test_empty_directory(tmp_path):
         data.load_text(str(tmp_path))
 
 
+@pytest.mark.parametrize("content,source", [("", "{path}"), (" \n\t\n  ", "{path}"),
+                                            ("words\n" + " " * 40, "{path}:second_half")])
+def test_a_text_of_only_whitespace_is_refused(tmp_path, content, source):
+    """Its tokens (spaces, newlines) would calibrate and score as if they were a text."""
+    path = tmp_path / "blank.txt"
+    path.write_text(content)
+    source = source.format(path=path)
+    with pytest.raises(ValueError, match=rf"{source} holds only whitespace; give a text"):
+        data.load_text(source)
+
+
 @pytest.mark.parametrize("relative", ["moby_dick.txt", "python_stdlib.py.txt", "austen/emma.txt"])
 def test_halves_partition_file(DATA, relative):
     path = DATA / relative
@@ -111,7 +122,8 @@ def test_halves_without_newline(tmp_path):
     f = tmp_path / "one_line.txt"
     f.write_text("no newline here at all", encoding="utf-8")
     assert data.load_text(f"{f}:first_half") == "no newline here at all"
-    assert data.load_text(f"{f}:second_half") == ""
+    with pytest.raises(ValueError, match="second_half holds only whitespace"):  # it is empty
+        data.load_text(f"{f}:second_half")
 
 
 def test_missing_source_error():

@@ -42,6 +42,26 @@ def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+@pytest.mark.parametrize("shape", [(0, 64), (3, 0, 64), (64,), (2, 1, 3, 64)])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_takes_every_shape_nn_linear_takes(dtype, backend, shape, grad):
+    """A drop-in nn.Linear: an empty batch gives an empty result, a 1-D x one row of outputs, any
+    leading dims are kept; the same shape, dtype and values as the dense masked nn.Linear."""
+    linear, _ = _pruned_linear(64, 40, 2, 4, dtype)
+    layer = SparseLinear.from_dense(linear, "2:4", backend=backend)
+    x = randn(shape, dtype, seed=1).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out, expected = layer(x), linear(x)
+    assert out.shape == expected.shape == (*shape[:-1], 40) and out.dtype == expected.dtype
+    if out.numel():
+        assert_linear_close(out.reshape(-1, 40), x.reshape(-1, 64), linear.weight, linear.bias)
+    if grad:
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", PATTERNS)
 @pytest.mark.parametrize("in_features", [72, 600])  # 8 columns past the last 16-column block; 600 > 512
 @pytest.mark.parametrize("tokens", [1, 3, 12, 17])  # the kernel takes 8 tokens at a time: 12 = 8 + 4, 17 = 8 + 8 + 1

@@ -175,15 +175,16 @@ def test_signed_zeros_and_infinities(backend_device):
 @pytest.mark.parametrize("pattern", [dict(n=2, m=4), dict(sparsity=0.5, scope="row"),
                                      dict(sparsity=0.5, scope="tensor")], ids=str)
 def test_nan_scores_raise(backend_device, pattern):
-    """A NaN in x (diverged training) or a negative act_sqnorm gives NaN scores: ValueError, as
-    for the mask ops."""
+    """A NaN in x (diverged training) gives NaN scores: ValueError, as for the mask ops; a negative
+    act_sqnorm is refused before any score is computed."""
     v, keep, x, act = _state((3, 8), torch.float32, seed=1, with_act=True)
     x[1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"scores of v = x \+ u \(and act_sqnorm\) contain NaN"):
         _run(backend_device, v, keep, x, None, pattern)
     x[1, 2] = 0.0
     act[3] = -1.0
-    with pytest.raises(ValueError, match="contain NaN"):
+    with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 \(a sum of squares of activations\); got -1.0 "
+                                         "at column 3"):
         _run(backend_device, v, keep, x, act, pattern)
 
 

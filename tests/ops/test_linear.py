@@ -53,6 +53,41 @@ def _check_nm_linear(device, dtype, n, m, rows, in_features, out_features):
     assert_linear_close(ops.nm_linear(x.reshape(1, rows, -1), values, meta, n, m)[0], x, dense)
 
 
+@pytest.mark.parametrize("device", [pytest.param(("reference", "cpu"), id="reference"),
+                                    *kernel_backends(linear._NM_LINEAR_IMPLS)], indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (64,), (2, 1, 3, 64)])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_nm_linear_takes_every_shape_nn_linear_takes(device, dtype, shape, grad):
+    """As F.linear: an empty batch gives an empty result, a 1-D x one row, leading dims are kept."""
+    w = randn((24, 64), dtype, seed=20).to(device)
+    values, meta = R.nm_compress(w, R.nm_mask(w.float().abs(), 2, 4), 2, 4)
+    bias = randn((24,), dtype, seed=21).to(device)
+    x = randn(shape, dtype, seed=22).to(device).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = ops.nm_linear(x, values, meta, 2, 4, bias)
+    dense = R.nm_decompress(values, meta, 2, 4)
+    assert out.shape == F.linear(x, dense, bias).shape == (*shape[:-1], 24) and out.dtype == dtype
+    if out.numel():
+        assert_linear_close(out.reshape(-1, 24), x.reshape(-1, 64), dense, bias)
+    if grad:
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("device", [pytest.param(("reference", "cpu"), id="reference"),
+                                    *kernel_backends(linear._SLICED_IMPLS)], indirect=True)
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (8,)])
+def test_sliced_linear_takes_empty_batches_and_1d_inputs(device, shape):
+    w, bias = randn((50, 40), seed=17).to(device), randn((50,), seed=18).to(device)
+    in_index, out_index = torch.arange(0, 40, 5, device=device), torch.arange(49, 0, -7, device=device)
+    x = randn(shape, seed=19).to(device)
+    out = ops.sliced_linear(x, w, bias, in_index, out_index)
+    expected = F.linear(x, w[out_index][:, in_index], bias[out_index])
+    assert out.shape == expected.shape == (*shape[:-1], 7)
+    assert_close(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize("device", kernel_backends(linear._SLICED_IMPLS), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_in,with_out", [(True, True), (True, False), (False, True), (False, False)])

@@ -63,6 +63,25 @@ def test_bad_arguments_name_the_argument(call, error, message):
         call()
 
 
+@pytest.mark.parametrize("backend_name", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("statistic", [-1.0, float("nan")])
+def test_every_op_taking_act_sqnorm_refuses_a_negative_or_nan_one_on_every_backend(backend_name, statistic):
+    """act_sqnorm is a sum of squares: a negative (or NaN) entry would make Wanda scores NaN, so
+    every op that reads it refuses it, naming it and the column, on every backend."""
+    sqnorm = torch.rand(8) + 0.1
+    sqnorm[5] = statistic
+    calls = {"wanda_score": lambda: ops.wanda_score(W, sqnorm),
+             "score_nm_mask": lambda: ops.score_nm_mask(W, 2, 4, sqnorm),
+             "score_topk_mask": lambda: ops.score_topk_mask(W, 0.5, "row", sqnorm),
+             "admm_dual_update_": lambda: ops.admm_dual_update_(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bool),
+                                                                W, n=2, m=4, act_sqnorm=sqnorm)}
+    for name, call in calls.items():
+        with ops.use_backend(backend_name):
+            with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 \(a sum of squares of activations\); "
+                                                 rf"got {statistic} at column 5"):
+                call()
+
+
 def test_failed_call_leaves_inputs_untouched():
     acc = torch.zeros(7)
     before = acc.clone()

@@ -1,4 +1,6 @@
 """pyprune.runtime.decode.greedy_generate: the tokens of transformers' greedy generate, timed per phase."""
+import warnings
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from tests.helpers import random_tokens, tiny_llama
 def test_greedy_generate_matches_transformers_greedy_search():
     model = tiny_llama(layers=2).eval()
     prompt = random_tokens((2, 5), seed=3)
-    run = greedy_generate(model, prompt, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning per call (the cache is passed as `cache`)
+        run = greedy_generate(model, prompt, 6)
     model.generation_config.eos_token_id = None  # no stop token, as greedy_generate
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
                               do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]

@@ -199,11 +199,12 @@ TOKENS = counting_tokens()
     (dict(batch_size=0), r"batch_size must be an integer >= 1; got 0"),
     (dict(batch_size=9), r"batch_size must be <= the number of samples in tokens \(8\); got 9"),
     (dict(seed=None), r"seed must be an integer; got None"),
-    (dict(tokens=TOKENS[0]), r"tokens must be a 2-D integer tensor \[nsamples, seqlen\]"),
-    (dict(tokens=TOKENS[None]), r"tokens must be a 2-D integer tensor"),
-    (dict(tokens=TOKENS.float()), r"tokens must be a 2-D integer tensor .* torch.float32"),
-    (dict(tokens=TOKENS[:, :1]), r"tokens must hold at least one sample of at least 2 tokens"),
-    (dict(tokens=TOKENS + VOCAB), r"tokens must be ids in \[0, 128\)"),
+    (dict(tokens=TOKENS[0]), r"tokens must be \[nsamples, seqlen\]; got shape \(32,\) \(tokens\[None\] is one sample\)"),
+    (dict(tokens=TOKENS[None]), r"tokens must be \[nsamples, seqlen\]; got shape \(1, 8, 32\)"),
+    (dict(tokens=TOKENS.float()), r"tokens must hold integer token ids \(int64\); got dtype torch.float32"),
+    (dict(tokens=TOKENS.numpy()), r"tokens must be a torch integer tensor .* \(convert it with torch.from_numpy"),
+    (dict(tokens=TOKENS[:, :1]), r"tokens must hold samples of at least 2 tokens"),
+    (dict(tokens=TOKENS + VOCAB), r"tokens holds token ids in \[1\d\d, 2\d\d\]; the model embeds ids in \[0, 128\)"),
     (dict(target_modules="q_proj"), r"target_modules must be None or a non-empty list"),
     (dict(target_modules=[]), r"target_modules must be None or a non-empty list"),
     (dict(target_modules=["q_proj", "qkv_proj"]), r"target_modules \['qkv_proj'\] match no nn.Linear"),
@@ -214,7 +215,7 @@ def test_bad_arguments_are_refused_before_the_model_changes(kwargs, message):
     before = snapshot(model)
     arguments = dict(tokens=TOKENS, steps=2, batch_size=4, progress=False)
     arguments.update(kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((TypeError, ValueError), match=message):  # TypeError: tokens of another type or dtype
         lora_finetune(model, **arguments)
     assert_same_model(model, before)
 
