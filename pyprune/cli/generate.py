@@ -14,8 +14,7 @@ WHERE = ("faster", "all")
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
-                        "directory (its SparseLinear layers included), or the alias smollm2-135m")
+    parser.add_argument("--model", required=True, help=options.MODEL_HELP + "; SparseLinear layers included")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy new tokens (default 64)")
     parser.add_argument("--sparsify", default="off", choices=SPARSIFY,

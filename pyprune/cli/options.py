@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 
 from ..inputs import data
+from ..inputs.models import MODEL_ALIASES
 from .. import methods
 from ..patterns import NM, Structured, Unstructured, parse
 from .checks import DTYPES, UsageError
@@ -29,11 +30,15 @@ def method_named_in(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
+#: What --model accepts, with every model alias pyprune fetches on first use.
+MODEL_HELP = ("a Hugging Face model directory, a pyprune output directory, or a model alias fetched on first "
+              f"use ({', '.join(sorted(MODEL_ALIASES))})")
+
+
 def add_model_flags(parser: argparse.ArgumentParser, *, dtype: bool = True, batch_size: int = 8,
                     batch_help: str = "calibration/evaluation batch size", model_help: str = "") -> None:
     """--model, --device, --dtype (unless ``dtype`` is False), --batch-size."""
-    parser.add_argument("--model", required=True, help=model_help or "a Hugging Face model directory, a pyprune "
-                        "output directory, or the alias smollm2-135m")
+    parser.add_argument("--model", required=True, help=model_help or MODEL_HELP)
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     if dtype:
         add_dtype_flag(parser)
