@@ -534,7 +534,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
             raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: {model_dir!r} holds no tokenizer")
         return model, tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = io.read_tokenizer(model_dir)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a tokenizer from "
                          f"{model_dir!r}: {e}") from e

@@ -16,7 +16,10 @@ shapes (:mod:`pyprune.nn.compact`) and loads the weights strictly: the model it 
 saved one, to the bit, with the same SparseLinear layers. When every block has the same sizes (e.g. after
 ``Structured(ratio, uniform=True)``) the saved config states those sizes, so plain
 ``AutoModelForCausalLM.from_pretrained(directory)`` loads the model too (unless it holds
-SparseLinear layers); otherwise the config keeps the dense sizes and only :func:`load` can.
+SparseLinear layers); otherwise the config keeps the dense sizes and only :func:`load` can, and
+the saved ``config.json`` is marked (:func:`pyprune.io.manifest.mark_config`) so that plain
+transformers refuses it with an error that says to use ``pyprune.load`` rather than load wrong
+shapes or random weights.
 
 Writing is atomic: everything goes into a temporary directory next to the target, ``pyprune.json``
 last, and the directory is renamed into place. A failure leaves no output directory behind.
@@ -35,10 +38,10 @@ from torch import nn
 
 from ..nn import anatomy, compact, sparse
 from . import offload, storage
-from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, read_manifest
+from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
-__all__ = ["save", "load", "check_weights", "model_layout"]
+__all__ = ["save", "load", "check_weights", "model_layout", "config_compatible"]
 
 
 
@@ -58,6 +61,13 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
     if not config_accepts(getattr(model, "config", None), fields):
         fields = None
     return {"layers": layouts, "config_compatible": fields is not None, "config_fields": fields}
+
+
+def config_compatible(model: nn.Module) -> bool:
+    """Whether :func:`save` would write ``model`` as an ordinary checkpoint that plain
+    ``from_pretrained`` reads as intended: one config describes every block, and no layer is a
+    SparseLinear (stored compressed)."""
+    return model_layout(model)["config_compatible"] and not sparse.sparse_layers(model)
 
 
 def _nonempty_dir(path: str) -> bool:
@@ -122,11 +132,12 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config = json.load(handle)
         if layout["config_fields"]:
             config.update(layout["config_fields"])
-        storage.write_json(config_path, config, sort_keys=True)
+        compatible = layout["config_compatible"] and not sparse_layers
+        storage.write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
             "architecture": type(model).__name__,
-            "config_compatible": layout["config_compatible"] and not sparse_layers,
+            "config_compatible": compatible,
             "layers": layout["layers"],
             "sparse_layers": sparse_layers,
         }
@@ -196,7 +207,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     ``device`` place it. Returned in eval mode. Non-persistent buffers (the RoPE frequencies) are
     not saved; they are rebuilt as transformers builds them (fp32, as ``from_pretrained`` does).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -206,7 +217,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     if dtype is None:
         dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
         dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = read_config(directory)
     with _init_context():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
@@ -226,7 +237,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     tokenizer = None
     if any(os.path.isfile(os.path.join(directory, name))
            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = read_tokenizer(directory)
     return model, tokenizer
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.experts import expert_linears, fused_experts
+from ..nn.layout import check_plain_linears
 from ..runtime import engine, memory
 from ..patterns import NM, Pattern, Unstructured
 from .options import Option, collect, resolve
@@ -81,6 +82,7 @@ class Method(ABC):
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
             raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
+        check_plain_linears(model, f"method {self.name!r}")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")

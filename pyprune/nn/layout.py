@@ -298,3 +298,14 @@ def hidden_stream(model: nn.Module) -> Dict:
             "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset,
             "readers": readers, "writers": writers,
             "layers": layers}
+
+
+def check_plain_linears(model: nn.Module, what: str) -> None:
+    """ValueError when ``model`` holds SparseLinear or SlicedLinear layers, which ``what`` (e.g.
+    "pruning", "LoRA recovery") needs as nn.Linear; the message says how to turn them back."""
+    from .sliced import SlicedLinear
+    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
+    if special:
+        raise ValueError(f"{what} needs nn.Linear layers; the model has SparseLinear/SlicedLinear layers "
+                         f"({', '.join(special[:3])}{', ...' if len(special) > 3 else ''}): turn them back first "
+                         "(pyprune.nn.densify_(model), pyprune.nn.unslice_(model))")

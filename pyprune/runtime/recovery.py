@@ -25,9 +25,7 @@ from torch import Tensor, nn
 
 from . import engine
 from .training import train
-from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
-from ..nn.sliced import SlicedLinear
-from ..nn.sparse import SparseLinear
+from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS, check_plain_linears
 
 __all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
 
@@ -121,12 +119,7 @@ def _check_model(model: nn.Module) -> None:
     if hasattr(model, "peft_config"):
         raise ValueError("model already holds PEFT adapters (it has a peft_config); merge or unload them first")
     engine.decoder_blocks(model)  # a ValueError naming the supported models otherwise
-    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
-    if special:
-        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
-                         f"{', ...' if len(special) > 3 else ''}): peft's LoRA wraps only nn.Linear and its merge "
-                         "writes dense weights; turn them back into nn.Linear first (SparseLinear.to_dense(), "
-                         "pyprune.nn.unslice_)")
+    check_plain_linears(model, "LoRA recovery (peft wraps only nn.Linear)")
 
 
 def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
