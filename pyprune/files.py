@@ -34,7 +34,7 @@ import uuid
 from functools import lru_cache
 from typing import Iterator, Optional
 
-__all__ = ["cache_root", "cache_dir", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path",
+__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path",
            "check_destination", "DestinationError", "CacheError", "TEMP_TAG"]
 
 #: what every temporary name pyprune writes contains

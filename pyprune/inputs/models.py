@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root
+from ..files import cache_root, ensure_cache_dir
 from ..io import storage
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
@@ -416,7 +416,7 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
     if _is_complete(target):
         return target
 
-    os.makedirs(parent, exist_ok=True)
+    ensure_cache_dir(parent)
     with _build_lock(os.path.join(parent, f".{alias}.lock")):
         if _is_complete(target):  # another process finished it while we waited
             return target

@@ -36,6 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..files import check_destination
 from ..nn import anatomy, compact, sparse
 from . import offload, storage
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
@@ -75,11 +76,20 @@ def _nonempty_dir(path: str) -> bool:
 
 
 def _check_target(directory: str, overwrite: bool) -> None:
+    """``directory`` may receive a saved model: a place pyprune may write
+    (:func:`pyprune.files.check_destination`), absent or empty, or with ``overwrite`` a directory
+    pyprune saved (it holds a ``pyprune.json``): a directory of other files is never replaced."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise FileExistsError(f"cannot save to {directory}: it exists and is not a directory")
-    if not overwrite and _nonempty_dir(directory):
+    check_destination(directory, "cannot save to", directory=True)
+    if not _nonempty_dir(directory):
+        return
+    if not overwrite:
         raise FileExistsError(f"cannot save to {directory}: the directory exists and is not empty "
                               f"(pass overwrite=True to replace it)")
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        raise FileExistsError(f"cannot save to {directory}: it holds files pyprune did not write (no {MANIFEST}); "
+                              "overwrite=True replaces only a directory pyprune.save wrote")
 
 
 def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
@@ -104,10 +114,12 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
          overwrite: bool = False, max_shard_size: str = "5GB") -> Dict[str, Any]:
     """Write ``model`` (pruned or not), ``tokenizer`` (or None) and ``pyprune.json`` to
     ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
+    ``directory`` must be a place pyprune may write (not a link or device; see
+    :func:`pyprune.files.check_destination`).
 
     An offloaded model (:mod:`pyprune.io.offload`) is written one block per shard, from the blocks its
     offload directory holds. Refuses (FileExistsError) an existing non-empty directory unless
-    ``overwrite=True``. When the
+    ``overwrite=True``, and even then one that holds no ``pyprune.json``. When the
     blocks' sizes are uniform the saved config states them, so plain ``from_pretrained`` loads
     the result; ``config_compatible`` in the returned dict / ``pyprune.json`` says whether it does.
     The model itself is not modified.
