@@ -82,7 +82,7 @@ class Method(ABC):
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
             raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}")
-        check_plain_linears(model, f"method {self.name!r}")
+        check_plain_linears(model, f"method {self.name!r} prunes nn.Linear weights")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")

@@ -300,12 +300,13 @@ def hidden_stream(model: nn.Module) -> Dict:
             "layers": layers}
 
 
-def check_plain_linears(model: nn.Module, what: str) -> None:
-    """ValueError when ``model`` holds SparseLinear or SlicedLinear layers, which ``what`` (e.g.
-    "pruning", "LoRA recovery") needs as nn.Linear; the message says how to turn them back."""
+def check_plain_linears(model: nn.Module, why: str) -> None:
+    """ValueError when ``model`` holds SparseLinear or SlicedLinear layers, which the caller needs
+    as nn.Linear (``why``, e.g. "peft's LoRA wraps only nn.Linear"); the message says how to turn
+    them back."""
     from .sliced import SlicedLinear
     special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
     if special:
-        raise ValueError(f"{what} needs nn.Linear layers; the model has SparseLinear/SlicedLinear layers "
-                         f"({', '.join(special[:3])}{', ...' if len(special) > 3 else ''}): turn them back first "
+        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
+                         f"{', ...' if len(special) > 3 else ''}): {why}; turn them back into nn.Linear first "
                          "(pyprune.nn.densify_(model), pyprune.nn.unslice_(model))")

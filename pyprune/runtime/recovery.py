@@ -120,7 +120,7 @@ def _check_model(model: nn.Module) -> None:
     if hasattr(model, "peft_config"):
         raise ValueError("model already holds PEFT adapters (it has a peft_config); merge or unload them first")
     engine.decoder_blocks(model)  # a ValueError naming the supported models otherwise
-    check_plain_linears(model, "LoRA recovery (peft wraps only nn.Linear)")
+    check_plain_linears(model, "peft's LoRA wraps only nn.Linear")
 
 
 def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
