@@ -4,6 +4,8 @@ shape of a model on this CPU, print the table and keep it in the per-user cache 
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
 
+import os
+
 from . import checks, options, steps
 from .checks import UsageError
 
@@ -31,11 +33,13 @@ def run(args) -> int:
     the cache lacks (all with --force), on the first layer of each, and print them all."""
     import torch
 
+    from ..files import ensure_cache_dir
     from ..nn import SparseLinear, detect_pattern, dispatch, tuning
     checks.check_counts(args, (), optional=("threads",))
     tokens = sorted(set(args.tokens or dispatch.TOKEN_BUCKETS))
     if tokens[0] < 1:
         raise UsageError(f"--tokens must be token counts >= 1; got {tokens[0]}")
+    ensure_cache_dir(os.path.dirname(dispatch.cache_path(torch.device("cpu"))))  # where the answers go, first
     checks.check_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)

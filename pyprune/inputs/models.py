@@ -416,7 +416,10 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
     if _is_complete(target):
         return target
 
-    ensure_cache_dir(parent)
+    if cache_dir is None:
+        ensure_cache_dir(parent)  # an unusable $PYPRUNE_CACHE is named in the error
+    else:
+        os.makedirs(parent, exist_ok=True)
     with _build_lock(os.path.join(parent, f".{alias}.lock")):
         if _is_complete(target):  # another process finished it while we waited
             return target

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.experts import expert_linears, fused_experts
-from ..nn.layout import check_plain_linears
+from ..nn.sliced import check_plain_linears
 from ..runtime import engine, memory
 from ..patterns import NM, Pattern, Unstructured
 from .options import Option, collect, resolve

@@ -299,14 +299,3 @@ def hidden_stream(model: nn.Module) -> Dict:
             "readers": readers, "writers": writers,
             "layers": layers}
 
-
-def check_plain_linears(model: nn.Module, why: str) -> None:
-    """ValueError when ``model`` holds SparseLinear or SlicedLinear layers, which the caller needs
-    as nn.Linear (``why``, e.g. "peft's LoRA wraps only nn.Linear"); the message says how to turn
-    them back."""
-    from .sliced import SlicedLinear
-    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
-    if special:
-        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
-                         f"{', ...' if len(special) > 3 else ''}): {why}; turn them back into nn.Linear first "
-                         "(pyprune.nn.densify_(model), pyprune.nn.unslice_(model))")

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from . import engine
 from .training import train
-from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS, check_plain_linears
+from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
+from ..nn.sliced import check_plain_linears
 
 __all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
 

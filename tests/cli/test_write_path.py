@@ -84,6 +84,9 @@ CASES = [
      r"--report .*tiny/r.json is inside the input model", {}),
     ("eval-tasks-cache-under-a-file", ["eval", "--model", "{tiny}", "--tasks", "austen_continuation"],
      r"--tasks: PYPRUNE_CACHE=.*text.txt/cache is not usable", {"PYPRUNE_CACHE": "{text.txt}/cache"}),
+    ("tune-cache-under-a-file", ["tune", "--model", "{tiny}", "--tokens", "1"],
+     r"PYPRUNE_CACHE=.*text.txt/cache is not usable: cannot write .*text.txt/cache/dispatch",
+     {"PYPRUNE_CACHE": "{text.txt}/cache"}),
     ("recover-output-empty", RECOVER + ["--output", ""], r"--output is empty", {}),
     ("recover-output-inside-input", RECOVER + ["--output", "{tiny}/r"], r"is inside the input model", {}),
     ("recover-report-fifo", RECOVER + ["--output", "{new}", "--report", "{fifo}"], r"--report .*fifo is a fifo", {}),
@@ -110,6 +113,8 @@ def test_a_refused_destination_exits_2_in_one_line_before_loading(places, case, 
         os.mkfifo(places / "fifo-stem.md")
     for name, value in env.items():
         monkeypatch.setenv(name, _fill(value, places))
+    if "PYPRUNE_CACHE" in env:  # the dispatch cache follows PYPRUNE_CACHE again (conftest moves it per test)
+        monkeypatch.setattr("pyprune.nn.dispatch.cache_root", pyprune.files.cache_root)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
