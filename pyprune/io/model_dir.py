@@ -81,7 +81,7 @@ def _check_target(directory: str, overwrite: bool) -> None:
     pyprune saved (it holds a ``pyprune.json``): a directory of other files is never replaced."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise FileExistsError(f"cannot save to {directory}: it exists and is not a directory")
-    check_destination(directory, "cannot save to", directory=True)
+    check_destination(directory, "save directory", directory=True)
     if not _nonempty_dir(directory):
         return
     if not overwrite:
