@@ -76,6 +76,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a file that could not be read or written, named in one line
+        print(f"pyprune {args.command}: error: {error.strerror or error}"
+              + (f": {error.filename}" if error.filename else ""), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"pyprune {args.command}: interrupted", file=sys.stderr)
         return 130

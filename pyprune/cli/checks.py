@@ -19,25 +19,55 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def check_output(path: Optional[str], flag: str) -> None:
-    """``path`` can become a new output directory: absent or empty, under an existing parent."""
+def input_dirs(model: Optional[str]) -> list:
+    """The directories holding the input ``--model`` (a directory, or an alias's cache entry),
+    which no output may overwrite or contain; found without loading or building anything."""
+    if model is None:
+        return []
+    from ..files import cache_root
+    from ..inputs.models import MODEL_ALIASES
+    if os.fspath(model).lower() in MODEL_ALIASES:
+        return [os.path.join(cache_root(), "models", os.fspath(model).lower())]
+    return [model] if os.path.isdir(model) else []
+
+
+def check_destination(path: Optional[str], flag: str, *, directory: bool, model: Optional[str] = None) -> None:
+    """``path`` (given with ``flag``) is a place pyprune may write (:func:`pyprune.files.check_destination`):
+    not empty, not a link, device or fifo, not inside or above the input ``model``, writable."""
+    from ..files import DestinationError
+    from ..files import check_destination as check
     if path is None:
         return
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    try:
+        check(path, flag, directory=directory, protect=input_dirs(model))
+    except DestinationError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_output(path: Optional[str], flag: str, model: Optional[str] = None) -> None:
+    """``path`` can become a new output directory: absent or empty, under an existing parent, and a
+    destination pyprune may write (:func:`check_destination`)."""
+    if path is None:
+        return
+    check_destination(path, flag, directory=True, model=model)
+    if os.path.isdir(path) and os.listdir(path):
         raise UsageError(f"{flag} {path} already exists and is not an empty directory")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"{flag} {path}: the parent directory {parent} does not exist")
 
 
-def check_report(path: Optional[str]) -> None:
-    """``path`` can become a JSON report: not a directory, in an existing one."""
+def check_report(path: Optional[str], model: Optional[str] = None, flag: str = "--report",
+                 output: Optional[str] = None) -> None:
+    """``path`` can become a JSON report: a regular file or nothing yet, in an existing directory,
+    and a destination pyprune may write (:func:`check_destination`)."""
     if path is None:
         return
-    if os.path.isdir(path):
-        raise UsageError(f"--report {path} is a directory; give the path of a JSON file")
+    check_destination(path, flag, directory=False, model=model)
+    if output is not None and os.path.abspath(path) == os.path.abspath(output):
+        raise UsageError(f"{flag} {path} is also --output; give the report its own file")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UsageError(f"--report {path}: its directory does not exist")
+        raise UsageError(f"{flag} {path}: its directory does not exist")
 
 
 def check_counts(args, flags: Iterable[str], optional: Iterable[str] = ()) -> None:
@@ -71,8 +101,6 @@ def check_device(device: str) -> None:
 def check_model(model: str):
     """The model's config, read before its weights load, with its ``pyprune.json`` and the headers
     of its safetensors files checked: a broken file is named in one line."""
-    from transformers import AutoConfig
-
     from .. import io
     from ..inputs.models import resolve_model_dir
     directory = resolve_model_dir(model)
@@ -83,7 +111,7 @@ def check_model(model: str):
     try:
         with open(config_path, encoding="utf-8") as handle:
             json.load(handle)
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        config = io.read_config(directory)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"--model {model}: {config_path} is not a valid model config ({first_line(error)})") from None
     io.read_manifest(directory)
@@ -117,6 +145,12 @@ def check_offload(args, runner) -> None:
         raise UsageError("--offload cannot store --sparse-layers (offload writes dense blocks)")
     if torch.device(args.device).type != "cpu":
         raise UsageError(f"--offload works on the CPU; got --device {args.device}")
+    from ..io import read_manifest
+    from ..inputs.models import MODEL_ALIASES
+    if args.model.lower() not in MODEL_ALIASES and os.path.isdir(args.model) and \
+            read_manifest(args.model).get("sparse_layers"):
+        raise UsageError(f"--offload cannot read --model {args.model}: it stores SparseLinear layers (a --sparse-layers "
+                         "output) and offload reads dense weights; prune it without --offload")
 
 
 def check_memory(args, runner, offload: bool) -> None:
@@ -134,6 +168,16 @@ def check_memory(args, runner, offload: bool) -> None:
                            f"--model {args.model} with {args.method}", offloaded=offload, offload_hint="--offload")
     except memory.NotEnoughMemory as error:
         raise UsageError(str(error)) from None
+
+
+def check_method_directories(runner, model: str) -> None:
+    """The directories the method writes (its options checked by ``written_directory``, e.g.
+    ``--checkpoint``, COPAL's ``--state``) are not inside or above the input ``model``."""
+    from ..methods.options import written_directory
+    for declared in type(runner).options:
+        value = runner.settings.get(declared.name)
+        if declared.check is written_directory and value is not None:
+            check_destination(value, declared.flag, directory=True, model=model)
 
 
 def check_method_config(runner, config, pattern) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from .commands import SUMMARIES
+from . import checks
 from .checks import UsageError
 
 COMMAND = "compare"
@@ -21,8 +22,10 @@ def run(args) -> int:
     """Reports -> one markdown table (best per column in bold) and a figure (PNG + SVG)."""
     from ..studies import compare
     reports = [compare.load_report(path) for path in args.reports]
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise UsageError(f"--output {args.output} exists and is not a directory")
+    checks.check_destination(args.output, "--output", directory=True)
+    for ext in ("md", "png", "svg"):
+        checks.check_destination(os.path.join(args.output, f"{args.name}.{ext}"), "--output/--name",
+                                 directory=False)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UsageError(f"--output {args.output}: its parent directory does not exist")
     written = compare.compare(reports, args.output, name=args.name)

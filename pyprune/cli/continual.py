@@ -72,7 +72,8 @@ def run(args) -> int:
     pairs = _sources(args)
     options.apply_calibration_defaults(args, runner)
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
-    checks.check_report(args.report)
+    checks.check_report(args.report, args.model)
+    checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
@@ -96,7 +97,7 @@ def run(args) -> int:
                             steps.eval_streams(tok, [evaluation], args.eval_seqlen, args.eval_tokens,
                                                "--eval" if args.eval else "--datasets", "--eval-seqlen")[0][1])
              for name, (calib, evaluation) in zip(args.datasets, pairs)]
-    model, _ = steps.load(args)
+    model, _ = steps.load(args, dense=True)
 
     def record(order, order_steps):
         done[order] = order_steps

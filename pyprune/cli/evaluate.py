@@ -24,7 +24,7 @@ def run(args) -> int:
     if not args.data and args.tasks is None:
         raise UsageError("give --data TEXT ... (perplexity) and/or --tasks NAME,... (zero-shot accuracy)")
     checks.check_sources(args.data)
-    checks.check_report(args.report)
+    checks.check_report(args.report, args.model)
     checks.check_device(args.device)
     checks.check_lengths(args, checks.check_model(args.model), ("seqlen",) if args.data else ())
     streams = steps.eval_streams(steps.tokenizer(args.model), args.data, args.seqlen, args.eval_tokens, "--data",

@@ -43,11 +43,12 @@ def run(args) -> int:
     if runner.needs_calibration and args.calib is None:
         raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
     checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))
-    checks.check_output(args.output, "--output")
-    checks.check_report(args.report)
+    checks.check_output(args.output, "--output", args.model)
+    checks.check_report(args.report, args.model, output=args.output)
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
+    checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     if args.offload:
         checks.check_offload(args, runner)
@@ -75,7 +76,7 @@ def run(args) -> int:
 def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
     from ..methods import pruning
-    model, tok = steps.load(args, offload_dir=offload_dir)
+    model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet, **options.method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")

@@ -43,8 +43,8 @@ def run(args) -> int:
     if args.batch_size > args.nsamples:
         raise UsageError(f"--batch-size {args.batch_size} is larger than --nsamples {args.nsamples}")
     checks.check_sources([args.calib] + list(args.eval or []))
-    checks.check_output(args.output, "--output")
-    checks.check_report(args.report)
+    checks.check_output(args.output, "--output", args.model)
+    checks.check_report(args.report, args.model, output=args.output)
     checks.check_device(args.device)
     checks.check_lengths(args, checks.check_model(args.model), ("seqlen", "eval_seqlen"))
     tok = steps.tokenizer(args.model)
@@ -52,7 +52,7 @@ def run(args) -> int:
     streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens, "--eval",
                                  "--eval-seqlen")
 
-    model, tok = steps.load(args)
+    model, tok = steps.load(args, dense=True)
     report = {"model": args.model, "calib": args.calib, **steps.run_info(args)}
     report["eval_before"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
     report["recovery"] = done = recovery.lora_finetune(

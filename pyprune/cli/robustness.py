@@ -37,7 +37,8 @@ def run(args) -> int:
     options.apply_calibration_defaults(args, runner)
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_sources((args.calib, args.eval))
-    checks.check_report(args.report)
+    checks.check_report(args.report, args.model)
+    checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
@@ -47,7 +48,7 @@ def run(args) -> int:
     [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_tokens, "--eval",
                                        "--eval-seqlen")
 
-    model, _ = steps.load(args, dtype=torch.float32)
+    model, _ = steps.load(args, dtype=torch.float32, dense=True)
     report = robustness.study(model, args.method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
                               arithmetic=args.arithmetic, eval_format=args.eval_format, uniform=args.uniform, batch_size=args.batch_size,
                               progress=not args.quiet, **options.method_option_values(args))

@@ -14,11 +14,10 @@ from .options import DTYPES
 
 
 def tokenizer(model: str):
-    from transformers import AutoTokenizer
-
     from ..inputs.models import resolve_model_dir
+    from ..io import read_tokenizer
     try:
-        return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+        return read_tokenizer(resolve_model_dir(model))
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: could not load its tokenizer ({first_line(error)})") from None
 
@@ -99,11 +98,20 @@ def zero_shot(model, tok, tasks, args) -> dict:
     return results
 
 
-def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] = None):
+def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] = None, *, dense: bool = False):
     """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype; with ``offload_dir`` its
-    decoder blocks stay on disk (:mod:`pyprune.io.offload`)."""
+    decoder blocks stay on disk (:mod:`pyprune.io.offload`). With ``dense`` (the commands that
+    change weights: prune, recover, continual, robustness) the SparseLinear layers of a
+    ``--sparse-layers`` output become nn.Linear again, with the same weights."""
     from ..inputs.models import load_model
-    return load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device, offload_dir=offload_dir)
+    from ..nn import densify_
+    model, tok = load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device,
+                            offload_dir=offload_dir)
+    densified = densify_(model) if dense else {}
+    if densified and not getattr(args, "quiet", False):
+        print(f"--model {args.model}: its {len(densified)} SparseLinear layers become nn.Linear with the same weights "
+              f"for {args.command}")
+    return model, tok
 
 
 def run_info(args) -> dict:
@@ -125,10 +133,23 @@ def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable
                          what: str) -> None:
     """Save the model to --output (when given) before anything can fail in evaluation, so a
     finished prune or training is never lost; then ``evaluate_into(report)``, which adds its
-    results and says whether it evaluated anything; then the report, into the saved directory too."""
-    from ..io import save
+    results and says whether it evaluated anything; then the report, into the saved directory too.
+    The report records ``config_compatible`` (whether plain ``from_pretrained`` reads the saved
+    directory). A report that cannot be written is a one-line error saying where the model is."""
+    from ..io import config_compatible, save
     if args.output:
-        save(model, tok, args.output, report=report)
+        report["config_compatible"] = config_compatible(model)
+        try:
+            save(model, tok, args.output, report=report)
+        except FileExistsError:
+            raise UsageError(f"--output {args.output} was filled by another run while this one worked; nothing "
+                             f"was replaced and the {what} was not saved: rerun with another --output") from None
         print(f"saved the {what} to {args.output}")
     evaluated = evaluate_into(report)
-    output_report(args, report, model_dir=args.output if evaluated else None)
+    try:
+        output_report(args, report, model_dir=args.output if evaluated else None)
+    except (OSError, ValueError) as error:
+        if not args.output:
+            raise
+        raise UsageError(f"the {what} is saved in {args.output}, but the report could not be written "
+                         f"({first_line(error)})") from None

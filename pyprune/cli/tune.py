@@ -4,6 +4,8 @@ shape of a model on this CPU, print the table and keep it in the per-user cache 
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
 
+import os
+
 from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
@@ -28,10 +30,12 @@ def run(args) -> int:
     the cache lacks (all with --force), on the first layer of each, and print them all."""
     import torch
 
+    from ..files import ensure_cache_dir
     from ..nn import SparseLinear, detect_pattern, dispatch, tuning
     tokens = sorted(set(args.tokens or dispatch.TOKEN_BUCKETS))
     if tokens[0] < 1:
         raise UsageError(f"--tokens must be token counts >= 1; got {tokens[0]}")
+    ensure_cache_dir(os.path.dirname(dispatch.cache_path(torch.device("cpu"))))  # where the answers go, first
     checks.check_model(args.model)
     model, _ = steps.load(args)
     groups = {}  # (pattern, shape bucket) -> [representative layer, number of layers]

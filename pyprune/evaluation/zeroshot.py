@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from ..files import atomic_path, cache_dir
 from ..inputs import data
 
 __all__ = ["LOCAL_TASKS", "PAPER_METRICS", "TaskDataError", "LoadedTasks",
@@ -158,10 +159,8 @@ def _write_if_changed(path: str, text: str) -> None:
         with open(path, encoding="utf-8") as handle:
             if handle.read() == text:
                 return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
-    os.replace(tmp, path)
 
 
 def write_local_task(name: str, directory: str, *, source: Optional[str] = None, **build) -> str:
@@ -182,8 +181,7 @@ def write_local_task(name: str, directory: str, *, source: Optional[str] = None,
 
 
 def _default_task_dir() -> str:
-    from ..inputs.models import default_cache_dir
-    return os.path.join(default_cache_dir(), "zeroshot")
+    return cache_dir("zeroshot")
 
 
 # --------------------------------------------------------------------------------------------

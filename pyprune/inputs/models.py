@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root
+from ..files import cache_root, ensure_cache_dir
 from ..io import storage
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
@@ -416,7 +416,10 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
     if _is_complete(target):
         return target
 
-    os.makedirs(parent, exist_ok=True)
+    if cache_dir is None:
+        ensure_cache_dir(parent)  # an unusable $PYPRUNE_CACHE is named in the error
+    else:
+        os.makedirs(parent, exist_ok=True)
     with _build_lock(os.path.join(parent, f".{alias}.lock")):
         if _is_complete(target):  # another process finished it while we waited
             return target
@@ -534,7 +537,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
             raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: {model_dir!r} holds no tokenizer")
         return model, tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = io.read_tokenizer(model_dir)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a tokenizer from "
                          f"{model_dir!r}: {e}") from e

@@ -5,7 +5,8 @@
 * :mod:`pyprune.io.offload` — decoder blocks kept on disk, one in memory at a time.
 * :mod:`pyprune.io.storage` — atomic writes, run states and checkpoints as safetensors.
 """
-from .manifest import MANIFEST, read_manifest, write_report
-from .model_dir import check_weights, load, model_layout, save
+from .manifest import MANIFEST, read_config, read_manifest, read_tokenizer, write_report
+from .model_dir import check_weights, config_compatible, load, model_layout, save
 
-__all__ = ["save", "load", "check_weights", "model_layout", "read_manifest", "write_report", "MANIFEST"]
+__all__ = ["save", "load", "check_weights", "model_layout", "config_compatible", "read_config", "read_tokenizer", "read_manifest",
+           "write_report", "MANIFEST"]

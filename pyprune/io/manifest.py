@@ -1,6 +1,16 @@
 """The ``pyprune.json`` manifest of a saved model directory (see :mod:`pyprune.io.model_dir`): its
-name, the versions this pyprune reads, and reading it; and :func:`write_report`, the one writer of
-a run's report (into a saved directory's manifest and/or a JSON file)."""
+name, the versions this pyprune reads, and reading it; :func:`write_report`, the one writer of
+a run's report (into a saved directory's manifest and/or a JSON file); and the mark that keeps
+plain transformers from misreading a directory only :func:`pyprune.load` reads as intended.
+
+The mark (:func:`mark_config`, :func:`read_config`): when the saved blocks differ in size or hold
+SparseLinear layers (``config_compatible`` false), ``config.json`` gets the ``model_type``
+:data:`MARKED_MODEL_TYPE` and keeps the real one as ``pyprune_model_type``. Transformers' auto
+classes look the ``model_type`` up before anything else, so ``AutoConfig`` /
+``AutoModelForCausalLM.from_pretrained`` fail with an error quoting it ("... has model type
+`pyprune-checkpoint: load it with pyprune.load(directory)` but Transformers does not recognize this
+architecture"), instead of loading the wrong shapes or re-initialising the compressed layers at
+random. pyprune's readers restore the real type."""
 from __future__ import annotations
 
 import json
@@ -16,6 +26,31 @@ from . import storage
 MANIFEST = "pyprune.json"
 _FORMAT_VERSION = 2  # 2: sparse_layers
 _READABLE_VERSIONS = (1, 2)
+#: the ``model_type`` of a saved config.json that plain transformers must refuse (see the module docstring)
+MARKED_MODEL_TYPE = "pyprune-checkpoint: load it with pyprune.load(directory)"
+_REAL_MODEL_TYPE = "pyprune_model_type"
+
+
+def mark_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The config dict ``config`` marked so that transformers' auto classes refuse it."""
+    return dict(config, model_type=MARKED_MODEL_TYPE, **{_REAL_MODEL_TYPE: config["model_type"]})
+
+
+def read_config(directory: str):
+    """The transformers config of the model directory ``directory`` (a marked one restored to its
+    real ``model_type``); read from ``config.json`` alone, nothing is fetched."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config, _ = PretrainedConfig.get_config_dict(directory, local_files_only=True)
+    if config.get("model_type") != MARKED_MODEL_TYPE:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    model_type = config.pop(_REAL_MODEL_TYPE, None)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"cannot load {directory}: its config.json is marked as pyprune's but names no model type "
+                         f"transformers knows ({_REAL_MODEL_TYPE}: {model_type!r})")
+    config["model_type"] = model_type
+    return CONFIG_MAPPING[model_type].from_dict(config)
 
 
 def _json_safe(value):
@@ -64,3 +99,10 @@ def write_report(report: Optional[Dict], *, model_dir: Optional[str] = None,
         storage.write_json(os.path.join(model_dir, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
     if report_file is not None:
         storage.write_json(report_file, report)
+
+
+def read_tokenizer(directory: str):
+    """The tokenizer of the model directory ``directory`` (its config read by :func:`read_config`,
+    so a marked one is understood)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, config=read_config(directory))

@@ -16,7 +16,10 @@ shapes (:mod:`pyprune.nn.compact`) and loads the weights strictly: the model it 
 saved one, to the bit, with the same SparseLinear layers. When every block has the same sizes (e.g. after
 ``Structured(ratio, uniform=True)``) the saved config states those sizes, so plain
 ``AutoModelForCausalLM.from_pretrained(directory)`` loads the model too (unless it holds
-SparseLinear layers); otherwise the config keeps the dense sizes and only :func:`load` can.
+SparseLinear layers); otherwise the config keeps the dense sizes and only :func:`load` can, and
+the saved ``config.json`` is marked (:func:`pyprune.io.manifest.mark_config`) so that plain
+transformers refuses it with an error that says to use ``pyprune.load`` rather than load wrong
+shapes or random weights.
 
 Writing is atomic: everything goes into a temporary directory next to the target, ``pyprune.json``
 last, and the directory is renamed into place. A failure leaves no output directory behind.
@@ -33,12 +36,13 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..files import check_destination
 from ..nn import anatomy, compact, sparse
 from . import offload, storage
-from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, read_manifest
+from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
-__all__ = ["save", "load", "check_weights", "model_layout"]
+__all__ = ["save", "load", "check_weights", "model_layout", "config_compatible"]
 
 
 
@@ -60,16 +64,32 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
     return {"layers": layouts, "config_compatible": fields is not None, "config_fields": fields}
 
 
+def config_compatible(model: nn.Module) -> bool:
+    """Whether :func:`save` would write ``model`` as an ordinary checkpoint that plain
+    ``from_pretrained`` reads as intended: one config describes every block, and no layer is a
+    SparseLinear (stored compressed)."""
+    return model_layout(model)["config_compatible"] and not sparse.sparse_layers(model)
+
+
 def _nonempty_dir(path: str) -> bool:
     return os.path.isdir(path) and any(os.scandir(path))
 
 
 def _check_target(directory: str, overwrite: bool) -> None:
+    """``directory`` may receive a saved model: a place pyprune may write
+    (:func:`pyprune.files.check_destination`), absent or empty, or with ``overwrite`` a directory
+    pyprune saved (it holds a ``pyprune.json``): a directory of other files is never replaced."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise FileExistsError(f"cannot save to {directory}: it exists and is not a directory")
-    if not overwrite and _nonempty_dir(directory):
+    check_destination(directory, "save directory", directory=True)
+    if not _nonempty_dir(directory):
+        return
+    if not overwrite:
         raise FileExistsError(f"cannot save to {directory}: the directory exists and is not empty "
                               f"(pass overwrite=True to replace it)")
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        raise FileExistsError(f"cannot save to {directory}: it holds files pyprune did not write (no {MANIFEST}); "
+                              "overwrite=True replaces only a directory pyprune.save wrote")
 
 
 def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
@@ -94,10 +114,12 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
          overwrite: bool = False, max_shard_size: str = "5GB") -> Dict[str, Any]:
     """Write ``model`` (pruned or not), ``tokenizer`` (or None) and ``pyprune.json`` to
     ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
+    ``directory`` must be a place pyprune may write (not a link or device; see
+    :func:`pyprune.files.check_destination`).
 
     An offloaded model (:mod:`pyprune.io.offload`) is written one block per shard, from the blocks its
     offload directory holds. Refuses (FileExistsError) an existing non-empty directory unless
-    ``overwrite=True``. When the
+    ``overwrite=True``, and even then one that holds no ``pyprune.json``. When the
     blocks' sizes are uniform the saved config states them, so plain ``from_pretrained`` loads
     the result; ``config_compatible`` in the returned dict / ``pyprune.json`` says whether it does.
     The model itself is not modified.
@@ -122,11 +144,12 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config = json.load(handle)
         if layout["config_fields"]:
             config.update(layout["config_fields"])
-        storage.write_json(config_path, config, sort_keys=True)
+        compatible = layout["config_compatible"] and not sparse_layers
+        storage.write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
             "architecture": type(model).__name__,
-            "config_compatible": layout["config_compatible"] and not sparse_layers,
+            "config_compatible": compatible,
             "layers": layout["layers"],
             "sparse_layers": sparse_layers,
         }
@@ -196,7 +219,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     ``device`` place it. Returned in eval mode. Non-persistent buffers (the RoPE frequencies) are
     not saved; they are rebuilt as transformers builds them (fp32, as ``from_pretrained`` does).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -206,7 +229,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     if dtype is None:
         dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
         dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = read_config(directory)
     with _init_context():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
@@ -226,7 +249,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
     tokenizer = None
     if any(os.path.isfile(os.path.join(directory, name))
            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = read_tokenizer(directory)
     return model, tokenizer
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..nn import anatomy, experts
 from . import storage
-from .manifest import read_manifest
+from .manifest import read_config, read_manifest
 
 __all__ = ["OffloadedBlocks", "load_offloaded", "skeleton", "weight_map", "write_weights"]
 
@@ -58,12 +58,12 @@ def skeleton(directory: str, dtype: torch.dtype) -> nn.Module:
     """The causal LM of ``directory`` with every parameter on ``meta`` (no weight is read), its
     blocks resized to the shapes a ``pyprune.json`` records (SparseLinear layers stay dense)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..nn import compact
 
     manifest = read_manifest(directory)
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = read_config(directory)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layers = manifest.get("layers")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.experts import expert_linears, fused_experts
+from ..nn.sliced import check_plain_linears
 from ..runtime import engine, memory, tokens
 from ..patterns import NM, Pattern, Structured, Unstructured, written_as
 from .options import Option, collect, resolve
@@ -82,11 +83,9 @@ class Method(ABC):
         before anything is modified. Changes nothing, on the model or on this object."""
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
-            spelled = " or ".join(written_as(kind, pattern) for kind in self.patterns)
-            imported = ", ".join(p.__name__ for p in self.patterns if p is Structured)
-            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}: write "
-                             f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
-                             + (f" with from pyprune.patterns import {imported}" if imported else ""))
+from ..nn.sliced import check_plain_linears
+from ..runtime import engine, memory, tokens
+from ..patterns import NM, Pattern, Structured, Unstructured, written_as
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")

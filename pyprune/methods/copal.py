@@ -37,7 +37,7 @@ from ..io import storage
 from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights
-from .options import block_checkpoint, option, positive
+from .options import block_checkpoint, option, positive, written_directory
 
 STATE_FILE = "copal-state.safetensors"
 _KIND = "COPAL state"
@@ -63,7 +63,7 @@ class Copal(LayerwiseMaskMethod):
     commands = ("prune", "continual")
 
     state: Optional[str] = option(None, "COPAL: directory of the continual state; resumed when it holds one, "
-                                  "rewritten after every step")
+                                  "rewritten after every step", written_directory)
     perturbation: str = option("proportional", "COPAL: perturbation model of dY (paper unspecified): proportional "
                                "(dW=eps*W, dX=eps*X) or gaussian", choices=("proportional", "gaussian"))
     epsilon: float = option(0.01, "COPAL: perturbation size eps", positive)

@@ -41,7 +41,7 @@ from ..runtime.recovery import lora_finetune
 from ..runtime.checkpoint import model_fingerprint
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .base import Method
-from .options import at_least_one, nonnegative, option, positive
+from .options import at_least_one, nonnegative, option, positive, written_directory
 
 
 
@@ -79,7 +79,7 @@ class DReSS(Method):
     lora_alpha: float = option(LORA.alpha, "DReSS: LoRA scaling factor alpha (paper 10)", positive)
     lora_lr: float = option(LORA.lr, "DReSS: LoRA learning rate (paper 2e-5 at batch 64)", positive)
     checkpoint: Optional[str] = option(None, "DReSS: directory for regularisation checkpoints; a rerun with the "
-                                       "same settings resumes from it")
+                                       "same settings resumes from it", written_directory)
     checkpoint_every: int = option(10, "DReSS: steps between checkpoints", at_least_one)
     train_seed: int = option(0, "DReSS: seed of the minibatch order (and of LoRA)")
 

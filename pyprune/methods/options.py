@@ -145,7 +145,19 @@ def fraction(value) -> Optional[str]:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
+def written_directory(value) -> Optional[str]:
+    """Check of an option naming a directory the method writes: a place pyprune may write
+    (:func:`pyprune.files.check_destination`: not empty, a link, a file or a device; creatable)."""
+    from ..files import DestinationError, check_destination
+    try:
+        check_destination(value, "the directory", directory=True)
+    except DestinationError as error:
+        return f"must be a directory pyprune can write ({error})"
+    return None
+
+
 def block_checkpoint() -> Any:
     """The ``checkpoint`` option of a block-wise method (:class:`pyprune.runtime.engine.BlockCheckpoint`)."""
     return option(None, "block-wise methods (wanda, sparsegpt, copal, safe): directory where every finished "
-                  "block is saved; a rerun with the same settings, calibration and model resumes after the last one")
+                  "block is saved; a rerun with the same settings, calibration and model resumes after the last one",
+                  written_directory)

@@ -30,7 +30,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import __version__
-from ..files import cache_root, write_json
+from ..files import cache_root, ensure_cache_dir, write_json
 
 #: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
@@ -218,7 +218,7 @@ def record(device: torch.device, entries: Dict[str, Dict]) -> str:
             raise ValueError(f"entry {key!r}: backend must be one of {', '.join(BACKENDS)}; "
                              f"got {entry.get('backend')!r}")
     path, env = cache_path(device), environment(device)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ensure_cache_dir(os.path.dirname(path))
     with _locked(path):
         merged = dict(_read_cache(path, env), **entries)
         write_json(path, {"environment": env, "entries": dict(sorted(merged.items()))})

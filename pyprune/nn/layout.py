@@ -298,3 +298,4 @@ def hidden_stream(model: nn.Module) -> Dict:
             "norms": norms, "final_norm": names[id(norm)], "norm_offset": families[0].norm_offset,
             "readers": readers, "writers": writers,
             "layers": layers}
+

@@ -7,7 +7,8 @@ SlicedLinear wraps the original layer (``base``, whose weight it shares) and ind
 output channels. :func:`slice_mlp_channels_` applies that to a block's MLP,
 :func:`slice_hidden_channels_` to a whole model's hidden dimension (DReSS: the model as it will be
 after slicing, before slicing it; with :class:`SlicedEmbedding` and :class:`SlicedNorm`), and
-:func:`unslice_` puts the original modules back.
+:func:`unslice_` puts the original modules back; :func:`check_plain_linears` refuses a model
+holding such layers (or SparseLinear ones) where nn.Linear is needed (pruning, LoRA).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..ops import _validate as check
 from ..ops.linear import _sliced_linear
 from .families import channel_rows
 from .layout import ChannelView, check_block, hidden_index, hidden_stream, rescaled_norm_weight
+from .sparse import SparseLinear
 
 
 class SlicedLinear(ChannelView):
@@ -150,3 +152,14 @@ def unslice_(model: nn.Module) -> int:
                 setattr(module, child_name, child.base)
                 restored += 1
     return restored
+
+
+def check_plain_linears(model: nn.Module, why: str) -> None:
+    """ValueError when ``model`` holds SparseLinear or SlicedLinear layers, which the caller needs
+    as nn.Linear (``why``, e.g. "peft's LoRA wraps only nn.Linear"); the message says how to turn
+    them back."""
+    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
+    if special:
+        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
+                         f"{', ...' if len(special) > 3 else ''}): {why}; turn them back into nn.Linear first "
+                         "(pyprune.nn.densify_(model), pyprune.nn.unslice_(model))")

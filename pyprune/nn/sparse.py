@@ -380,6 +380,16 @@ def densify_slower_(model: nn.Module, faster_at: int) -> Dict[str, str]:
     return {name: str(module.pattern) for name, module in slower.items()}
 
 
+def densify_(model: nn.Module) -> Dict[str, str]:
+    """Turn every SparseLinear of ``model`` back into nn.Linear, in place (the same weights, zeros
+    included), e.g. to prune or fine-tune a loaded sparse checkpoint. Returns {qualified name:
+    pattern} of those layers."""
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, SparseLinear)}
+    for name, module in layers.items():
+        _replace(model, name, module.to_dense())
+    return {name: str(module.pattern) for name, module in layers.items()}
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

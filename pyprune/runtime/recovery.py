@@ -1,10 +1,11 @@
-"""Recovery fine-tuning ("RFT") of a pruned model with LoRA, merged back into dense weights.
+"""Recovery fine-tuning ("RFT") of a pruned model with LoRA, merged back into its weights under their masks.
 
 LLM-Pruner, MoreauPruner and DReSS all recover a pruned model by training low-rank adapters
 (LoRA, through Hugging Face ``peft``) on a little text and merging them into the weights.
 :func:`lora_finetune` does that for any model pyprune produces, structured ones included (each
 layer is wrapped at its own, possibly pruned, size): it wraps the decoder blocks' linear layers
-with LoRA adapters, trains them on next-token loss, merges them with ``merge_and_unload`` and
+with LoRA adapters, trains them on next-token loss, merges them under each layer's mask (zero
+weights stay zero, so an N:M or unstructured prune stays what it is) and
 hands back the same model object with the same module objects and parameter names, so
 :func:`pyprune.save` and plain ``from_pretrained`` treat it as any dense model.
 
@@ -27,8 +28,7 @@ from . import engine
 from .training import train
 from .tokens import check_token_ids
 from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
-from ..nn.sliced import SlicedLinear
-from ..nn.sparse import SparseLinear
+from ..nn.sliced import check_plain_linears
 
 __all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
 
@@ -114,12 +114,7 @@ def _check_model(model: nn.Module) -> None:
     if hasattr(model, "peft_config"):
         raise ValueError("model already holds PEFT adapters (it has a peft_config); merge or unload them first")
     engine.decoder_blocks(model)  # a ValueError naming the supported models otherwise
-    special = [name for name, module in model.named_modules() if isinstance(module, (SparseLinear, SlicedLinear))]
-    if special:
-        raise ValueError(f"model has SparseLinear/SlicedLinear layers ({', '.join(special[:3])}"
-                         f"{', ...' if len(special) > 3 else ''}): peft's LoRA wraps only nn.Linear and its merge "
-                         "writes dense weights; turn them back into nn.Linear first (SparseLinear.to_dense(), "
-                         "pyprune.nn.unslice_)")
+    check_plain_linears(model, "peft's LoRA wraps only nn.Linear")
 
 
 def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
@@ -143,7 +138,10 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     initialisation and the order, and the caller's global RNG state is left as it was. The
     model is in train mode while training.
 
-    Then the adapters are merged (``merge_and_unload``): ``model`` keeps its module objects and
+    Then the adapters are merged, each under its layer's mask: W += (alpha/rank)·BA ⊙ (W != 0) for
+    a layer with zero weights (a pruned one keeps its N:M or unstructured mask exactly; the masked
+    part of the update is dropped), W += (alpha/rank)·BA as peft's ``merge_and_unload`` for a dense
+    one. ``model`` keeps its module objects and
     classes, parameter names, dtype and device; only the targeted layers' weights changed; its
     train/eval mode and ``requires_grad`` flags are restored and no peft attribute remains. If
     training fails (e.g. a non-finite loss) the adapters are dropped unmerged and the model is
@@ -163,7 +161,8 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     model with pyprune SparseLinear/SlicedLinear layers (peft can wrap only nn.Linear).
 
     Returns a report: the settings, ``target_modules`` (the names used), ``lora_layers``,
-    ``trainable_parameters`` (rank · (in + out) per wrapped layer), ``losses`` (every step),
+    ``trainable_parameters`` (rank · (in + out) per wrapped layer), ``masked_layers`` (those with
+    zero weights, merged under their mask), ``losses`` (every step),
     ``first_loss``/``last_loss`` (None when ``steps=0``) and ``time_s``.
     """
     check_settings(steps=steps, rank=rank, alpha=alpha, lr=lr, batch_size=batch_size, seed=seed,
@@ -177,6 +176,7 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
         "seed": seed, "nsamples": int(tokens.shape[0]), "seqlen": int(tokens.shape[1]),
         "target_modules": list(names), "lora_layers": len(targets),
         "trainable_parameters": sum(rank * (m.in_features + m.out_features) for m in targets.values()),
+        "masked_layers": sum(not bool(m.weight.all()) for m in targets.values()),
     }
     start = time.perf_counter()
     losses = _finetune(model, tokens, targets, steps=steps, rank=rank, alpha=float(alpha), lr=float(lr),
@@ -184,6 +184,23 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     report.update(losses=losses, first_loss=losses[0] if losses else None,
                   last_loss=losses[-1] if losses else None, time_s=round(time.perf_counter() - start, 3))
     return report
+
+
+@torch.no_grad()
+def _merge_under_masks(model: nn.Module, masks: Dict[str, Tensor]) -> None:
+    """Merge every LoRA adapter of the wrapped ``model`` into its layer's weight, W += s·BA ⊙ M,
+    where M (``masks``, by qualified name) marks the weight's nonzero entries when it has zeros: a
+    pruned layer keeps its mask (N:M or unstructured) exactly, and a dense layer merges as peft's
+    ``merge_and_unload`` does."""
+    from peft.tuners.lora import LoraLayer
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        weight = module.get_base_layer().weight
+        for adapter in module.active_adapters:
+            delta = module.get_delta_weight(adapter)
+            mask = masks.get(name)
+            weight += (delta if mask is None else delta * mask).to(weight.dtype)
 
 
 def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *, steps: int, rank: int,
@@ -196,6 +213,7 @@ def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *
     config = getattr(model, "config", None)
     config_fields = dict(vars(config)) if config is not None else None  # peft resets pretraining_tp
     device = next(model.parameters()).device
+    masks = {name: linear.weight != 0 for name, linear in targets.items() if not bool(linear.weight.all())}
     lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets))
     merged = False
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -214,7 +232,8 @@ def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *
                 except FloatingPointError as error:
                     raise FloatingPointError(f"{error}; the adapters are dropped and the model is left "
                                              "unchanged") from None
-            wrapped.merge_and_unload()
+            _merge_under_masks(model, masks)
+            wrapped.unload()
             merged = True
         finally:
             if not merged:

@@ -15,11 +15,15 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
+from ..files import atomic_path
+
 __all__ = ["load_report", "rows", "columns", "markdown_table", "plot", "compare"]
 
 
 def load_report(path: str) -> Dict:
-    """A report's JSON; ValueError when it holds no perplexity (``eval``) and no ``tasks``."""
+    """A report's JSON; ValueError when it holds no perplexity (``eval``: a list of entries with
+    ``data`` and ``perplexity``) and no zero-shot results (``tasks``: a dict of results), e.g. a
+    ``robustness`` or ``continual`` report, whose fields have other shapes."""
     with open(path, encoding="utf-8") as handle:
         try:
             report = json.load(handle)
@@ -27,6 +31,12 @@ def load_report(path: str) -> Dict:
             raise ValueError(f"{path} is not JSON ({error})") from None
     if not isinstance(report, dict) or not (report.get("eval") or report.get("tasks")):
         raise ValueError(f"{path} is not a pyprune report with perplexities (eval) or zero-shot results (tasks)")
+    entries, tasks = report.get("eval") or [], report.get("tasks") or {}
+    if not (isinstance(entries, list) and all(isinstance(e, dict) and {"data", "perplexity"} <= set(e)
+                                              for e in entries)
+            and isinstance(tasks, dict) and all(isinstance(t, dict) for t in tasks.values())):
+        raise ValueError(f"{path} is not a prune or eval report: its eval/tasks fields are not perplexity "
+                         "entries and zero-shot results (a robustness or continual report?)")
     return report
 
 
@@ -169,10 +179,8 @@ def plot(table_rows: Sequence[Dict], stem: str, title: str = "") -> List[str]:
     paths = []
     for ext in ("png", "svg"):
         path = f"{stem}.{ext}"
-        tmp = f"{stem}.tmp-{os.getpid()}.{ext}"
-        with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
-            figure.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp, plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
+            figure.savefig(tmp, dpi=110, format=ext, bbox_inches="tight")
         paths.append(path)
     plt.close(figure)
     return paths
@@ -185,9 +193,7 @@ def compare(reports: Sequence[Dict], output_dir: str, name: str = "compare", tit
     os.makedirs(output_dir, exist_ok=True)
     stem = os.path.join(output_dir, name)
     markdown = f"{stem}.md"
-    tmp = f"{markdown}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_path(markdown) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write(markdown_table(table_rows))
-    os.replace(tmp, markdown)
     png, svg = plot(table_rows, stem, title)
     return {"markdown": markdown, "png": png, "svg": svg}

@@ -133,9 +133,15 @@ def test_refuses_a_non_empty_directory(tmp_path):
         pyprune.save(_llama(), None, out)
     assert os.listdir(out) == ["keep.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp dir left behind
-    pyprune.save(_llama(), None, out, overwrite=True)
-    assert "keep.txt" not in os.listdir(out) and "pyprune.json" in os.listdir(out)
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(FileExistsError, match="holds files pyprune did not write"):
+        pyprune.save(_llama(), None, out, overwrite=True)  # overwrite replaces only a directory pyprune saved
+    assert os.listdir(out) == ["keep.txt"]
+    saved = tmp_path / "saved"
+    pyprune.save(_llama(), None, saved)
+    (saved / "keep.txt").write_text("stale")
+    pyprune.save(_llama(), None, saved, overwrite=True)
+    assert "keep.txt" not in os.listdir(saved) and "pyprune.json" in os.listdir(saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "saved"]
 
 
 def test_an_empty_directory_is_filled(tmp_path):
@@ -160,6 +166,7 @@ def test_failure_mid_save_leaves_no_output(tmp_path, monkeypatch, overwrite):
     if overwrite:
         out.mkdir()
         (out / "old.txt").write_text("old")
+        (out / "pyprune.json").write_text("{}")  # a directory pyprune saved: overwrite may replace it
 
     def broken(self, directory, **kwargs):
         (open(os.path.join(directory, "model.safetensors"), "wb")).write(b"half")
@@ -169,7 +176,7 @@ def test_failure_mid_save_leaves_no_output(tmp_path, monkeypatch, overwrite):
     with pytest.raises(OSError, match="disk full"):
         pyprune.save(model, None, out, overwrite=overwrite)
     if overwrite:
-        assert os.listdir(out) == ["old.txt"]  # the old directory is untouched
+        assert sorted(os.listdir(out)) == ["old.txt", "pyprune.json"]  # the old directory is untouched
         assert [p.name for p in tmp_path.iterdir()] == ["out"]
     else:
         assert list(tmp_path.iterdir()) == []
