@@ -83,9 +83,12 @@ class Method(ABC):
         before anything is modified. Changes nothing, on the model or on this object."""
         if not isinstance(pattern, self.patterns):
             allowed = ", ".join(p.__name__ for p in self.patterns)
-from ..nn.sliced import check_plain_linears
-from ..runtime import engine, memory, tokens
-from ..patterns import NM, Pattern, Structured, Unstructured, written_as
+            spelled = " or ".join(written_as(kind, pattern) for kind in self.patterns)
+            imported = ", ".join(p.__name__ for p in self.patterns if p is Structured)
+            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}: write "
+                             f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
+                             + (f" with from pyprune.patterns import {imported}" if imported else ""))
+        check_plain_linears(model, f"method {self.name!r} prunes nn.Linear weights")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
                              "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")
