@@ -75,8 +75,8 @@ class Safe(BlockTraining):
         """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first
         and last loss, ‖x − z‖/‖x‖ at the initial projection and every dual update, how far the
         final mask moved from z₀ (the fraction of z₀'s kept entries pruned at the end), and the SAM
-        ascent's size: ρ/‖w‖ over the block's weights, its per-weight RMS ρ/√n, and the mean
-        ‖x⁽ᵗ⁺¹⁾ − x⁽ᵗ⁾‖ of a step over ρ."""
+        ascent's size: ρ/‖w‖ over the block's weights, its per-weight RMS ρ/√n, and the mean norm
+        of a step's Adam move (before the decoupled penalty) over ρ."""
         linears = ctx.linears()
         importance = None
         if self.weighted_projection:
@@ -104,7 +104,7 @@ class Safe(BlockTraining):
         weights = [linear.weight for linear in linears.values()]
         kept_first = sum(int(keep.sum()) for keep in first_masks.values())
         moved = sum(int((first_masks[w] & (w == 0)).sum()) for w in weights)
-        weight_norm = float(torch.sqrt(sum(w.float().square().sum() for w in weights)))
+        weight_norm = math.sqrt(sum(float(w.detach().float().square().sum()) for w in weights))
         count = sum(w.numel() for w in weights)
         return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
                 "residuals": [round(r, 6) for r in optimizer.residuals],

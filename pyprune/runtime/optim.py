@@ -52,8 +52,8 @@ class SafeOptimizer(torch.optim.Optimizer):
 
     ``residuals`` holds ‖x − z‖ / ‖x‖ over the constrained weights at the initial projection, then
     at each dual update (it shrinks as x reaches the constraint set); ``grad_norms`` the ‖∇f‖ of
-    each step; ``step_norms`` the ‖x⁽ᵗ⁺¹⁾ − x⁽ᵗ⁾‖ of each step over all its parameters (to set
-    against the SAM ascent ‖ε‖ = ρ).
+    each step; ``step_norms`` the norm of each step's Adam move over all its parameters (from x⁽ᵗ⁾,
+    before the decoupled penalty's own step; to set against the SAM ascent ‖ε‖ = ρ).
     """
 
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -157,6 +157,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             closure()
         self.steps_done += 1
+        moved = 0.0
         with torch.no_grad():
             with_grad = {id(p) for p in params}
             for group in self.param_groups:
@@ -171,11 +172,11 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    weight_decay=group["weight_decay"],
                                    lam=self.lam if group["pattern"] is not None and not self.decoupled else 0.0,
                                    step=self.steps_done)
+                moved += sum(float((p.float() - s["anchor"].float()).square().sum()) for p, s in members)
                 if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
                     for p, state in members:
                         gap = reference.admm_gap(state["anchor"], state["v"], state["keep"])
                         p.sub_((group["lr"] * self.lam * gap).to(p.dtype))
-            moved = sum(float((p.float() - s["anchor"].float()).square().sum()) for p, s in zip(params, states))
         self.step_norms.append(math.sqrt(moved))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()
