@@ -359,18 +359,19 @@ def test_safe_checkpoint_resumes_after_the_last_finished_block_and_refuses_other
 @pytest.mark.slow
 def test_safe_plus_reconstructs_smollm2_blocks_better_than_wanda(smollm2_copy):
     """The claim behind Table 1 on the objective SAFE optimises: on the first two blocks of
-    SmolLM2-135M at 2:4 (16 x 256 Emma calibration at 10 epochs: 80 steps, as the default 64 windows
-    at 3 epochs give 96), SAFE⁺ with the CPU defaults otherwise leaves the hidden
-    states of held-out Emma windows closer to the dense model's than Wanda does, after each block;
-    and its ADMM converges there: ‖x − z‖/‖x‖ does not rise from one dual update to the next (by
-    more than 0.002, its noise at the floor of ~0.001) and ends below 0.05."""
+    SmolLM2-135M at 2:4 (16 x 256 calibration windows of Emma's first half at 10 epochs: 80 steps,
+    as the default 64 windows at 3 epochs give 96), SAFE⁺ with the CPU defaults otherwise leaves
+    the hidden states of windows of Emma's second half (disjoint from every calibration window)
+    closer to the dense model's than Wanda does, after each block; and its ADMM converges there:
+    ‖x − z‖/‖x‖ does not rise from one dual update to the next (by more than 0.002, its noise at
+    the floor of ~0.001) and ends below 0.05."""
     from pyprune.inputs import data
 
     dense, tokenizer = smollm2_copy
     del engine.decoder_blocks(dense)[2:]
     dense.config.num_hidden_layers = 2
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=16, seqlen=256, seed=0)
-    held_out = data.calibration_samples(tokenizer, "emma", nsamples=8, seqlen=256, seed=1)
+    calib = data.calibration_samples(tokenizer, "emma:first_half", nsamples=16, seqlen=256, seed=0)
+    held_out = data.calibration_samples(tokenizer, "emma:second_half", nsamples=8, seqlen=256, seed=1)  # disjoint
 
     def errors(model):
         with torch.no_grad():
