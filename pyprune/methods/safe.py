@@ -75,7 +75,7 @@ class Safe(BlockTraining):
         """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first
         and last loss, ‖x − z‖/‖x‖ at the initial projection and every dual update, how far the
         final mask moved from z₀ (the fraction of z₀'s kept entries pruned at the end), and the SAM
-        ascent's size: ρ/‖w‖ over the block's weights, its per-weight RMS ρ/√n, and the mean norm
+        ascent's size: ρ/‖w‖ over the block's final weights, its per-weight RMS ρ/√n, and the mean norm
         of a step's Adam move (before the decoupled penalty) over ρ."""
         linears = ctx.linears()
         importance = None

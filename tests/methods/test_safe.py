@@ -308,8 +308,15 @@ def test_safe_prunes_every_block_exactly_and_reconstructs_better_than_wanda(meth
                 assert ((w != 0).sum(dim=1) == w.shape[1] // 2).all()
             assert w.requires_grad and w.dtype == torch.float32
     assert report["steps_per_block"] == 60 and report["dual_updates_per_block"] == 7  # after steps 8, 16, …, 56
-    for block in report["blocks"]:  # the initial projection, then every dual update
-        assert len(block["residuals"]) == 8 and block["residuals"][-1] < block["residuals"][0]
+    for block, details in zip(engine.decoder_blocks(model), report["blocks"]):
+        residuals = details["residuals"]  # the initial projection, then every dual update
+        assert len(residuals) == 8 and residuals[-1] < residuals[0]
+        weights = [linear.weight.detach() for linear in engine.block_linears(block).values()]
+        norm = float(torch.sqrt(sum(w.square().sum() for w in weights)))
+        assert details["sam_relative"] == pytest.approx(2e-4 / norm, rel=1e-5)  # ‖ε‖ = ρ over the final ‖w‖
+        assert details["sam_per_weight"] == pytest.approx(2e-4 / sum(w.numel() for w in weights) ** 0.5)
+        assert details["step_over_sam"] > 1  # Adam moves far more than the ascent on these weights
+        assert 0 <= details["mask_moved"] < 1
     assert _block_error(model, dense, calib) < _block_error(wanda, dense, calib)
 
 
