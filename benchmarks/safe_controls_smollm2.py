@@ -136,10 +136,11 @@ def markdown(result) -> str:
              f"Training arms: {s['training']}. Protocol cut: {s['protocol_cut']}. "
              f"{env['device']}, {env['cpu_threads']} threads, torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
-             "Perplexity, mean ± std over the calibration seeds run (each seed's value in brackets); block "
-             "diagnostics and flatness are means over blocks and seeds. Flatness: f's relative increase under "
-             "random perturbations of relative norm r on the kept weights, and the top Hessian eigenvalue of f, "
-             f"blocks {', '.join(s['flat_blocks'])} on held-out windows.", "",
+             "Perplexity, mean ± std over the calibration seeds run (each seed's value in the seeds column); block "
+             f"diagnostics are means over blocks and seeds. Flatness, per block ({' / '.join(s['flat_blocks'])}, "
+             "means over seeds) on held-out windows: f = the block's relative reconstruction error at the final "
+             "weights, Δf/f = its relative increase under random perturbations of relative norm r on the kept "
+             "weights (antithetic pairs), and the top eigenvalue of ∇²f on the kept weights.", "",
              "| pattern | arm | perplexity | seeds | mean last training loss (calibration; SAFE: at x before "
              "its final projection) | f (held-out, final weights) | "
              + " | ".join(f"Δf/f at r={r}" for r in RELATIVE_NORMS) + " | top eigenvalue of ∇²f | prune time (s) |",
@@ -153,16 +154,14 @@ def markdown(result) -> str:
         ppl = f"{mean:.3f}" + (f" ± {std:.3f}" if len(rows) > 1 else "")
         seeds = ", ".join(f"{r['seed']}: {r['perplexity']:.3f}" for r in rows)
         loss_last = [r["summary"]["loss_last"] for r in rows if r["summary"]]
-        flat = [block for r in rows for block in r["flatness"].values()]
-
-        def avg(key, fmt):
-            values = [b[key] for b in flat]
-            return format(sum(values) / len(values), fmt) if values else "–"
+        def avg(key, fmt):  # per flatness block (mean over seeds), "first / second / …"
+            per_block = [[r["flatness"][b][key] for r in rows if b in r["flatness"]] for b in s["flat_blocks"]]
+            return " / ".join(format(sum(v) / len(v), fmt) for v in per_block if v) or "–"
 
         lines.append(f"| {pattern} | {arm} | {ppl} | {seeds} | "
-                     + (f"{sum(loss_last) / len(loss_last):.4f}" if loss_last else "–") + f" | {avg('loss', '.4f')} | "
-                     + " | ".join(avg(f"increase_r{r}", ".4f") for r in RELATIVE_NORMS)
-                     + f" | {avg('top_eigenvalue', '.4g')} | {sum(r['time_s'] for r in rows) / len(rows):.0f} |")
+                     + (f"{sum(loss_last) / len(loss_last):.4f}" if loss_last else "–") + f" | {avg('loss', '.2g')} | "
+                     + " | ".join(avg(f"increase_r{r}", ".3f") for r in RELATIVE_NORMS)
+                     + f" | {avg('top_eigenvalue', '.3g')} | {sum(r['time_s'] for r in rows) / len(rows):.0f} |")
     sam = [(pattern, arm, rows) for (pattern, arm), rows in groups.items()
            if rows[0]["summary"].get("sam_relative") is not None]
     if sam:
@@ -190,14 +189,14 @@ def main(argv=None):
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=128)
-    parser.add_argument("--train-options", nargs="*", type=_option, default=[("epochs", 6)],
-                        help="NAME=VALUE options of every training arm alike (default epochs=6: 48 steps per "
+    parser.add_argument("--train-options", nargs="*", type=_option, default=[("epochs", 3)],
+                        help="NAME=VALUE options of every training arm alike (default epochs=3: 24 steps per "
                              "block at 16 windows, batch 2)")
-    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--eval-seqlen", type=int, default=256)
     parser.add_argument("--flat-blocks", nargs="*", type=int, default=[2, 15, 28])
-    parser.add_argument("--flat-pairs", type=int, default=4)
-    parser.add_argument("--flat-iterations", type=int, default=10)
+    parser.add_argument("--flat-pairs", type=int, default=2)
+    parser.add_argument("--flat-iterations", type=int, default=6)
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-controls-smollm2-135m.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -210,6 +209,8 @@ def main(argv=None):
     bos = data.window_bos(tokenizer)
     tokens = data.eval_tokens(tokenizer, REPORT_TEXT, max_tokens=args.eval_tokens)
     flat_windows = data.windows(tokens, args.eval_seqlen)[:4]
+    probe = pyprune.methods.get("masked-recon", **training)
+    steps, batch = probe.schedule(args.nsamples)[0], probe.train_batch
     settings = {
         "calibration": f"{args.nsamples} x {args.seqlen} random windows of {CALIBRATION_TEXT}",
         "evaluation": f"perplexity on the first {args.eval_tokens} tokens of {REPORT_TEXT} in {args.eval_seqlen}-"
@@ -219,8 +220,9 @@ def main(argv=None):
                   "in this file was tuned",
         "training": training,
         "protocol_cut": f"{args.nsamples} x {args.seqlen} calibration windows instead of the table's 64 x 256, "
-                        f"{training.get('epochs', 3)} epochs at batch 2 (the table: 96 steps of 2 x 256 tokens), "
-                        "for the CPU time one shared core allows; identical for every arm",
+                        f"{steps} steps per block of {batch} x {args.seqlen} tokens (the table: 96 steps of 2 x 256), "
+                        f"{args.eval_tokens} evaluation tokens, for the CPU time a core shared by ~10 jobs allows; "
+                        "identical for every arm",
         "flat_blocks": [str(b) for b in args.flat_blocks],
         "flat": {"relative_norms": list(RELATIVE_NORMS), "pairs": args.flat_pairs,
                  "iterations": args.flat_iterations, "windows": f"first 4 evaluation windows"},
