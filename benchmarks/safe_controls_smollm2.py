@@ -159,16 +159,18 @@ def markdown(result) -> str:
             return " / ".join(format(sum(v) / len(v), fmt) for v in per_block if v) or "–"
 
         lines.append(f"| {pattern} | {arm} | {ppl} | {seeds} | "
-                     + (f"{sum(loss_last) / len(loss_last):.4f}" if loss_last else "–") + f" | {avg('loss', '.2g')} | "
+                     + (f"{sum(loss_last) / len(loss_last):.4f}" if loss_last else "–")
+                     + f" | {avg('loss', '.2g')} | "
                      + " | ".join(avg(f"increase_r{r}", ".3f") for r in RELATIVE_NORMS)
                      + f" | {avg('top_eigenvalue', '.3g')} | {sum(r['time_s'] for r in rows) / len(rows):.0f} |")
     sam = [(pattern, arm, rows) for (pattern, arm), rows in groups.items()
            if rows[0]["summary"].get("sam_relative") is not None]
     if sam:
-        lines += ["", "SAFE's ascent and ADMM (means over blocks and seeds): ‖ε‖/‖w‖ = ρ over the norm of a block's "
-                  "7 weights; per-weight ascent = ρ/√n (RMS); Adam step = the mean norm of a step's Adam move (before the "
-                  "decoupled penalty's own step) in units of ρ; mask moved = fraction of z₀'s kept entries pruned at the end; last residual = "
-                  "worst block's ‖x − z‖/‖x‖ at the last dual update.", "",
+        lines += ["", "SAFE's ascent and ADMM (means over blocks and seeds): ‖ε‖/‖w‖ = ρ over the norm of a "
+                  "block's 7 final weights; per-weight ascent = ρ/√n (RMS); Adam step = the mean norm of a step's "
+                  "Adam move (before the decoupled penalty's own step) in units of ρ; mask moved = fraction of z₀'s "
+                  "kept entries pruned at the end; last residual = worst block's ‖x − z‖/‖x‖ at the last dual "
+                  "update.", "",
                   "| pattern | arm | ρ | ‖ε‖/‖w‖ | per-weight ascent | Adam step / ‖ε‖ | mask moved from z₀ | "
                   "worst last residual |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for pattern, arm, rows in sam:

@@ -50,7 +50,8 @@ class BlockTraining(BlockwiseMethod):
                               at_least_one)
     lr: float = option(5e-3, "block training: Adam learning rate, peak of the linear schedule (SAFE paper: 2e-4, "
                        "for LLaMA weights ~8x smaller than SmolLM2's)", positive)
-    warmup_epochs: float = option(1.0, "block training: linear LR warm-up, in epochs (SAFE paper: 2)", nonnegative)
+    warmup_epochs: float = option(1.0, "block training: linear LR warm-up, in epochs (SAFE paper: 2)",
+                                  nonnegative)
     loss: str = option("relative", "block training: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (one meaning in "
                        "every block), 'mse' = the mean squared error (the SAFE paper's literal form)",
                        choices=("relative", "mse"))
