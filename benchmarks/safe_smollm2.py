@@ -1,8 +1,13 @@
 """SAFE / SAFE⁺ against Wanda and SparseGPT on SmolLM2-135M (the paper's Table 1 setting, small).
 
-Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (the embedded corpus ``emma``),
-the same for every method (SAFE's default, 64 x 256); evaluation: perplexity on the first
-``--eval-tokens`` tokens of Pride and Prejudice in ``--seqlen`` windows (held out). Every row prunes
+Calibration: ``--nsamples`` x ``--seqlen`` random windows of the first half of Emma
+(``emma:first_half``), the same for every method (SAFE's default, 64 x 256); evaluation:
+perplexity on the first ``--eval-tokens`` tokens of the second half of Pride and Prejudice
+(``pride_and_prejudice:second_half``) in ``--seqlen`` windows: held out, and never tuned on (the
+SAFE defaults were chosen on the first 4096 tokens of Pride and Prejudice, in its first half;
+safe_sweep_smollm2.py now chooses on Emma's second half). Results files up to this protocol
+reported on Pride and Prejudice's first 8192 tokens, half of them the tuning text; their
+settings say so. Every row prunes
 a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
 others (e.g. the paper's ``epochs=30 train_batch=8 dual_interval=32``). At unstructured patterns
 the SAFE rows run once per ``--scopes`` entry: per-row top-k (Wanda's comparison group) and
@@ -31,6 +36,7 @@ from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("wanda", "sparsegpt", "safe", "safe+")
+CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_half"
 #: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
 RISE_NOISE, CONVERGED = 0.002, 0.05
 
@@ -62,7 +68,8 @@ def markdown(result) -> str:
     s = result["settings"]
     env = result["environment"]
     lines = ["# SAFE / SAFE⁺ on SmolLM2-135M (paper Table 1, small)", "",
-             f"Calibration {s['calibration']}; evaluation {s['evaluation']}; SAFE options "
+             f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "
+             f"{s.get('tuning', 'SAFE defaults chosen on the first 4096 tokens of the evaluation text')}; SAFE options "
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
              f"torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
@@ -100,10 +107,13 @@ def main(argv=None):
     for method in ("safe", "safe+"):
         pyprune.methods.get(method, **safe_options)  # a bad option fails before the model loads
     dense_model, tokenizer = load_model("smollm2-135m")
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
-    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=args.eval_tokens)
-    settings = {"calibration": f"{args.nsamples} x {args.seqlen} tokens of emma (seed {args.seed})",
-                "evaluation": f"first {args.eval_tokens} tokens of pride_and_prejudice, {args.seqlen}-token windows",
+    calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=args.nsamples, seqlen=args.seqlen,
+                                     seed=args.seed)
+    tokens = data.eval_tokens(tokenizer, REPORT_TEXT, max_tokens=args.eval_tokens)
+    settings = {"calibration": f"{args.nsamples} x {args.seqlen} tokens of {CALIBRATION_TEXT} (seed {args.seed})",
+                "evaluation": f"first {args.eval_tokens} tokens of {REPORT_TEXT}, {args.seqlen}-token windows",
+                "tuning": "SAFE defaults chosen by safe_sweep_smollm2.py on the first 4096 tokens of "
+                          "pride_and_prejudice (its first half), not on the evaluation text",
                 "safe_options": safe_options}
     keep = previous_result(args.output, settings)
     rows = keep["rows"] if keep else []

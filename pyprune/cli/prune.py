@@ -25,7 +25,7 @@ def register(sub, method) -> None:
                              "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
     parser.add_argument("--offload", action="store_true",
                         help="keep the weights on disk and prune one decoder block at a time (magnitude, wanda, "
-                             "sparsegpt, safe, safe+): peak memory about one block plus the calibration "
+                             "sparsegpt, safe, safe+, masked-recon): peak memory about one block plus the calibration "
                              "activations; needs --output, evaluates nothing")
     parser.add_argument("--report", help="JSON report path")
     options.add_zero_shot_flags(parser)

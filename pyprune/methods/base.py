@@ -91,7 +91,8 @@ class Method(ABC):
         check_plain_linears(model, f"method {self.name!r} prunes nn.Linear weights")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "
-                             "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+)")
+                             "offload works with block-wise methods (magnitude, wanda, sparsegpt, safe, safe+, "
+                             "masked-recon)")
         prefix = engine.block_prefix(model)
         for index, block in enumerate(engine.decoder_blocks(model)):
             experts = fused_experts(block, where=f"{prefix}.{index}")  # refuses a layout pyprune cannot prune

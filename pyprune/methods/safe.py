@@ -40,51 +40,29 @@ import torch
 from ..runtime import engine
 from .. import ops
 from ..runtime.optim import SafeOptimizer
-from ..patterns import NM, Unstructured
-from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
-from .base import BlockwiseMethod
-from .options import at_least_one, block_checkpoint, nonnegative, option, positive
+from .options import at_least_one, block_checkpoint, nonnegative, option
+from .reconstruction import BlockTraining
 
 
-def _below_one(value):
-    return None if 0 <= value < 1 else "must be in [0, 1)"
-
-
-class Safe(BlockwiseMethod):
+class Safe(BlockTraining):
     """SAFE: the z-step projects by magnitude."""
 
     name = "safe"
-    patterns = (Unstructured, NM)
-    uses_gradients = True
-    default_scope = "row"
-    #: 64 x 256 tokens, 3 passes (96 steps per block at batch 2): 4x the windows of (16, 256) at 10
-    #: passes for about the same steps; held-out block error 0.416 of Wanda's one-shot against 0.455
-    #: (benchmarks/safe_sweep_smollm2.py), the calibration fitted less closely
-    calibration = (64, 256)
     #: SAFE⁺ scores the projection with P = diag(AᵀA)
     weighted_projection = False
 
-    epochs: int = option(3, "SAFE: passes over the calibration samples per block (paper: 30; the default fits the "
-                         "default 64 calibration windows: 96 steps at batch 2)", at_least_one)
-    train_batch: int = option(2, "SAFE: calibration samples per training step (paper: 8)", at_least_one)
-    lr: float = option(5e-3, "SAFE: Adam learning rate, peak of the linear schedule (paper: 2e-4, for LLaMA weights "
-                       "~8x smaller than SmolLM2's)", positive)
-    warmup_epochs: float = option(1.0, "SAFE: linear LR warm-up, in epochs (paper: 2)", nonnegative)
-    rho: float = option(2e-4, "SAFE: SAM radius ρ (paper: 2e-4)", nonnegative)
+    rho: float = option(2e-4, "SAFE: SAM radius ρ, the norm of the ascent over a block's weights (paper: 2e-4)",
+                        nonnegative)
     lam: float = option(100.0, "SAFE: augmented-Lagrangian penalty λ; with penalty 'decoupled' each step closes lr·λ "
                         "of the distance to z − u (paper: 1e-3, inside Adam on the 'mse' loss)", nonnegative)
     penalty: str = option("decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step x -= lr·λ(x − z + u) "
                           "after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before Adam's "
                           "moments (the authors' code)", choices=("decoupled", "adam"))
-    loss: str = option("relative", "SAFE: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (λ means the same in every "
-                       "block), 'mse' = the mean squared error (the paper's literal form)", choices=("relative", "mse"))
     train_norms: bool = option(False, "SAFE: also train the block's other parameters (RMSNorm gains) with the same "
                                "SAM-Adam, unconstrained")
     dual_interval: int = option(8, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one)
-    beta2: float = option(0.95, "SAFE: Adam β₂ (β₁ = 0.9)", _below_one)
     final_projection: str = option("same", "SAFE: metric of the last projection: 'same' as the z-step, or "
                                    "'euclidean' (|x|, Alg. 1 line 15)", choices=("same", "euclidean"))
-    train_seed: int = option(0, "SAFE: seed of the minibatch order")
     checkpoint: Optional[str] = block_checkpoint()
 
     def check_options(self, settings):
@@ -93,14 +71,12 @@ class Safe(BlockwiseMethod):
                              "'decoupled' (each step moves x by that fraction of its distance to z - u); got "
                              f"lr={settings['lr']}, lam={settings['lam']}")
 
-    def working_bytes(self, block):
-        """fp32 master weights, their gradients, Adam's two moments and SAM's perturbation: 20
-        bytes per parameter of the block."""
-        return 20 * sum(p.numel() for p in block.parameters())
-
     def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
         """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first
-        and last loss and ‖x − z‖/‖x‖ at the initial projection and every dual update."""
+        and last loss, ‖x − z‖/‖x‖ at the initial projection and every dual update, how far the
+        final mask moved from z₀ (the fraction of z₀'s kept entries pruned at the end), and the SAM
+        ascent's size: ρ/‖w‖ over the block's final weights, its per-weight RMS ρ/√n, and the mean norm
+        of a step's Adam move (before the decoupled penalty) over ρ."""
         linears = ctx.linears()
         importance = None
         if self.weighted_projection:
@@ -110,51 +86,38 @@ class Safe(BlockwiseMethod):
             importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
         else:
             targets = ctx.forward()
-        frozen = [p for p in ctx.block.parameters() if p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(False)
-        try:
-            with fp32_master_weights(ctx.block):
-                weights = [linear.weight for linear in linears.values()]
-                groups = [{"params": weights}]
-                if self.train_norms:
-                    groups.append({"params": [p for p in frozen if all(p is not w for w in weights)],
-                                   "pattern": None})
-                trained = [p for group in groups for p in group["params"]]
-                for p in trained:
-                    p.requires_grad_(True)
-                optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
-                                          lam=self.lam, dual_interval=self.dual_interval, importance=importance,
-                                          penalty=self.penalty)
-                schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
-                losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
-                                     seed=self.train_seed + ctx.index, scheduler=schedule,
-                                     desc=f"{self.name} block {ctx.index}", progress=progress,
-                                     relative=self.loss == "relative")
-                optimizer.project_(self.final_projection)
-                for p in trained:
-                    p.requires_grad_(False)
-        finally:
-            for p in frozen:
-                p.requires_grad_(True)
-        return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
-                "residuals": [round(r, 6) for r in optimizer.residuals]}
+        first_masks = {}
 
-    def schedule(self, samples: int):
-        """(steps, warm-up steps) per block for ``samples`` calibration samples."""
-        steps_per_epoch = math.ceil(samples / min(self.train_batch, samples))
-        return self.epochs * steps_per_epoch, round(self.warmup_epochs * steps_per_epoch)
+        def build(weights):
+            groups = [{"params": weights}]
+            if self.train_norms:
+                groups.append({"params": [p for p in ctx.block.parameters() if all(p is not w for w in weights)],
+                               "pattern": None})
+            optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
+                                      lam=self.lam, dual_interval=self.dual_interval, importance=importance,
+                                      penalty=self.penalty)
+            first_masks.update(optimizer.masks())  # z₀'s support
+            return optimizer, [p for group in groups for p in group["params"]]
+
+        losses, optimizer = self.train(ctx, targets, build, steps=steps, warmup=warmup, progress=progress,
+                                       finish=lambda optimizer: optimizer.project_(self.final_projection))
+        weights = [linear.weight for linear in linears.values()]
+        kept_first = sum(int(keep.sum()) for keep in first_masks.values())
+        moved = sum(int((first_masks[w] & (w == 0)).sum()) for w in weights)
+        weight_norm = math.sqrt(sum(float(w.detach().float().square().sum()) for w in weights))
+        count = sum(w.numel() for w in weights)
+        return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],
+                "residuals": [round(r, 6) for r in optimizer.residuals],
+                "mask_moved": round(moved / kept_first, 6) if kept_first else 0.0,
+                "sam_relative": self.rho / weight_norm if weight_norm > 0 else 0.0,
+                "sam_per_weight": self.rho / math.sqrt(count),
+                "step_over_sam": (sum(optimizer.step_norms) / len(optimizer.step_norms) / self.rho
+                                  if self.rho > 0 else None)}
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        steps, warmup = self.schedule(calib.shape[0])
-
-        def process(ctx: engine.BlockContext) -> dict:
-            return self.prune_block(ctx, pattern, steps=steps, warmup=warmup, progress=progress)
-
-        diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
-                                           desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
-        return {"scope": getattr(pattern, "scope", None), "steps_per_block": steps,
-                "dual_updates_per_block": steps // self.dual_interval, "blocks": diagnostics}
+        report = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        report["dual_updates_per_block"] = report["steps_per_block"] // self.dual_interval
+        return report
 
 
 class SafePlus(Safe):

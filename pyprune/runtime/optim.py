@@ -52,7 +52,8 @@ class SafeOptimizer(torch.optim.Optimizer):
 
     ``residuals`` holds ‖x − z‖ / ‖x‖ over the constrained weights at the initial projection, then
     at each dual update (it shrinks as x reaches the constraint set); ``grad_norms`` the ‖∇f‖ of
-    each step.
+    each step; ``step_norms`` the norm of each step's Adam move over all its parameters (from x⁽ᵗ⁾,
+    before the decoupled penalty's own step; to set against the SAM ascent ‖ε‖ = ρ).
     """
 
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -87,6 +88,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         self.initialised = False
         self.residuals: List[float] = []
         self.grad_norms: List[float] = []
+        self.step_norms: List[float] = []
 
     def _constrained(self):
         for group in self.param_groups:
@@ -155,6 +157,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             closure()
         self.steps_done += 1
+        moved = 0.0
         with torch.no_grad():
             with_grad = {id(p) for p in params}
             for group in self.param_groups:
@@ -169,10 +172,12 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    weight_decay=group["weight_decay"],
                                    lam=self.lam if group["pattern"] is not None and not self.decoupled else 0.0,
                                    step=self.steps_done)
+                moved += sum(float((p.float() - s["anchor"].float()).square().sum()) for p, s in members)
                 if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
                     for p, state in members:
                         gap = reference.admm_gap(state["anchor"], state["v"], state["keep"])
                         p.sub_((group["lr"] * self.lam * gap).to(p.dtype))
+        self.step_norms.append(math.sqrt(moved))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()
         return loss
@@ -184,7 +189,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         state = super().state_dict()
         state["safe"] = {"state": state.pop("state"), "steps_done": self.steps_done,
                          "initialised": self.initialised, "residuals": list(self.residuals),
-                         "grad_norms": list(self.grad_norms)}
+                         "grad_norms": list(self.grad_norms), "step_norms": list(self.step_norms)}
         state["state"] = {}
         return state
 
@@ -199,6 +204,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                 self.state[p] = {key: value.clone().to(p.device) for key, value in extra["state"][i].items()}
         self.steps_done, self.initialised = extra["steps_done"], extra["initialised"]
         self.residuals, self.grad_norms = list(extra["residuals"]), list(extra["grad_norms"])
+        self.step_norms = list(extra.get("step_norms", []))
 
     @torch.no_grad()
     def masks(self, metric: str = "same") -> Dict[Tensor, Tensor]:
@@ -218,3 +224,33 @@ class SafeOptimizer(torch.optim.Optimizer):
         """Zero every constrained weight outside its projection's support (Algorithm 1, line 15)."""
         for p, keep in self.masks(metric).items():
             p.mul_(keep.to(p.dtype))
+
+
+class MaskedAdam(torch.optim.Adam):
+    """Adam on the kept entries of masked weights only: each step multiplies every masked
+    parameter's gradient by its keep mask (``masks={weight: keep}``, bool of the weight's shape)
+    before Adam's moments, so a pruned entry keeps zero moments and an Adam step of exactly 0 (a
+    weight that is 0 stays exactly 0), and the kept entries train as plain Adam. ``step`` takes the
+    closure :func:`pyprune.runtime.training.train_block` gives (it runs once) and returns its loss."""
+
+    def __init__(self, params: Iterable, masks: Dict[Tensor, Tensor], **adam):
+        super().__init__(params, **adam)
+        known = {id(p) for group in self.param_groups for p in group["params"]}
+        for p, keep in masks.items():
+            if id(p) not in known or keep.shape != p.shape or keep.dtype != torch.bool:
+                raise ValueError("masks must map parameters of this optimiser to bool keep masks of their shape; "
+                                 f"got a mask of shape {tuple(keep.shape)} and dtype {keep.dtype} for a parameter "
+                                 f"of shape {tuple(p.shape)}")
+        self.masks = dict(masks)
+
+    def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("MaskedAdam.step needs a closure that computes the loss and calls backward()")
+        with torch.enable_grad():
+            loss = closure()
+        with torch.no_grad():
+            for p, keep in self.masks.items():
+                if p.grad is not None:
+                    p.grad.mul_(keep)
+        super().step()
+        return loss

@@ -1,0 +1,160 @@
+"""Block-wise reconstruction training, and the control of SAFE that isolates it.
+
+:class:`BlockTraining` is what SAFE and the control share: per decoder block, on its calibration
+inputs X (the outputs of the blocks already pruned), the 7 linear weights train on fp32 masters
+for ``epochs`` passes of minibatches of ``train_batch`` samples on the reconstruction error of the
+dense block's outputs Y (:func:`pyprune.runtime.training.train_block`), with Adam β = (0.9, β₂), a
+linear LR schedule with warm-up and a seeded minibatch order.
+
+:class:`MaskedReconstruction` (``masked-recon``) is SAFE without ADMM and without SAM: each block
+is first pruned one-shot by ``start`` (magnitude: SAFE's z₀; Wanda: SAFE⁺'s z₀; SparseGPT: its
+pruned and OBS-updated block), then only its kept weights train with the same budget, loss and
+schedule (:class:`pyprune.runtime.optim.MaskedAdam`; a pruned weight stays exactly 0 and the mask
+never changes). If SAFE beats it, ADMM + SAM is the cause of SAFE's gain over the one-shot
+methods; if not, plain reconstruction training is.
+"""
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..patterns import NM, Unstructured
+from ..runtime import engine
+from ..runtime.optim import MaskedAdam
+from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
+from .base import REGISTRY, BlockwiseMethod, LayerwiseMaskMethod, apply_mask
+from .options import at_least_one, block_checkpoint, nonnegative, option, positive
+
+
+def _below_one(value):
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+class BlockTraining(BlockwiseMethod):
+    """A method that trains each block's weights on its reconstruction error (SAFE; the control)."""
+
+    patterns = (Unstructured, NM)
+    uses_gradients = True
+    default_scope = "row"
+    #: 64 x 256 tokens, 3 passes (96 steps per block at batch 2): 4x the windows of (16, 256) at 10
+    #: passes for about the same steps; held-out block error 0.416 of Wanda's one-shot against 0.455
+    #: (benchmarks/safe_sweep_smollm2.py), the calibration fitted less closely
+    calibration = (64, 256)
+
+    epochs: int = option(3, "block training: passes over the calibration samples per block (SAFE paper: 30; the "
+                         "default fits the default 64 calibration windows: 96 steps at batch 2)", at_least_one)
+    train_batch: int = option(2, "block training: calibration samples per training step (SAFE paper: 8)",
+                              at_least_one)
+    lr: float = option(5e-3, "block training: Adam learning rate, peak of the linear schedule (SAFE paper: 2e-4, "
+                       "for LLaMA weights ~8x smaller than SmolLM2's)", positive)
+    warmup_epochs: float = option(1.0, "block training: linear LR warm-up, in epochs (SAFE paper: 2)",
+                                  nonnegative)
+    loss: str = option("relative", "block training: block loss f: 'relative' = ‖Y − Ŷ‖² / ‖Y‖² (one meaning in "
+                       "every block), 'mse' = the mean squared error (the SAFE paper's literal form)",
+                       choices=("relative", "mse"))
+    beta2: float = option(0.95, "block training: Adam β₂ (β₁ = 0.9)", _below_one)
+    train_seed: int = option(0, "block training: seed of the minibatch order")
+
+    def working_bytes(self, block):
+        """fp32 master weights, their gradients, Adam's two moments and one more copy (SAM's
+        perturbation, or the masks): 20 bytes per parameter of the block."""
+        return 20 * sum(p.numel() for p in block.parameters())
+
+    def schedule(self, samples: int) -> Tuple[int, int]:
+        """(steps, warm-up steps) per block for ``samples`` calibration samples."""
+        steps_per_epoch = math.ceil(samples / min(self.train_batch, samples))
+        return self.epochs * steps_per_epoch, round(self.warmup_epochs * steps_per_epoch)
+
+    def train(self, ctx: engine.BlockContext, targets: Tensor,
+              build: Callable[[List[nn.Parameter]], Tuple[torch.optim.Optimizer, List[nn.Parameter]]], *,
+              steps: int, warmup: int, progress: bool, finish: Optional[Callable] = None):
+        """Train the block on fp32 masters: ``build(weights)`` gets the linear weights and returns
+        the optimiser and every parameter it trains; the others stay frozen. ``finish(optimizer)``
+        runs on the fp32 masters after the last step. Returns (the loss of every step, the optimiser)."""
+        frozen = [p for p in ctx.block.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            with fp32_master_weights(ctx.block):
+                optimizer, trained = build([linear.weight for linear in ctx.linears().values()])
+                for p in trained:
+                    p.requires_grad_(True)
+                schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
+                losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
+                                     seed=self.train_seed + ctx.index, scheduler=schedule,
+                                     desc=f"{self.name} block {ctx.index}", progress=progress,
+                                     relative=self.loss == "relative")
+                if finish is not None:
+                    finish(optimizer)
+                for p in trained:
+                    p.requires_grad_(False)
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        return losses, optimizer
+
+    @abstractmethod
+    def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
+        """Prune and train one block in place; returns its diagnostics."""
+
+    def _prune(self, model, pattern, calib, *, batch_size, progress):
+        steps, warmup = self.schedule(calib.shape[0])
+
+        def process(ctx: engine.BlockContext) -> dict:
+            return self.prune_block(ctx, pattern, steps=steps, warmup=warmup, progress=progress)
+
+        diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
+                                           desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
+        return {"scope": getattr(pattern, "scope", None), "steps_per_block": steps, "blocks": diagnostics}
+
+
+#: the one-shot methods a control can start from
+STARTS = ("magnitude", "wanda", "sparsegpt")
+
+
+class MaskedReconstruction(BlockTraining):
+    """The control of SAFE: the start method's one-shot block, then its kept weights trained with
+    SAFE's budget, no ADMM, no SAM."""
+
+    name = "masked-recon"
+
+    start: str = option("wanda", "masked-recon: the one-shot method that prunes each block before its kept weights "
+                        "train (wanda: SAFE⁺'s z₀; magnitude: SAFE's z₀; sparsegpt: its OBS-updated block)",
+                        choices=STARTS)
+    checkpoint: Optional[str] = block_checkpoint()
+
+    def resolve(self, pattern):
+        """An unstructured pattern without a scope gets the start method's default scope."""
+        return REGISTRY[self.start]().resolve(pattern)
+
+    def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
+        """The start's one-shot pruning of the block (on its calibration inputs, as the start alone
+        would prune it), then MaskedAdam on its kept weights; the targets are the dense block's
+        outputs. Returns the first and last loss and the fraction of kept entries (the mask)."""
+        linears = ctx.linears()
+        start = REGISTRY[self.start]()
+        if isinstance(start, LayerwiseMaskMethod):
+            stats = {name: start.new_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
+            targets = ctx.capture(lambda name, linear, x, y: start.update(stats[name], x, y))
+            with torch.no_grad():
+                for name, linear in linears.items():
+                    start.prune_layer(linear, stats.pop(name), pattern)
+        else:  # magnitude, which needs no statistics
+            targets = ctx.forward()
+            with torch.no_grad():
+                for linear in linears.values():
+                    apply_mask(linear, pattern.weight_mask(linear.weight))
+        masks = {}
+
+        def build(weights):
+            masks.update({w: w.detach() != 0 for w in weights})
+            optimizer = MaskedAdam(weights, masks, lr=self.lr, betas=(0.9, self.beta2))
+            return optimizer, weights
+
+        losses, _ = self.train(ctx, targets, build, steps=steps, warmup=warmup, progress=progress)
+        kept = sum(int(keep.sum()) for keep in masks.values()) / sum(keep.numel() for keep in masks.values())
+        return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1], "kept": round(kept, 6)}
