@@ -80,19 +80,22 @@ def markdown(result) -> str:
 
 
 def _per_order(result) -> list:
-    """Each order's own A-BWT and mean final perplexity per row (where a row ran more than one order),
-    for paired comparisons between rows."""
-    rows = [row for row in result["rows"] if not row.get("partial") and len(row["matrix"]) > 1]
+    """Each order's own A-BWT and mean final perplexity per row (where a row ran more than one order,
+    or is still partial: the orders it finished), for paired comparisons between rows."""
+    rows = [row for row in result["rows"] if row["matrix"] and (row.get("partial") or len(row["matrix"]) > 1)]
     if not rows:
         return []
-    orders = [tuple(run["order"]) for run in rows[0]["matrix"]]
-    lines = ["", "Per order: A-BWT / mean final perplexity of that order alone.", "",
+    s = result["settings"]
+    orders = continual.orders(s["datasets"], s["permutations"])
+    lines = ["", "Per order: A-BWT / mean final perplexity of that order alone (a row marked partial has "
+             "finished only the orders shown; its run resumes with the same command).", "",
              "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders) + " |",
              "|---|---|---|" + "---:|" * len(orders)]
     for row in rows:
         by_order = {tuple(run["order"]): continual.metrics(list(run["order"]), {tuple(run["order"]): run["steps"]})
                     for run in row["matrix"]}
-        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | " + " | ".join(
+        partial = f" (partial, {len(row['matrix'])} of {len(orders)} orders)" if row.get("partial") else ""
+        lines.append(f"| {row['pattern']} | {row['method']}{partial} | {row['init']} | " + " | ".join(
             f"{_fmt(by_order[o]['a_bwt'], 2)} / {by_order[o]['a_ppl']:.2f}" if o in by_order else "–"
             for o in orders) + " |")
     return lines
