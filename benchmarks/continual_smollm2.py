@@ -9,7 +9,8 @@ calibrates (``--nsamples`` x ``--seqlen`` random windows, the same for every ord
 
 Rows, each ``method[:init][+perturbation][/scope]``: COPAL (continual state; ``+gaussian`` draws
 the perturbations instead of the default proportional ones; ``/row`` selects per output row
-instead of the paper's per matrix), and Wanda / SparseGPT with global initialisation (the paper's
+instead of the paper's per matrix; gaussian rows run once per ``--perturbation-seeds`` x
+``--perturbation-ratios``, labelled with both), and Wanda / SparseGPT with global initialisation (the paper's
 baselines: re-prune the dense model on each dataset), sequential initialisation (prune the pruned
 model: weight stasis) or cumulative initialisation (their own statistics summed over the datasets
 so far, the mask from the dense weights: accumulation without COPAL's sensitivity). Every row
@@ -79,19 +80,22 @@ def markdown(result) -> str:
 
 
 def _per_order(result) -> list:
-    """Each order's own A-BWT and mean final perplexity per row (where a row ran more than one order),
-    for paired comparisons between rows."""
-    rows = [row for row in result["rows"] if not row.get("partial") and len(row["matrix"]) > 1]
+    """Each order's own A-BWT and mean final perplexity per row (where a row ran more than one order,
+    or is still partial: the orders it finished), for paired comparisons between rows."""
+    rows = [row for row in result["rows"] if row["matrix"] and (row.get("partial") or len(row["matrix"]) > 1)]
     if not rows:
         return []
-    orders = [tuple(run["order"]) for run in rows[0]["matrix"]]
-    lines = ["", "Per order: A-BWT / mean final perplexity of that order alone.", "",
+    s = result["settings"]
+    orders = continual.orders(s["datasets"], s["permutations"])
+    lines = ["", "Per order: A-BWT / mean final perplexity of that order alone (a row marked partial has "
+             "finished only the orders shown; its run resumes with the same command).", "",
              "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders) + " |",
              "|---|---|---|" + "---:|" * len(orders)]
     for row in rows:
         by_order = {tuple(run["order"]): continual.metrics(list(run["order"]), {tuple(run["order"]): run["steps"]})
                     for run in row["matrix"]}
-        lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | " + " | ".join(
+        partial = f" (partial, {len(row['matrix'])} of {len(orders)} orders)" if row.get("partial") else ""
+        lines.append(f"| {row['pattern']} | {row['method']}{partial} | {row['init']} | " + " | ".join(
             f"{_fmt(by_order[o]['a_bwt'], 2)} / {by_order[o]['a_ppl']:.2f}" if o in by_order else "–"
             for o in orders) + " |")
     return lines
@@ -113,6 +117,23 @@ def _current(row):
     return row
 
 
+def _runs(args):
+    """(pattern, row name without its perturbation, COPAL options, label of the variant) of every row
+    to run: a gaussian row once per perturbation seed and ratio."""
+    for spec in args.patterns:
+        for row_name in args.rows:
+            scoped = row_name.partition("/")
+            name, _, perturbation = scoped[0].partition("+")
+            name += "".join(scoped[1:])
+            if perturbation != "gaussian":
+                yield spec, name, ({"perturbation": perturbation} if perturbation else {}), perturbation
+                continue
+            for ratio in args.perturbation_ratios:
+                for seed in args.perturbation_seeds:
+                    yield spec, name, {"perturbation": perturbation, "perturbation_ratio": ratio,
+                                       "perturbation_seed": seed}, f"gaussian, ratio {ratio:g}, seed {seed}"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
@@ -124,6 +145,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--eval-seqlen", type=int, default=512)
+    parser.add_argument("--perturbation-seeds", type=int, nargs="+", default=[0],
+                        help="COPAL gaussian rows: one row per perturbation seed")
+    parser.add_argument("--perturbation-ratios", type=float, nargs="+", default=[1.0],
+                        help="COPAL gaussian rows: one row per size ratio of dX to dW")
     parser.add_argument("--output", default=os.path.join(RESULTS, "continual-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
@@ -147,44 +172,41 @@ def main(argv=None):
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
     save()  # kept rows in the current format, before any new one
-    for spec in args.patterns:
-        for row_name in args.rows:
-            row_name, _, scope = row_name.partition("/")
-            row_name, _, perturbation = row_name.partition("+")
-            method, _, init = row_name.partition(":")
-            init = init or "global"
-            options = {"perturbation": perturbation} if perturbation else {}
-            pattern = parse(spec) if ":" in spec else Unstructured(float(spec), scope or None)
-            scope = getattr(methods.get(method).resolve(pattern), "scope", None)
-            label = {"pattern": str(pattern) + (f" per {scope}" if scope else ""),
-                     "method": method + (f" ({perturbation})" if perturbation else ""),
-                     "init": init if method != "copal" else "continual state"}
-            row = next((r for r in rows if all(r[k] == v for k, v in label.items())), None)
-            if row is not None and not row.get("partial"):
-                continue
-            done = {tuple(r["order"]): r["steps"] for r in (row or {}).get("matrix", [])}
-            if row is None:
-                row = dict(label, partial=True, matrix=[])
-                rows.append(row)
+    for spec, row_name, options, variant in _runs(args):
+        row_name, _, scope = row_name.partition("/")
+        method, _, init = row_name.partition(":")
+        init = init or "global"
+        pattern = parse(spec) if ":" in spec else Unstructured(float(spec), scope or None)
+        scope = getattr(methods.get(method).resolve(pattern), "scope", None)
+        label = {"pattern": str(pattern) + (f" per {scope}" if scope else ""),
+                 "method": method + (f" ({variant})" if variant else ""),
+                 "init": init if method != "copal" else "continual state"}
+        row = next((r for r in rows if all(r[k] == v for k, v in label.items())), None)
+        if row is not None and not row.get("partial"):
+            continue
+        done = {tuple(r["order"]): r["steps"] for r in (row or {}).get("matrix", [])}
+        if row is None:
+            row = dict(label, partial=True, matrix=[])
+            rows.append(row)
 
-            def checkpoint(order, steps, row=row):
-                row["matrix"].append({"order": list(order), "steps": steps})
-                save()
-
-            start = time.perf_counter()
-            report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
-                                   eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint,
-                                   method_options=options)
-            report["time_s"] = round(time.perf_counter() - start, 1)
-            row.clear()
-            row.update(label, resumed_orders=len(done), **{k: report[k] for k in (
-                "a_ppl", "a_ppl_std", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "a_bwt_std", "m_bwt",
-                "per_dataset", "matrix", "time_s")})
+        def checkpoint(order, steps, row=row):
+            row["matrix"].append({"order": list(order), "steps": steps})
             save()
-            print(f"{pattern} {method} ({label['init']}): A-BWT {_fmt(report['a_bwt'])} M-BWT "
-                  f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} (over every step "
-                  f"{report['a_ppl_steps']:.3f}) M-PPL {report['m_ppl']:.3f} "
-                  f"({report['time_s']} s)", flush=True)
+
+        start = time.perf_counter()
+        report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
+                               eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint,
+                               method_options=options)
+        report["time_s"] = round(time.perf_counter() - start, 1)
+        row.clear()
+        row.update(label, resumed_orders=len(done), **{k: report[k] for k in (
+            "a_ppl", "a_ppl_std", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "a_bwt_std", "m_bwt",
+            "per_dataset", "matrix", "time_s")})
+        save()
+        print(f"{pattern} {method} ({label['init']}): A-BWT {_fmt(report['a_bwt'])} M-BWT "
+              f"{_fmt(report['m_bwt'])} A-PPL {report['a_ppl']:.3f} (over every step "
+              f"{report['a_ppl_steps']:.3f}) M-PPL {report['m_ppl']:.3f} "
+              f"({report['time_s']} s)", flush=True)
     return 0
 
 

@@ -3,13 +3,19 @@ before and after LoRA recovery, every row slicing the same hidden channels:
 
 * slice only (the paper's "w/o R" ablation, Table 5): no training;
 * DReSS: regularise (λ, ``--steps`` AdamW steps) then slice;
+* DReSS proximal (arm ``prox``, not in the paper): each AdamW step on the LM loss alone followed by
+  group soft-thresholding of the pruned slices by lr·λ, which empties them exactly;
 * fine-tune with λ = 0 then slice: the same training budget without the penalty;
 * slice then train (the paper's N&P&R control, Table 4): the sliced model trained with the same
   steps, windows, optimiser and seed.
 
-Regularise-then-slice is supported only where it beats both trained controls.
+Regularise-then-slice is supported only where it beats both trained controls. Rows that train
+before slicing also report the perplexity just before the cut (what the training gains), beside
+the sliced one (what the cut costs).
 
-Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma, split 3:1 as in the paper:
+Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (``--calib mixed``: a third each
+of Emma, the second half of Pride and Prejudice and the second half of Moby Dick, interleaved;
+results then go to dress-smollm2-135m-mixed.*), split 3:1 as in the paper:
 the first three quarters regularise (one pass at the defaults: steps x train batch = windows),
 the last quarter trains LoRA. Evaluation: the first ``--eval-tokens`` tokens of Pride and
 Prejudice and of Moby Dick (not by Austen). Hidden size 576 -> 432 at ``--ratio 0.25``. Each row:
@@ -18,11 +24,14 @@ training relative to before (Fig. 5's measure), overall, per layer and per kind 
 plotted, dress-smollm2-135m-mass-<channels>.svg), the norm rescale measured against sqrt(d/d'), and the wall
 time of each phase. Results: benchmarks/results/dress-smollm2-135m.{json,md}, rewritten after every
 row (merged with the rows a concurrent run of other ``--channels`` / ``--arms`` wrote meanwhile); a
-rerun skips the rows already there. ``--tasks`` adds zero-shot accuracy after LoRA.
+rerun skips the rows already there. ``--tasks`` adds zero-shot accuracy after LoRA; ``--skip-lora``
+leaves LoRA out of the rows this run adds (their LoRA cells stay empty); ``--train-seed`` replicates
+a row with another minibatch order.
 
     python benchmarks/dress_smollm2.py
     python benchmarks/dress_smollm2.py --channels last --steps 120 --lam 1 --lr 1e-3
     python benchmarks/dress_smollm2.py --channels first --arms slice,dress --tasks austen_continuation,moby_dick_continuation
+    python benchmarks/dress_smollm2.py --channels quiet --arms prox --lam 250 --skip-lora
 """
 import argparse
 import copy
@@ -50,18 +59,24 @@ KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
          "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
 
 
-ARMS = ("slice", "dress", "lam0", "npr")
+ARMS = ("slice", "dress", "prox", "lam0", "npr")
 CHANNELS = ("quiet", "last", "first", "spread")
+CALIBRATION = {"emma": "Emma", "mixed": "mixed (Emma, Pride and Prejudice 2nd half, Moby Dick 2nd half)"}
 
 
 def arms(args, names=ARMS):
     """(label, DReSS options, train the sliced model afterwards) of the rows of one channel choice
     named in ``names``, in :data:`ARMS` order."""
     trained = {k: getattr(args, k) for k in ("lam", "lr", "norm", "train_batch")}
+    if args.train_seed != DEFAULTS["train_seed"]:
+        trained["train_seed"] = args.train_seed
     every = {"slice": ("slice only (w/o R)", {"steps": 0}, False),
              "dress": (f"DReSS-{args.norm}", {"steps": args.steps, **trained}, False),
+             "prox": (f"DReSS-{args.norm} proximal", {"steps": args.steps, **trained, "regulariser": "proximal"},
+                      False),
              "lam0": ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
-             "npr": ("slice, then train (N&P&R)", {"steps": 0}, True)}
+             "npr": ("slice, then train (N&P&R)", {"steps": 0, **({"train_seed": args.train_seed}
+                                                               if "train_seed" in trained else {})}, True)}
     return [every[name] for name in ARMS if name in names]
 
 
@@ -102,6 +117,22 @@ def mass_plot(row) -> str:
                          "decoder layer", "slice mass after / before", log2_x=False, reference_y=1.0)
 
 
+def _ppl(value, digits=2):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def calibration(tokenizer, source, nsamples, seqlen):
+    """``nsamples`` windows of Emma, or (``mixed``) a third each of Emma and the second halves of
+    Pride and Prejudice and Moby Dick (the halves the evaluation's first tokens are not in),
+    interleaved so that the 3:1 split gives each part both corpora' share."""
+    if source == "emma":
+        return data.calibration_samples(tokenizer, "emma", nsamples=nsamples, seqlen=seqlen, seed=0)
+    texts = ("emma", "pride_and_prejudice:second_half", "moby_dick:second_half")
+    parts = [data.calibration_samples(tokenizer, text, nsamples=nsamples // 3 + (i < nsamples % 3), seqlen=seqlen,
+                                      seed=0) for i, text in enumerate(texts)]
+    return torch.stack([part[k] for k in range(parts[0].shape[0]) for part in parts if k < part.shape[0]])
+
+
 def markdown(result) -> str:
     s = result["settings"]
     texts = list(result["dense"])
@@ -111,17 +142,20 @@ def markdown(result) -> str:
              + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". Every row of a channel choice "
              "slices the same channels; 'train steps' are AdamW steps on the same windows, before slicing "
              "(DReSS, λ=0) or after (N&P&R).", "",
-             "| channels | setting | train steps | λ | lr | slice mass after/before | "
-             + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts) + " | train (s) | LoRA (s) |",
-             "|---|---|---:|---:|---:|---:|" + "---:|---:|" * len(texts) + "---:|---:|"]
+             "| channels | setting | train steps | λ | lr | seed | slice mass after/before | "
+             + " | ".join(f"{t} before the cut | {t} sliced | {t} + LoRA" for t in texts) + " | train (s) | LoRA (s) |",
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * len(texts) + "---:|---:|"]
     for r in result["rows"]:
         trained = r["train_steps"] > 0
         lam = f"{r['lam']:g}" if r["steps"] > 0 else "–"
         lr = f"{r['lr']:g}" if trained else "–"
+        before, lora = r.get("ppl_before_slice") or {}, r.get("ppl_lora") or {}
         lines.append(f"| {r['channels']} | {r['label']} | {r['train_steps']} | {lam} | {lr} | "
+                     f"{r.get('train_seed', DEFAULTS['train_seed']) if trained else '–'} | "
                      f"{r['slice_mass_ratio']:.3f} | "
-                     + " | ".join(f"{r['ppl_sliced'][t]:.2f} | {r['ppl_lora'][t]:.2f}" for t in texts)
-                     + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
+                     + " | ".join(f"{_ppl(before.get(t))} | {r['ppl_sliced'][t]:.2f} | {_ppl(lora.get(t))}"
+                                  for t in texts)
+                     + f" | {r['train_s']:.0f} | {_ppl(r.get('lora_s'), 0)} |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:
         dense = result.get("dense_zero_shot", {})
@@ -161,7 +195,7 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=DReSS.calibration[1])
     parser.add_argument("--channels", default=",".join(CHANNELS),
                         help="comma-separated channel choices, each four rows (quiet, last, first, spread)")
-    for name in ("steps", "lam", "lr", "norm", "train_batch", "rescale_norms", "lora_steps", "lora_lr"):
+    for name in ("steps", "lam", "lr", "norm", "train_batch", "rescale_norms", "lora_steps", "lora_lr", "train_seed"):
         kind = type(DEFAULTS[name])
         parser.add_argument(f"--{name.replace('_', '-')}", default=DEFAULTS[name],
                             type=(lambda v: v.lower() in ("1", "true", "yes")) if kind is bool else kind)
@@ -174,19 +208,28 @@ def main(argv=None):
                         help="comma-separated zero-shot tasks (pyprune.evaluation.zeroshot) scored on each row's model "
                              "after LoRA, e.g. austen_continuation,moby_dick_continuation")
     parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
-    parser.add_argument("--output", default=os.path.join(RESULTS, "dress-smollm2-135m.json"))
+    parser.add_argument("--calib", choices=("emma", "mixed"), default="emma",
+                        help="calibration windows: Emma, or a third each of Emma, Pride and Prejudice (second half) "
+                             "and Moby Dick (second half)")
+    parser.add_argument("--skip-lora", action="store_true",
+                        help="no LoRA recovery for the rows this run adds (their LoRA cells stay empty)")
+    parser.add_argument("--output", default=None,
+                        help="results JSON (default dress-smollm2-135m.json, -mixed.json for --calib mixed)")
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = os.path.join(RESULTS, "dress-smollm2-135m" + ("-mixed" if args.calib == "mixed" else "") + ".json")
     tasks = None
     if args.tasks:  # before the model loads: a task whose data cannot be had fails here
         tasks = zeroshot.load_tasks(args.tasks.split(","))
 
     dense_model, tokenizer = load_model("smollm2-135m")
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=0)
+    calib = calibration(tokenizer, args.calib, args.nsamples, args.seqlen)
     split = (3 * args.nsamples) // 4
     regularise, recover = calib[:split], calib[split:]
     tokens = {text: data.eval_tokens(tokenizer, text, max_tokens=args.eval_tokens) for text in EVAL_TEXTS}
     settings = {"hidden": f"576 -> ratio {args.ratio}",
-                "calibration": f"{split} x {args.seqlen} Emma windows train, {args.nsamples - split} train LoRA",
+                "calibration": f"{split} x {args.seqlen} {CALIBRATION[args.calib]} windows train, "
+                               f"{args.nsamples - split} train LoRA",
                 "evaluation": f"first {args.eval_tokens} tokens of {' and '.join(EVAL_TEXTS)}, "
                               f"{args.eval_seqlen}-token windows",
                 "lora": f"{args.lora_steps} steps, rank 32, alpha 10, lr {args.lora_lr:g}, batch {args.train_batch}",
@@ -229,27 +272,32 @@ def main(argv=None):
                 continue
             model = copy.deepcopy(dense_model)
             start = time.perf_counter()
-            report = pyprune.prune(model, "dress", Structured(args.ratio), regularise, progress=True, **options)
+            method = DReSS(**options)
+            if options["steps"] > 0:
+                method.before_slice = evaluate
+            report = pyprune.prune(model, method, Structured(args.ratio), regularise, progress=True)
             log = report["regularisation"]
             if train_after:  # N&P&R: the sliced model, the same steps, windows, optimiser and seed
                 with fp32_master_weights(model), torch.enable_grad():
                     log = train(model, list(model.parameters()), regularise, steps=args.steps, lr=args.lr,
-                                batch_size=args.train_batch, seed=DEFAULTS["train_seed"], desc="train sliced")
+                                batch_size=args.train_batch, seed=args.train_seed, desc="train sliced")
             train_s = time.perf_counter() - start
             ppl_sliced = evaluate(model)
-            start = time.perf_counter()
-            lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, lr=args.lora_lr,
-                          batch_size=args.train_batch, progress=True)
-            lora_s = time.perf_counter() - start
-            ppl_lora = evaluate(model)
-            scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, args.limit)
+            ppl_lora, lora_s, scores = None, None, {}
+            if not args.skip_lora:
+                start = time.perf_counter()
+                lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, lr=args.lora_lr,
+                              batch_size=args.train_batch, progress=True)
+                lora_s = time.perf_counter() - start
+                ppl_lora = evaluate(model)
+                scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, args.limit)
             row = {"label": label, "lam": None, "lr": args.lr, "norm": None, "train_batch": args.train_batch,
                    **options, "train_steps": args.steps if train_after else options["steps"],
                    "slice_mass_ratio": report["slice_mass_ratio"],
                    **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
                       for k in ("tensor", "layer", "kind")},
                    "norm_scale": report["norm_scale"], "width_scale": report["width_scale"],
-                   "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": scores,
+                   "ppl_before_slice": report.get("before_slice"), "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": scores,
                    "train_s": train_s, "lora_s": lora_s,
                    "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                    "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
@@ -257,7 +305,7 @@ def main(argv=None):
             print(f"{channels} {label}: mass {row['slice_mass_ratio']:.3f}, ppl sliced {ppl_sliced}, "
                   f"+ LoRA {ppl_lora}", flush=True)
             rows = save(row, label, options)
-            if options["steps"] > 0 and options["lam"] > 0:
+            if options["steps"] > 0 and options["lam"] > 0 and options.get("regulariser") != "proximal":
                 write_atomic(f"{os.path.splitext(args.output)[0]}-mass-{channels}.svg", mass_plot(row))
     return 0
 

@@ -13,8 +13,12 @@ The mask is always taken from the dense W, so weights pruned on an earlier datas
 
 The paper does not fix the perturbations ΔW, ΔX (spec §3.3). ``perturbation="proportional"``
 (default) takes ΔW = εW, ΔX = εX, so DY = 2ε(Y − b) from the layer outputs the engine hands over
-(no extra GEMM; ε only scales G and does not change any mask). ``"gaussian"`` draws ΔW once per
-layer (the same for every dataset) with std ε·std(W), and ΔX per token with std ε·std(X).
+(no extra GEMM). ``"gaussian"`` draws ΔW once per layer (the same for every dataset) with std
+ε·std(W), and ΔX per token x_t with std ρ·ε·rms(x_t), ρ = ``perturbation_ratio``: each token's
+perturbation is relative to that token alone, so G does not depend on how the calibration
+tokens are batched. In both modes DY, hence G, is linear in ε: ε never changes a mask. What does
+in gaussian mode is ρ, the size of ΔX relative to ΔW (ρ → 0: DY = X·ΔWᵀ, a random projection of
+the inputs; ρ → ∞: DY = ΔX·Wᵀ, blind to the inputs' direction).
 
 The continual state (G and the dense weights of every pruned layer, the steps taken, the
 settings and a fingerprint of the model) lives on the method object between ``prune`` calls,
@@ -66,7 +70,11 @@ class Copal(LayerwiseMaskMethod):
                                   "rewritten after every step", written_directory)
     perturbation: str = option("proportional", "COPAL: perturbation model of dY (paper unspecified): proportional "
                                "(dW=eps*W, dX=eps*X) or gaussian", choices=("proportional", "gaussian"))
-    epsilon: float = option(0.01, "COPAL: perturbation size eps", positive)
+    epsilon: float = option(0.01, "COPAL: perturbation size eps (scales the accumulated sensitivity only: no mask "
+                            "depends on it)", positive)
+    perturbation_ratio: float = option(1.0, "COPAL: gaussian perturbation only: size of dX (relative to each "
+                                       "token's rms) over the size of dW (relative to std(W)); the knob that "
+                                       "changes the masks", positive)
     perturbation_seed: int = option(0, "COPAL: seed of the gaussian perturbations")
     propagate: str = option("pruned", "COPAL: the next block's calibration inputs come from this block "
                             "pruned or dense", choices=("pruned", "dense"))
@@ -83,6 +91,9 @@ class Copal(LayerwiseMaskMethod):
         self._loaded = False
 
     def check_options(self, settings) -> None:
+        if settings["perturbation"] == "proportional" and settings["perturbation_ratio"] != 1.0:
+            raise ValueError("COPAL: perturbation_ratio applies to perturbation 'gaussian' only (with proportional "
+                             f"perturbations every ratio gives the same masks); got {settings['perturbation_ratio']}")
         if settings["checkpoint"] is not None and settings["state"] is not None:
             raise ValueError("COPAL: options checkpoint and state exclude each other (blocks restored from a "
                              "checkpoint come without their accumulators, which the state keeps)")
@@ -97,7 +108,8 @@ class Copal(LayerwiseMaskMethod):
     def _settings_key(self, pattern: Pattern) -> dict:
         """What a saved state must match: the options that change G or the masks, the pattern and
         its selection scope (``str(pattern)`` omits it)."""
-        return {key: self.settings[key] for key in ("perturbation", "epsilon", "perturbation_seed", "propagate")
+        return {key: self.settings[key] for key in ("perturbation", "epsilon", "perturbation_ratio", "perturbation_seed",
+                                                        "propagate")
                 } | {"pattern": str(pattern), "scope": getattr(pattern, "scope", None)}
 
     def check(self, model: nn.Module, pattern: Pattern) -> None:
@@ -205,7 +217,9 @@ class Copal(LayerwiseMaskMethod):
             bias = layer.linear.bias
             return 2 * self.epsilon * (y if bias is None else y - bias)
         x = x.float()
-        delta_x = torch.randn(x.shape, generator=layer.generator, device=x.device) * (self.epsilon * x.std())
+        token_rms = x.square().mean(-1, keepdim=True).sqrt()
+        delta_x = torch.randn(x.shape, generator=layer.generator, device=x.device) * (
+            self.perturbation_ratio * self.epsilon * token_rms)
         return x @ layer.delta_w.T + delta_x @ layer.dense.float().T
 
     @torch.no_grad()

@@ -11,7 +11,12 @@ Table 3); the kept width stays a multiple of the head count (and of ``multiple``
    o/down output rows, embedding (and an untied LM head's) columns, every RMSNorm entry; ‖·‖ is ℓ2
    per channel (DReSS-ℓ2, default) or ℓ1 (DReSS-ℓ1, Eq. 5-7 as its subgradient). The penalty's
    gradient is added to ``.grad`` by :func:`pyprune.ops.channel_penalty_`. The paper leaves the
-   optimiser open: AdamW without weight decay, constant ``lr``; fp32 master weights.
+   optimiser open: AdamW without weight decay, constant ``lr``; fp32 master weights. Inside Adam
+   the penalised weights move ~lr per step whatever λ, and stall at a floor set by lr, not at zero;
+   ``regulariser="proximal"`` (not in the paper) instead takes each AdamW step on the LM loss alone,
+   then applies the penalty's proximal operator to the slices, prox of lr·λ‖·‖ (proximal gradient,
+   step lr): group soft-thresholding (:func:`pyprune.ops.group_soft_threshold`; ℓ1: elementwise
+   :func:`pyprune.ops.soft_threshold`), which sets a slice exactly to zero once its norm is below lr·λ.
 2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically; each norm
    is then scaled by the factor that keeps its output on the calibration data (``rescale_norms``,
    not in the paper; :meth:`DReSS.norm_scales`): sqrt(s·d/d') with s the kept channels' measured
@@ -64,6 +69,10 @@ class DReSS(Method):
     lam: float = option(1.0, "DReSS: penalty weight lambda (paper 1e-3; AdamW normalises the gradient, so "
                         "from ~1 on each penalised weight moves ~lr per step toward 0, while 1e-3 hardly moves them "
                         "in a CPU budget of steps)", nonnegative)
+    regulariser: str = option("penalty", "DReSS: how lambda acts: penalty = lambda*sum of slice norms in the loss, "
+                              "inside AdamW (the paper); proximal = after each AdamW step on the LM loss, the slices "
+                              "shrink by the prox of lr*lambda*norm (group soft-thresholding: exact zeros; not in "
+                              "the paper)", choices=("penalty", "proximal"))
     steps: int = option(150, "DReSS: regularisation steps (0 = slice without regularising)", nonnegative)
     lr: float = option(1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)", positive)
     train_batch: int = option(4, "DReSS: calibration windows per training step", at_least_one)
@@ -84,6 +93,10 @@ class DReSS(Method):
     train_seed: int = option(0, "DReSS: seed of the minibatch order (and of LoRA)")
 
     # -- which channels ------------------------------------------------------------------------
+
+    #: called with the regularised model just before slicing (e.g. a benchmark's pre-slice
+    #: evaluation); what it returns goes into the report as ``before_slice``
+    before_slice = None
 
     def pruned_channels(self, config, ratio: float, energy: Optional[Tensor] = None) -> Tensor:
         """The hidden channels P to remove for ``ratio``: the kept width :func:`kept_count` (d, ratio)
@@ -151,7 +164,7 @@ class DReSS(Method):
         if not self.checkpoint:
             return None
         key = {"settings": {k: self.settings[k] for k in (
-            "norm", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
+            "norm", "regulariser", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
             "model": model_fingerprint(model) if model is not None else None}
         return TrainingCheckpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
@@ -245,6 +258,7 @@ class DReSS(Method):
         mass_start = self.slice_mass(slices, channels)
         log = self._regularise(model, slices, channels, windows, checkpoint, progress) if self.steps > 0 else {}
         mass_end = self.slice_mass(slices, channels)
+        evaluated = {} if self.before_slice is None else {"before_slice": self.before_slice(model)}
         d = model.config.hidden_size
         scales = self.norm_scales(model, keep, calib[:self.energy_windows], batch_size) if self.rescale_norms else {}
         keep_hidden_channels_(model, keep)
@@ -256,13 +270,26 @@ class DReSS(Method):
             "slice_mass_ratio_per_tensor": {k: mass_end[k] / mass_start[k] for k in mass_start if mass_start[k]},
             "slice_mass_ratio_per_layer": self.mass_ratio_by(mass_start, mass_end, _layer_of),
             "slice_mass_ratio_per_kind": self.mass_ratio_by(mass_start, mass_end, lambda n: n.rpartition(".")[2]),
-            "regularisation": log, "cost_before": before, "cost_after": model_cost(model, calib.shape[1])}
+            "regularisation": log, "cost_before": before, "cost_after": model_cost(model, calib.shape[1]),
+            **evaluated}
         if recovery is not None:
             details["lora"] = lora_finetune(model, recovery, steps=self.lora_steps, rank=self.lora_rank,
                                             alpha=self.lora_alpha, lr=self.lora_lr, seed=self.train_seed,
                                             batch_size=min(self.train_batch, recovery.shape[0]),
                                             progress=progress)
         return details
+
+    @staticmethod
+    @torch.no_grad()
+    def proximal_step(slices, channels: Tensor, alpha: float, norm: str = "l2") -> None:
+        """W[slice c] ← prox of α‖·‖ at W[slice c] for every c in ``channels`` of every penalised
+        tensor, in place; the other entries are not touched. ℓ2: group soft-thresholding,
+        W_c·max(0, 1 − α/‖W_c‖₂) (zero once ‖W_c‖₂ ≤ α); ℓ1: sign(w)·max(|w| − α, 0) per entry.
+        An offset norm (Gemma's 1 + w) is shrunk on its effective scale: w ← prox(1 + w) − 1."""
+        for _, p, dim, offset in slices:
+            part = DReSS.effective(p, offset).index_select(dim, channels)
+            shrunk = ops.group_soft_threshold(part, alpha, dim) if norm == "l2" else ops.soft_threshold(part, alpha)
+            p.index_copy_(dim, channels, shrunk - offset if offset else shrunk)
 
     @torch.no_grad()
     def _rescale_norms(self, model, scales: Dict[str, float]) -> None:
@@ -273,13 +300,15 @@ class DReSS(Method):
 
     def _regularise(self, model: nn.Module, slices, channels: Tensor, windows: Tensor,
                     checkpoint: Optional[TrainingCheckpoint], progress: bool) -> Dict:
-        """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights; the penalty's
-        gradient is added by :func:`pyprune.ops.channel_penalty_` after each backward."""
+        """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights: the penalty's
+        gradient added by :func:`pyprune.ops.channel_penalty_` after each backward, or (proximal)
+        :meth:`proximal_step` after each step; the log's ``penalty`` is λ·Σ‖slice‖ before the step."""
         index = channels.to(next(model.parameters()).device)
+        proximal = self.regulariser == "proximal"
 
         def penalty() -> Dict[str, float]:
-            total = sum(float(ops.channel_penalty_(p.grad, self.effective(p, offset), index, dim, self.lam,
-                                                   self.norm).sum())
+            total = sum(float(ops.channel_penalty_(p.grad, self.effective(p, offset), index, dim,
+                                                   0.0 if proximal else self.lam, self.norm).sum())
                         for _, p, dim, offset in slices)
             return {"penalty": round(self.lam * total, 6)}
 
@@ -287,6 +316,8 @@ class DReSS(Method):
         with fp32_master_weights(model), torch.enable_grad():
             log = train(model, list(model.parameters()), windows, steps=self.steps, lr=self.lr,
                         batch_size=self.train_batch, seed=self.train_seed, after_backward=penalty,
+                        after_step=(lambda: self.proximal_step(slices, index, self.lr * self.lam, self.norm))
+                        if proximal else None,
                         checkpoint=checkpoint, desc="dress regularise", progress=progress)
         log["time_s"] = round(time.perf_counter() - start, 1)
         return log

@@ -88,11 +88,12 @@ class TrainingCheckpoint:
 
 def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
           batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
-          checkpoint: Optional[TrainingCheckpoint] = None, desc: str = "train",
+          after_step: Optional[Callable[[], None]] = None, checkpoint: Optional[TrainingCheckpoint] = None, desc: str = "train",
           progress: bool = True) -> Dict[str, list]:
     """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
     loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
-    runs between backward and the step and returns values to log (e.g. a penalty). Returns the log:
+    runs between backward and the step and returns values to log (e.g. a penalty); ``after_step()``
+    runs after each step (e.g. a proximal step on the updated weights). Returns the log:
     ``loss`` per step and each logged value per step. A non-finite loss raises FloatingPointError.
     With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end, and resumed from."""
     device = next(model.parameters()).device
@@ -114,6 +115,8 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
             for key, extra in (after_backward() if after_backward is not None else {}).items():
                 log.setdefault(key, []).append(extra)
             optimizer.step()
+            if after_step is not None:
+                after_step()
             log["loss"].append(value)
             if checkpoint is not None and ((step + 1) % checkpoint.every == 0 or step + 1 == steps):
                 checkpoint.save(model, optimizer, step + 1, log)

@@ -142,6 +142,22 @@ def test_gaussian_perturbation_is_seeded_and_differs_from_proportional():
     assert not same(runs[0], runs[2]) and not same(runs[0], runs[3])
 
 
+def test_gaussian_masks_follow_the_perturbation_ratio_not_epsilon():
+    """DY is linear in ε at a fixed ratio (ε ×4 is exact in floating point), so every mask stays;
+    the ratio of the ΔX and ΔW sizes changes them."""
+    calib = random_tokens((2, 32), seed=1)
+    runs = {}
+    for epsilon, ratio in ((0.01, 1.0), (0.04, 1.0), (0.01, 8.0), (0.04, 8.0)):
+        model = tiny_llama(seed=0)
+        pyprune.prune(model, "copal", 0.5, calib, progress=False, perturbation="gaussian", epsilon=epsilon,
+                      perturbation_ratio=ratio)
+        runs[epsilon, ratio] = {name: w != 0 for name, w in _weights(model).items()}
+    same = lambda a, b: all(torch.equal(a[n], b[n]) for n in a)  # noqa: E731
+    assert same(runs[0.01, 1.0], runs[0.04, 1.0]) and same(runs[0.01, 8.0], runs[0.04, 8.0])
+    changed = sum(int((runs[0.01, 1.0][n] != runs[0.01, 8.0][n]).sum()) for n in runs[0.01, 1.0])
+    assert changed > 0.01 * sum(m.numel() for m in runs[0.01, 1.0].values()), changed
+
+
 def test_state_resumes_exactly_from_the_dense_or_the_pruned_model(tmp_path):
     calib_a, calib_b = random_tokens((4, 32), seed=1), random_tokens((4, 32), seed=2, vocab=40)
     memory_model, method = tiny_llama(seed=0), Copal()
@@ -184,7 +200,8 @@ def test_state_refuses_other_settings_other_models_and_repeated_data(tmp_path):
 
 def test_bad_options_are_rejected():
     for options, message in (({"epsilon": 0}, "epsilon"), ({"perturbation": "uniform"}, "perturbation"),
-                             ({"propagate": "both"}, "propagate")):
+                             ({"propagate": "both"}, "propagate"), ({"perturbation_ratio": 0.0}, "perturbation_ratio"),
+                             ({"perturbation_ratio": 2.0}, "perturbation_ratio applies to perturbation 'gaussian'")):
         with pytest.raises(ValueError, match=message):
             pyprune.methods.get("copal", **options)
 

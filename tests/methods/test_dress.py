@@ -203,6 +203,48 @@ def test_lora_recovery_runs_on_the_held_out_quarter_and_merges():
     assert model.config.hidden_size == 48
 
 
+def test_the_proximal_step_shrinks_exactly_the_selected_slices():
+    """Each selected slice becomes W_c·max(0, 1 − α/‖W_c‖₂) (computed here by hand), zero once its
+    norm is ≤ α; every other entry keeps its bits."""
+    model, channels = tiny_llama(seed=0), torch.tensor([3, 17, 40])
+    method = DReSS()
+    slices = method.penalised_slices(model)
+    before = {name: p.detach().clone() for name, p, _, _ in slices}
+    norms = {name: torch.linalg.vector_norm(before[name].index_select(dim, channels).double(),
+                                            dim=[d for d in range(p.dim()) if d != dim] or None, keepdim=True)
+             if p.dim() > 1 else before[name][channels].double().abs() for name, p, dim, _ in slices}
+    alpha = float(torch.cat([n.flatten() for n in norms.values()]).median())
+    method.proximal_step(slices, channels, alpha)
+    zeroed = 0
+    for name, p, dim, _ in slices:
+        others = [c for c in range(p.shape[dim]) if c not in channels.tolist()]
+        assert torch.equal(p.detach().index_select(dim, torch.tensor(others)),
+                           before[name].index_select(dim, torch.tensor(others))), name
+        expected = before[name].index_select(dim, channels).double() * (1 - alpha / norms[name]).clamp_min(0)
+        got = p.detach().index_select(dim, channels)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-7)
+        emptied = (norms[name] <= alpha).expand_as(got)
+        assert bool((got[emptied] == 0).all()), name
+        zeroed += int((norms[name] <= alpha).sum())
+    assert zeroed > 0
+
+
+def test_the_proximal_regulariser_empties_the_slices_before_slicing():
+    """With lr·λ above every slice norm, the pruned slices are exactly zero before the cut (the
+    penalty inside Adam only shrinks them), the LM loss still trains the rest, and the report
+    carries the pre-slice evaluation."""
+    calib, ratios = _calib(), {}
+    for regulariser in ("penalty", "proximal"):
+        method = DReSS(regulariser=regulariser, steps=3, lam=1000.0, lr=3e-3)
+        method.before_slice = lambda model: model.config.hidden_size
+        model = tiny_llama(seed=0)
+        report = pyprune.prune(model, method, Structured(0.25), calib, progress=False)
+        ratios[regulariser] = report["slice_mass_ratio"]
+        assert report["before_slice"] == 64 and model.config.hidden_size == 48
+        assert len(report["regularisation"]["penalty"]) == 3
+    assert ratios["proximal"] == 0.0 and ratios["penalty"] > 0.1, ratios
+
+
 def test_l1_penalty_also_shrinks():
     model = tiny_llama(seed=0)
     report = pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=30, lam=0.002,
@@ -212,7 +254,8 @@ def test_l1_penalty_also_shrinks():
 
 def test_bad_options():
     for options, message in (({"norm": "l3"}, "norm"), ({"lam": -1.0}, "lam"), ({"steps": -1}, "steps"),
-                             ({"lr": 0.0}, "lr"), ({"channels": "middle"}, "channels")):
+                             ({"lr": 0.0}, "lr"), ({"channels": "middle"}, "channels"),
+                             ({"regulariser": "admm"}, "regulariser")):
         with pytest.raises(ValueError, match=message):
             pyprune.methods.get("dress", **options)
 
