@@ -42,7 +42,7 @@ from .. import ops
 from ..runtime.optim import SafeOptimizer
 from ..patterns import NM, Unstructured
 from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
-from .base import BlockwiseMethod
+from .base import BlockwiseMethod, LayerSparsityMethod
 from .options import at_least_one, block_checkpoint, nonnegative, option, positive
 
 
@@ -50,7 +50,7 @@ def _below_one(value):
     return None if 0 <= value < 1 else "must be in [0, 1)"
 
 
-class Safe(BlockwiseMethod):
+class Safe(LayerSparsityMethod, BlockwiseMethod):
     """SAFE: the z-step projects by magnitude."""
 
     name = "safe"
@@ -148,7 +148,7 @@ class Safe(BlockwiseMethod):
         steps, warmup = self.schedule(calib.shape[0])
 
         def process(ctx: engine.BlockContext) -> dict:
-            return self.prune_block(ctx, pattern, steps=steps, warmup=warmup, progress=progress)
+            return self.prune_block(ctx, self.block_pattern(pattern, ctx.index), steps=steps, warmup=warmup, progress=progress)
 
         diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                                            desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))
