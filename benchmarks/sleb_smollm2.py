@@ -44,7 +44,7 @@ def _score(scores, task):
 
 def markdown(result, dress) -> str:
     s, row = result["settings"], result["row"]
-    tasks = sorted(row["zero_shot"])
+    tasks = sorted(row["zero_shot"])  # none until they are scored
     lines = [f"# SLEB on SmolLM2-135M beside DReSS", "",
              f"Ratio {s['ratio']}: {len(row['removed_blocks'])} of {row['blocks']} blocks removed (in order "
              f"{row['removed_blocks']}); SLEB searched on {s['sleb_windows']} x {s['seqlen']} Emma windows (the "
@@ -52,19 +52,22 @@ def markdown(result, dress) -> str:
              f"of {' and '.join(EVAL_TEXTS)}, {s['eval_seqlen']}-token windows; {s['threads']} thread(s). "
              f"Parameters {row['parameters'][0]:,} -> {row['parameters'][1]:,} "
              f"({1 - row['parameters'][1] / row['parameters'][0]:.1%} removed). Prune time {row['time_s']:.0f} s.", ""]
-    header = "| method | setting | " + " | ".join(f"{t} ppl" for t in EVAL_TEXTS) + " | " + \
-        " | ".join(tasks) + " | parameters removed |"
-    lines += [header, "|---|---|" + "---:|" * (len(EVAL_TEXTS) + len(tasks) + 1)]
-    lines.append("| dense | – | " + " | ".join(f"{result['dense'][t]:.2f}" for t in EVAL_TEXTS) + " | "
-                 + " | ".join(_score(result["dense_zero_shot"], t) for t in tasks) + " | 0 |")
-    lines.append("| SLEB | no recovery | " + " | ".join(f"{row['ppl'][t]:.2f}" for t in EVAL_TEXTS) + " | "
-                 + " | ".join(_score(row["zero_shot"], t) for t in tasks)
-                 + f" | {1 - row['parameters'][1] / row['parameters'][0]:.1%} |")
+    def line(cells):
+        return "| " + " | ".join(cells) + " |"
+
+    def removed(parameters):
+        return f"{1 - parameters[1] / parameters[0]:.1%}"
+
+    lines += [line(["method", "setting", *(f"{t} ppl" for t in EVAL_TEXTS), *tasks, "parameters removed"]),
+              "|---|---|" + "---:|" * (len(EVAL_TEXTS) + len(tasks) + 1)]
+    lines.append(line(["dense", "–", *(f"{result['dense'][t]:.2f}" for t in EVAL_TEXTS),
+                       *(_score(result["dense_zero_shot"], t) for t in tasks), "0"]))
+    lines.append(line(["SLEB", "no recovery", *(f"{row['ppl'][t]:.2f}" for t in EVAL_TEXTS),
+                       *(_score(row["zero_shot"], t) for t in tasks), removed(row["parameters"])]))
     for d in (dress or {}).get("rows", []):
-        lines.append(f"| DReSS ({d['channels']} channels) | {d['label']}, + LoRA | "
-                     + " | ".join(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS) + " | "
-                     + " | ".join(_score(d.get("zero_shot_lora") or {}, t) for t in tasks)
-                     + f" | {1 - d['parameters'][1] / d['parameters'][0]:.1%} |")
+        lines.append(line([f"DReSS ({d['channels']} channels)", f"{d['label']}, + LoRA",
+                           *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
+                           *(_score(d.get("zero_shot_lora") or {}, t) for t in tasks), removed(d["parameters"])]))
     lines += ["", "Calibration perplexity after each removal: "
               + ", ".join(f"block {step['removed']}: {step['perplexity']:.2f}" for step in row["steps"]) + "."]
     return "\n".join(lines) + "\n"
