@@ -26,6 +26,8 @@ TOPICS = {
     "robustness": "MoreauPruner: robustness",
     "moreau": "MoreauPruner: memory",
     "dress": "DReSS",
+    "owl": "OWL: layer-wise sparsity (Wanda, SparseGPT)",
+    "sleb": "SLEB: block removal, beside DReSS",
     "ops": "Op speed",
     "sparse-linear": "Sparse execution: SparseLinear",
     "e2e": "Sparse execution: end to end",

@@ -12,7 +12,8 @@ from ..nn.experts import expert_linears, fused_experts
 from ..nn.sliced import check_plain_linears
 from ..runtime import engine, memory, tokens
 from ..patterns import NM, Pattern, Structured, Unstructured, written_as
-from .options import Option, collect, resolve
+from . import owl
+from .options import Option, collect, nonnegative, option, positive, resolve
 
 #: Every method class by name, filled as its module is imported (:meth:`Method.__init_subclass__`).
 REGISTRY: Dict[str, Type["Method"]] = {}
@@ -147,6 +148,56 @@ class Method(ABC):
         """The method itself, on a checked model, a resolved pattern and checked calibration."""
 
 
+class LayerSparsityMethod(Method):
+    """An unstructured method whose sparsity can vary by decoder block: with the option ``owl``,
+    OWL's allocation (:mod:`pyprune.methods.owl`) from the dense model's outlier ratios on the
+    calibration tokens (calibration then needed by every such method, magnitude included), the
+    target sparsity the blocks' mean. :meth:`block_pattern` gives a block's pattern; the report's
+    ``owl`` records each block's outlier ratio and sparsity."""
+
+    owl: bool = option(False, "OWL: non-uniform sparsity per decoder block from its outlier ratio, averaging "
+                       "to the target (unstructured patterns)")
+    owl_m: float = option(5.0, "OWL: a weight is an outlier when its Wanda score exceeds M x its block's mean "
+                          "(paper: 5)", positive)
+    owl_lambda: float = option(0.08, "OWL: the block sparsities span 2 x lambda around the target (paper: 0.08)",
+                               nonnegative)
+
+    def __init__(self, **values: Any):
+        super().__init__(**values)
+        if self.owl:
+            self.needs_calibration = True  # the outlier ratios come from the calibration activations
+        self._block_sparsities: Optional[list] = None
+
+    def check(self, model: nn.Module, pattern: Pattern) -> None:
+        if self.owl and not isinstance(pattern, Unstructured):
+            raise ValueError(f"option owl of method {self.name!r} allocates unstructured sparsity per block; "
+                             f"pattern {pattern} cannot vary by block (give a sparsity in [0, 1))")
+        super().check(model, pattern)
+
+    def block_pattern(self, pattern: Pattern, index: int) -> Pattern:
+        """Block ``index``'s pattern: OWL's sparsity for it in ``pattern``'s scope, or ``pattern``."""
+        if self._block_sparsities is None:
+            return pattern
+        return Unstructured(self._block_sparsities[index], pattern.scope)
+
+    def prune(self, model: nn.Module, pattern: Pattern, calib: Optional[Tensor] = None, *,
+              batch_size: int = 8, progress: bool = True) -> Dict:
+        """:meth:`Method.prune`; with ``owl``, the block sparsities are allocated first."""
+        if not self.owl:
+            return super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        self.check(model, pattern)
+        self.check_calibration(calib)
+        ratios = owl.block_outlier_ratios(model, calib, self.owl_m, batch_size=batch_size, progress=progress)
+        self._block_sparsities = owl.allocate(ratios, pattern.sparsity, self.owl_lambda)
+        try:
+            details = super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        finally:
+            sparsities, self._block_sparsities = self._block_sparsities, None
+        details["owl"] = {"outlier_ratio": [round(r, 6) for r in ratios],
+                          "block_sparsity": [round(s, 6) for s in sparsities]}
+        return details
+
+
 class BlockwiseMethod(Method):
     """A method that prunes the decoder blocks one at a time (:func:`pyprune.runtime.engine.run_blockwise`):
     it can prune an offloaded model, and resume from its finished blocks (its ``checkpoint`` option,
@@ -178,7 +229,7 @@ class BlockwiseMethod(Method):
                                              dense_propagation=getattr(self, "propagate", None) == "dense")
 
 
-class LayerwiseMaskMethod(BlockwiseMethod):
+class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
     """Unstructured / N:M methods that prune each linear layer of each block from statistics
     of that layer's calibration inputs (the layer-wise engine). An MoE expert matrix sees the tokens
     routed to its expert; one that no calibration token reaches is pruned by magnitude instead, and
@@ -241,6 +292,7 @@ class LayerwiseMaskMethod(BlockwiseMethod):
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         def process(ctx: engine.BlockContext) -> Dict:
             self.prepare_block(ctx)
+            block_pattern = self.block_pattern(pattern, ctx.index)
             linears = ctx.linears()
             stats = {name: self._layer_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
             kept = self._kept_tokens or {}
@@ -254,9 +306,9 @@ class LayerwiseMaskMethod(BlockwiseMethod):
             unreached = [name for name in linears if tokens[name] == 0]
             for name, linear in linears.items():
                 if tokens[name]:
-                    self.prune_layer(linear, stats.pop(name), pattern)
+                    self.prune_layer(linear, stats.pop(name), block_pattern)
                 else:  # an MoE expert no calibration token is routed to: no statistics, so by magnitude
-                    apply_mask(linear, pattern.weight_mask(linear.weight))
+                    apply_mask(linear, block_pattern.weight_mask(linear.weight))
             if self._kept_tokens is not None:
                 self._kept_tokens.update({f"{ctx.name}.{name}": count for name, count in tokens.items()})
             if self.propagate == "dense":

@@ -5,18 +5,19 @@ from __future__ import annotations
 from ..nn.experts import expert_linears
 from ..runtime import engine
 from ..patterns import NM, Unstructured
-from .base import Method, apply_mask
+from .base import LayerSparsityMethod, apply_mask
 
 
-class Magnitude(Method):
+class Magnitude(LayerSparsityMethod):
     name = "magnitude"
     patterns = (Unstructured, NM)
     needs_calibration = False
     offload_refusal = None
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        for _, block in engine.resident_blocks(model, write=True):
+        for index, block in engine.resident_blocks(model, write=True):
+            block_pattern = self.block_pattern(pattern, index)
             with expert_linears(block):
                 for linear in engine.block_linears(block).values():
-                    apply_mask(linear, pattern.weight_mask(linear.weight))
+                    apply_mask(linear, block_pattern.weight_mask(linear.weight))
         return {"scope": getattr(pattern, "scope", None)}

@@ -26,7 +26,7 @@ from ..patterns import NM, Unstructured
 from ..runtime import engine
 from ..runtime.optim import MaskedAdam
 from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
-from .base import REGISTRY, BlockwiseMethod, LayerwiseMaskMethod, apply_mask
+from .base import REGISTRY, BlockwiseMethod, LayerSparsityMethod, LayerwiseMaskMethod, apply_mask
 from .options import at_least_one, block_checkpoint, nonnegative, option, positive
 
 
@@ -34,8 +34,9 @@ def _below_one(value):
     return None if 0 <= value < 1 else "must be in [0, 1)"
 
 
-class BlockTraining(BlockwiseMethod):
-    """A method that trains each block's weights on its reconstruction error (SAFE; the control)."""
+class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
+    """A method that trains each block's weights on its reconstruction error (SAFE; the control);
+    with ``owl``, each block at its own sparsity."""
 
     patterns = (Unstructured, NM)
     uses_gradients = True
@@ -105,7 +106,8 @@ class BlockTraining(BlockwiseMethod):
         steps, warmup = self.schedule(calib.shape[0])
 
         def process(ctx: engine.BlockContext) -> dict:
-            return self.prune_block(ctx, pattern, steps=steps, warmup=warmup, progress=progress)
+            return self.prune_block(ctx, self.block_pattern(pattern, ctx.index), steps=steps, warmup=warmup,
+                                    progress=progress)
 
         diagnostics = engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress,
                                            desc=self.name, checkpoint=self.block_checkpoint(model, pattern, calib))

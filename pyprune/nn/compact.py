@@ -27,6 +27,8 @@ The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kep
 tensor of the residual stream: the token embedding, every RMSNorm, the inputs of the attention and
 MLP input linears, the outputs of their output linears and the input of lm_head. Heads,
 ``head_dim`` and MLP channels stay.
+
+:func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
 """
 from __future__ import annotations
 
@@ -37,13 +39,14 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
+from .anatomy import decoder_blocks
 from .families import Family, channel_rows, head_rows
 from .layout import (Indices, block_layout, check_block, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-           "keep_hidden_channels_"]
+           "keep_hidden_channels_", "keep_blocks_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -276,3 +279,45 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
         model.get_output_embeddings().weight = embed.weight
     for key, value in fields.items():
         setattr(config, key, value)
+
+
+def _kept_block_config(config, keep: list, count: int) -> Dict:
+    """The config fields that change when only blocks ``keep`` (sorted, of ``count``) stay: the
+    block count, every per-block list (``layer_types``, ...: any list of one entry per block whose
+    name names layers), Qwen2's ``max_window_layers`` (the blocks before it use full attention) and
+    Qwen-MoE's dense blocks (``mlp_only_layers``, ``decoder_sparse_step``: made an explicit list)."""
+    fields: Dict = {"num_hidden_layers": len(keep)}
+    for name, value in vars(config).items():
+        if "layer" in name and isinstance(value, (list, tuple)) and len(value) == count and name != "mlp_only_layers":
+            fields[name] = [value[i] for i in keep]
+    if isinstance(getattr(config, "max_window_layers", None), int):
+        fields["max_window_layers"] = sum(1 for i in keep if i < config.max_window_layers)
+    if hasattr(config, "mlp_only_layers"):
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        experts = getattr(config, "num_experts", 0) or 0
+        dense = [i in config.mlp_only_layers or not (experts > 0 and (i + 1) % step == 0) for i in range(count)]
+        fields["mlp_only_layers"] = [new for new, old in enumerate(keep) if dense[old] and experts > 0]
+        if hasattr(config, "decoder_sparse_step"):
+            fields["decoder_sparse_step"] = 1
+    return fields
+
+
+@torch.no_grad()
+def keep_blocks_(model: nn.Module, keep: Indices) -> None:
+    """Keep only decoder blocks ``keep`` (distinct indices, at least one), in their order: the
+    others are deleted, every ``layer_idx`` attribute inside a kept block (attention's KV-cache slot)
+    is renumbered, and the config (its text config) gets the new block count and per-block fields
+    (:func:`_kept_block_config`), so that plain ``from_pretrained`` rebuilds the same model and
+    generation caches one slot per kept block. SLEB's removal step."""
+    blocks = decoder_blocks(model)
+    count = len(blocks)
+    kept = sorted(checked_index(keep, count, "keep_blocks_ keep").tolist())
+    config = model.config.get_text_config()
+    for name, value in _kept_block_config(config, kept, count).items():
+        setattr(config, name, value)
+    for index in sorted(set(range(count)) - set(kept), reverse=True):
+        del blocks[index]
+    for new_index, block in enumerate(blocks):
+        for module in block.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new_index

@@ -1,0 +1,69 @@
+"""OWL (Yin et al., 2024, "Outlier Weighed Layerwise sparsity"): a non-uniform sparsity per
+decoder block around the target, from each block's share of outlier weights.
+
+1. Outlier ratio (§3, "Layerwise Outlier Distribution"): D_l = the share of the Wanda scores
+   |W_ij|·‖X_j‖₂ of all linear layers of block l together that exceed M × their mean. The inputs X
+   are those of the dense model: the blocks run unpruned, one after the other.
+2. Allocation (§4): blocks with more outliers keep more weights. As in the authors' code, the
+   ratios are scaled linearly onto [0, 2λ] and centred, so that the block sparsities span 2λ
+   and average to the target exactly: s_l = S − (2λ·(D_l − min D)/(max D − min D) − mean_l(·)).
+   Equal ratios give the uniform target.
+
+Paper settings (LLaMA, 70% sparsity): M = 5, λ = 0.08. The option ``owl`` of every unstructured
+method (:class:`pyprune.methods.base.LayerSparsityMethod`) applies it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..runtime import engine
+
+
+def outlier_ratio(linears: Dict[str, nn.Linear], sqnorms: Dict[str, Tensor], m: float) -> float:
+    """D: the share of the Wanda scores of all ``linears`` together (``sqnorms``: each layer's
+    input column sums of squares) above ``m`` × their mean."""
+    total, count = 0.0, 0
+    for name, linear in linears.items():
+        total += float(ops.wanda_score(linear.weight.detach(), sqnorms[name]).double().sum())
+        count += linear.weight.numel()
+    threshold = m * total / count
+    above = sum(int((ops.wanda_score(linear.weight.detach(), sqnorms[name]) > threshold).sum())
+                for name, linear in linears.items())
+    return above / count
+
+
+@torch.no_grad()
+def block_outlier_ratios(model: nn.Module, calib: Tensor, m: float, *, batch_size: int,
+                         progress: bool) -> List[float]:
+    """Every decoder block's outlier ratio D (:func:`outlier_ratio`) on the calibration tokens,
+    the blocks run dense in turn (the model is not changed)."""
+
+    def measure(ctx: engine.BlockContext) -> float:
+        linears = ctx.linears()
+        sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
+                   for name, linear in linears.items()}
+        ctx.next_inputs = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
+        return outlier_ratio(linears, sqnorms, m)
+
+    return engine.run_blockwise(model, calib, measure, batch_size=batch_size, progress=progress,
+                                desc="owl outlier ratios")
+
+
+def allocate(ratios: Sequence[float], target: float, lam: float) -> List[float]:
+    """Block sparsities from the outlier ratios: ``target`` minus the ratios scaled onto [0, 2λ]
+    and centred (their mean is ``target`` exactly, the most outlying block the least sparse);
+    ValueError if one falls outside [0, 1)."""
+    ratios = torch.tensor(ratios, dtype=torch.float64)
+    spread = float(ratios.max() - ratios.min())
+    if spread == 0.0:
+        return [float(target)] * len(ratios)
+    shift = 2 * lam * (ratios - ratios.min()) / spread
+    sparsities = (target - (shift - shift.mean())).tolist()
+    if min(sparsities) < 0 or max(sparsities) >= 1:
+        raise ValueError(f"option owl_lambda={lam} spreads sparsity {target} over [{min(sparsities):.4f}, "
+                         f"{max(sparsities):.4f}]; every block needs a sparsity in [0, 1): lower owl_lambda")
+    return sparsities
