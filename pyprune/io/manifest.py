@@ -14,8 +14,8 @@ from . import storage
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
-_FORMAT_VERSION = 2  # 2: sparse_layers
-_READABLE_VERSIONS = (1, 2)
+_FORMAT_VERSION = 3  # 2: sparse_layers; 3: residual_rotations
+_READABLE_VERSIONS = (1, 2, 3)
 
 
 def _json_safe(value):
