@@ -6,7 +6,8 @@ batch); perplexity on the first ``--eval-tokens`` tokens of Pride and Prejudice 
 sliced and after LoRA; zero-shot accuracy after LoRA with ``--tasks``. Prune (PCA + rotation)
 time and parameter counts recorded (SliceGPT's model carries an untied LM head and two k x k
 shortcut matrices per block). The DReSS rows of the table are read from
-benchmarks/results/dress-smollm2-135m.json when its settings match, never re-run here.
+benchmarks/results/dress-smollm2-135m.json when its settings match, never re-run here, and so are
+the dense perplexity and zero-shot scores it measured with them.
 
 Results: benchmarks/results/dress-slicegpt-smollm2-135m.{json,md}, rewritten after every row; a
 rerun skips the rows already there.
@@ -33,13 +34,14 @@ from pyprune.patterns import Structured
 from pyprune.runtime.recovery import lora_finetune
 
 
-def dress_rows(path, settings):
-    """DReSS's rows from its results file, when it was run with these settings (else [])."""
+def dress_result(path, settings):
+    """DReSS's results file, when it was run with these settings (else None): its rows are quoted
+    and its dense scores (the same model, windows and evaluation) reused."""
     if not os.path.exists(path):
-        return []
+        return None
     with open(path, encoding="utf-8") as handle:
         stored = json.load(handle)
-    return stored["rows"] if stored.get("settings") == settings else []
+    return stored if stored.get("settings") == settings else None
 
 
 def markdown(result, dress_result_rows) -> str:
@@ -113,9 +115,10 @@ def main(argv=None):
                 "threads": torch.get_num_threads()}
     keep = previous_result(args.output, settings)
     rows = keep["rows"] if keep else []
-    dense = keep["dense"] if keep else {text: perplexity(dense_model, ids, args.eval_seqlen, progress=False)
-                                        for text, ids in tokens.items()}
-    dense_zero_shot = keep.get("dense_zero_shot", {}) if keep else {}
+    measured = keep or dress_result(args.dress_results, settings)
+    dense = measured["dense"] if measured else {text: perplexity(dense_model, ids, args.eval_seqlen, progress=False)
+                                                for text, ids in tokens.items()}
+    dense_zero_shot = measured.get("dense_zero_shot", {}) if measured else {}
     if tasks is not None and not set(tasks.tasks) <= set(dense_zero_shot):
         dense_zero_shot.update(dress.zero_shot(dense_model, tokenizer, tasks, args.limit))
 
@@ -124,7 +127,7 @@ def main(argv=None):
                   "dense_zero_shot": dense_zero_shot, "rows": rows}
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md",
-                     markdown(result, dress_rows(args.dress_results, settings)))
+                     markdown(result, (dress_result(args.dress_results, settings) or {"rows": []})["rows"]))
 
     label = f"ratio {args.ratio:g}, calibration {split} windows"
     if not any(r["label"] == label for r in rows):
