@@ -1,7 +1,8 @@
 """SliceGPT beside DReSS on SmolLM2-135M, with the calibration and evaluation of
 benchmarks/dress_smollm2.py (its functions and settings reused): ``--nsamples`` x ``--seqlen``
 random Emma windows (seed 0), the first three quarters calibrate (DReSS regularises on them,
-SliceGPT computes its PCAs on them), the last quarter trains LoRA (same steps, rank, alpha, lr,
+SliceGPT computes its PCAs on them, or on the first
+``--pca-windows`` of them), the last quarter trains LoRA (same steps, rank, alpha, lr,
 batch); perplexity on the first ``--eval-tokens`` tokens of Pride and Prejudice and Moby Dick,
 sliced and after LoRA; zero-shot accuracy after LoRA with ``--tasks``. Prune (PCA + rotation)
 time and parameter counts recorded (SliceGPT's model carries an untied LM head and two k x k
@@ -93,6 +94,9 @@ def main(argv=None):
     parser.add_argument("--lora-lr", type=float, default=dress.DEFAULTS["lora_lr"])
     parser.add_argument("--train-batch", type=int, default=dress.DEFAULTS["train_batch"])
     parser.add_argument("--batch-size", type=int, default=8, help="SliceGPT's calibration batch")
+    parser.add_argument("--pca-windows", type=int, default=None,
+                        help="SliceGPT's PCAs on the first N of the calibration windows (default all; DReSS ranks "
+                             "its quiet channels on the first 64)")
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=256)
     parser.add_argument("--tasks", default="", help="comma-separated zero-shot tasks scored after LoRA")
@@ -129,10 +133,11 @@ def main(argv=None):
         write_atomic(os.path.splitext(args.output)[0] + ".md",
                      markdown(result, (dress_result(args.dress_results, settings) or {"rows": []})["rows"]))
 
-    label = f"ratio {args.ratio:g}, calibration {split} windows"
+    windows = calibrate[:args.pca_windows]
+    label = f"ratio {args.ratio:g}, PCA on {windows.shape[0]} of the {split} windows"
     if not any(r["label"] == label for r in rows):
         model = copy.deepcopy(dense_model)
-        report = pyprune.prune(model, "slicegpt", Structured(args.ratio), calibrate, batch_size=args.batch_size,
+        report = pyprune.prune(model, "slicegpt", Structured(args.ratio), windows, batch_size=args.batch_size,
                                progress=True)
         ppl_sliced = {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
         start = time.perf_counter()
