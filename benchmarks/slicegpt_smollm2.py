@@ -56,7 +56,7 @@ def markdown(result, dress_result_rows) -> str:
              "as benchmarks/dress_smollm2.py; its rows are quoted from dress-smollm2-135m.json. "
              "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
              "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
-             + " | " + " | ".join(f"{t} (after LoRA)" for t in tasks) + " | prune (s) | LoRA (s) |",
+             + "".join(f" | {t} (after LoRA)" for t in tasks) + " | prune (s) | LoRA (s) |",
              "|---|---|---:|" + "---:|---:|" * len(texts) + "---:|" * len(tasks) + "---:|---:|"]
 
     def scores(row):
@@ -64,13 +64,16 @@ def markdown(result, dress_result_rows) -> str:
         return [f"{found[t]['acc']:.3f} ± {found[t]['stderr']:.3f}" if t in found else "–" for t in tasks]
 
     for r in result["rows"]:
+        lora = r["ppl_lora"] or {}
         lines.append(f"| SliceGPT | {r['label']} | {r['parameters'][1]:,} | "
-                     + " | ".join(f"{r['ppl_sliced'][t]:.2f} | {r['ppl_lora'][t]:.2f}" for t in texts)
-                     + " | " + " | ".join(scores(r)) + f" | {r['prune_s']:.0f} | {r['lora_s']:.0f} |")
+                     + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
+                                  for t in texts)
+                     + "".join(f" | {v}" for v in scores(r)) + f" | {r['prune_s']:.0f} | "
+                     + (f"{r['lora_s']:.0f} |" if r["lora_s"] is not None else "– |"))
     for r in dress_result_rows:
         lines.append(f"| DReSS ({r['channels']}) | {r['label']} | {r['parameters'][1]:,} | "
                      + " | ".join(f"{r['ppl_sliced'][t]:.2f} | {r['ppl_lora'][t]:.2f}" for t in texts)
-                     + " | " + " | ".join(scores(r)) + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
+                     + "".join(f" | {v}" for v in scores(r)) + f" | {r['train_s']:.0f} | {r['lora_s']:.0f} |")
     dense = result.get("dense_zero_shot", {})
     if dense:
         lines += ["", "Dense zero-shot: " + ", ".join(f"{t} {v['acc']:.3f} ± {v['stderr']:.3f}"
@@ -99,6 +102,8 @@ def main(argv=None):
                              "its quiet channels on the first 64)")
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=256)
+    parser.add_argument("--no-recovery", action="store_true",
+                        help="sliced perplexity only: no LoRA, no zero-shot (the row says so)")
     parser.add_argument("--tasks", default="", help="comma-separated zero-shot tasks scored after LoRA")
     parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
     parser.add_argument("--dress-results", default=os.path.join(dress.RESULTS, "dress-smollm2-135m.json"))
@@ -134,18 +139,21 @@ def main(argv=None):
                      markdown(result, (dress_result(args.dress_results, settings) or {"rows": []})["rows"]))
 
     windows = calibrate[:args.pca_windows]
-    label = f"ratio {args.ratio:g}, PCA on {windows.shape[0]} of the {split} windows"
+    label = f"ratio {args.ratio:g}, PCA on {windows.shape[0]} of the {split} windows" \
+        + (", no LoRA run" if args.no_recovery else "")
     if not any(r["label"] == label for r in rows):
         model = copy.deepcopy(dense_model)
         report = pyprune.prune(model, "slicegpt", Structured(args.ratio), windows, batch_size=args.batch_size,
                                progress=True)
         ppl_sliced = {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
-        start = time.perf_counter()
-        lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, lr=args.lora_lr,
-                      batch_size=args.train_batch, progress=True)
-        lora_s = time.perf_counter() - start
-        ppl_lora = {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
-        scores = {} if tasks is None else dress.zero_shot(model, tokenizer, tasks, args.limit)
+        ppl_lora, scores, lora_s = None, {}, None
+        if not args.no_recovery:
+            start = time.perf_counter()
+            lora_finetune(model, recover, steps=args.lora_steps, rank=32, alpha=10.0, lr=args.lora_lr,
+                          batch_size=args.train_batch, progress=True)
+            lora_s = time.perf_counter() - start
+            ppl_lora = {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
+            scores = {} if tasks is None else dress.zero_shot(model, tokenizer, tasks, args.limit)
         rows.append({"label": label, "ratio": args.ratio, "hidden_size": report["hidden_size"],
                      "parameters": [report["parameters_before"], report["parameters_after"]],
                      "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": scores,
