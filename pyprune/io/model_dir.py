@@ -9,7 +9,10 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
   query heads, key/value heads, head size and MLP channels, whether one config describes them
   all (``config_compatible``), the :class:`~pyprune.nn.SparseLinear` layers with their N:M
   pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``),
-  and the pruning report if given.
+  and the pruning report if given, and
+* for a model whose blocks hold residual rotations (SliceGPT, :mod:`pyprune.nn.rotation`), their
+  size (``residual_rotations``); its ``config.json`` states the dense hidden size, so plain
+  ``from_pretrained`` refuses the checkpoint (the shapes disagree) rather than drop the rotations.
 
 :func:`load` rebuilds the architecture from the config, resizes each block to the recorded
 shapes (:mod:`pyprune.nn.compact`) and loads the weights strictly: the model it returns is the
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 
 from ..files import check_destination
-from ..nn import anatomy, compact, sparse
+from ..nn import anatomy, compact, rotation, sparse
 from . import offload, storage
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
@@ -131,6 +134,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)
+    rotations = rotation.residual_rotations(model)
     tmp = storage.make_temp_dir(directory)
     try:
         if anatomy.block_store(model) is not None:
@@ -144,7 +148,9 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config = json.load(handle)
         if layout["config_fields"]:
             config.update(layout["config_fields"])
-        compatible = layout["config_compatible"] and not sparse_layers
+        if rotations is not None:  # the dense width: from_pretrained's shapes disagree, only load() rebuilds it
+            config["hidden_size"] = rotations["dense_hidden_size"]
+        compatible = layout["config_compatible"] and not sparse_layers and rotations is None
         storage.write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
@@ -152,6 +158,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "config_compatible": compatible,
             "layers": layout["layers"],
             "sparse_layers": sparse_layers,
+            "residual_rotations": rotations,
         }
         storage.write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
         _move_into_place(tmp, directory, overwrite)
@@ -234,6 +241,11 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # weight init (which also ties) was skipped
+    rotations = manifest.get("residual_rotations")
+    if rotations:  # a rotated, sliced model (SliceGPT): its width, then identity rotations the weights replace
+        compact.keep_hidden_channels_(model, torch.arange(rotations["hidden_size"]))
+        identity = [torch.eye(rotations["hidden_size"]) for _ in anatomy.decoder_blocks(model)]
+        rotation.add_residual_rotations_(model, identity, identity, rotations["dense_hidden_size"])
     layers = manifest.get("layers")
     if layers is not None:
         blocks = anatomy.decoder_blocks(model)

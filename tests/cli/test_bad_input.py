@@ -106,7 +106,7 @@ CASES = [
     ("prune-invalid-manifest", ["prune", "--model", "{bad-manifest}", *WANDA, "--calib", "{text.txt}"],
      r"bad-manifest/pyprune.json is not valid JSON", {}),
     ("prune-future-manifest", ["prune", "--model", "{future-version}", *WANDA, "--calib", "{text.txt}"],
-     r"future-version/pyprune.json has version 99; this pyprune reads versions 1, 2", {}),
+     r"future-version/pyprune.json has version 99; this pyprune reads versions 1, 2, 3", {}),
     ("prune-binary-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{binary.txt}"],
      r"binary.txt is not UTF-8 text", {}),
     ("prune-ratio-0", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0", "--calib", "{text.txt}"],
@@ -298,7 +298,7 @@ def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, mo
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2"),
+    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2, 3"),
     ({"format": "other"}, "is not a pyprune manifest"),
 ])
 def test_load_refuses_an_unknown_format_or_version(files, tmp_path, change, message):
