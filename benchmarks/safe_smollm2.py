@@ -1,4 +1,4 @@
-"""SAFE / SAFE⁺ against Wanda and SparseGPT on SmolLM2-135M (the paper's Table 1 setting, small).
+"""SAFE / SAFE⁺ and ALPS against Wanda and SparseGPT on SmolLM2-135M (SAFE's Table 1 setting, small).
 
 Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (the embedded corpus ``emma``),
 the same for every method (SAFE's default, 64 x 256); evaluation: perplexity on the first
@@ -6,14 +6,17 @@ the same for every method (SAFE's default, 64 x 256); evaluation: perplexity on 
 a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
 others (e.g. the paper's ``epochs=30 train_batch=8 dual_interval=32``). At unstructured patterns
 the SAFE rows run once per ``--scopes`` entry: per-row top-k (Wanda's comparison group) and
-per-tensor top-k (the authors' projection); Wanda and SparseGPT keep their own (per row). Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after
-every row; a rerun with the same settings resumes. Each SAFE row also records its convergence
-diagnostics (‖x − z‖/‖x‖ at every dual update, first and last block losses).
+per-tensor top-k (the authors' projection); Wanda (per row), SparseGPT and ALPS (per tensor) keep
+their own. Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after every row;
+a rerun with the same settings resumes. Each SAFE row also records its convergence diagnostics
+(‖x − z‖/‖x‖ at every dual update, first and last block losses), each ALPS row its mean ADMM
+iterations and relative layer errors of the projected ADMM iterate and after the PCG refit.
 
     python benchmarks/safe_smollm2.py                                 # the README table
     python benchmarks/safe_smollm2.py --patterns 0.5 & python benchmarks/safe_smollm2.py --patterns 2:4 4:8
                                                           # two processes: each keeps the other's rows
     python benchmarks/safe_smollm2.py --patterns 2:4 --methods safe+ wanda --safe-options lr=1e-3
+    python benchmarks/safe_smollm2.py --patterns 0.7 0.5 2:4 4:8 --methods alps   # the ALPS rows
 """
 import argparse
 import copy
@@ -30,7 +33,7 @@ from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("wanda", "sparsegpt", "safe", "safe+")
+METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
 #: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
 RISE_NOISE, CONVERGED = 0.002, 0.05
 
@@ -61,7 +64,7 @@ def unconverged(blocks) -> str:
 def markdown(result) -> str:
     s = result["settings"]
     env = result["environment"]
-    lines = ["# SAFE / SAFE⁺ on SmolLM2-135M (paper Table 1, small)", "",
+    lines = ["# SAFE / SAFE⁺ and ALPS on SmolLM2-135M (SAFE's Table 1, small)", "",
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; SAFE options "
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
              f"torch {env['torch']}.", "",
@@ -78,6 +81,13 @@ def markdown(result) -> str:
         when = f" ({row['threads']} threads, load {row['load_avg']:.1f})" if "threads" in row else ""
         lines.append(f"| {row['pattern']} | {method} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
                      f"{row['valid']} | {residual} | {unconverged(row.get('blocks'))} | {row['time_s']:.0f}{when} |")
+    alps = [row for row in result["rows"] if "admm" in row]
+    if alps:
+        lines += ["", "ALPS per linear layer (means over the layers): ADMM iterations, and the relative layer error "
+                  "E(Ŵ)/E(0) = tr((Ŵ−W)H(Ŵ−W)ᵀ)/tr(WHWᵀ) of the projected ADMM iterate and after the PCG refit.", "",
+                  "| pattern | layers | ADMM iterations | error after ADMM | error after PCG |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {row['pattern']} | {row['admm']['layers']} | {row['admm']['iterations_mean']:.1f} | {row['admm']['error_admm_mean']:.5f} | "
+                  f"{row['admm']['error_pcg_mean']:.5f} |" for row in alps]
     return "\n".join(lines) + "\n"
 
 
@@ -136,6 +146,8 @@ def main(argv=None):
                "sparsity": report["sparsity"], "time_s": report["time_s"],
                "threads": torch.get_num_threads(), "load_avg": (load_before + os.getloadavg()[0]) / 2,
                "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
+        if "admm" in report:
+            row["admm"] = report["admm"]
         if "blocks" in report:
             blocks = report["blocks"]
             row["residual_first"] = sum(b["residuals"][0] for b in blocks) / len(blocks)
