@@ -28,6 +28,8 @@ import torch
 
 from _common import environment, merge_rows, previous_result, write_atomic, write_json
 import pyprune
+import pyprune.methods
+import pyprune.patterns
 from pyprune.inputs import data
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
