@@ -81,6 +81,7 @@ def markdown(result) -> str:
                     + (f" (worst {row['residual_last_max']:.4f})" if "residual_last_max" in row else "")
                     if row.get("residual_first") is not None else "–")
         when = f" ({row['threads']} threads, load {row['load_avg']:.1f})" if "threads" in row else ""
+        when += " (resumed: the blocks after the checkpoint only)" if row.get("resumed") else ""
         lines.append(f"| {row['pattern']} | {method} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
                      f"{row['valid']} | {residual} | {unconverged(row.get('blocks'))} | {row['time_s']:.0f}{when} |")
     alps = [row for row in result["rows"] if "admm" in row]
@@ -105,6 +106,9 @@ def main(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--safe-options", nargs="*", type=_option, default=[],
                         help="NAME=VALUE method options for the SAFE rows (e.g. lr=1e-3 epochs=30)")
+    parser.add_argument("--checkpoint-dir", help="save every finished block under DIR/<method>-<pattern>: an "
+                        "interrupted row resumes from its last block (the checkpoint path is not part of a row's "
+                        "identity)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
@@ -134,12 +138,17 @@ def main(argv=None):
         pattern = pyprune.patterns.parse(spec)
         if scope is not None:
             pattern = pyprune.patterns.Unstructured(pattern.sparsity, scope)
-        options = safe_options if method.startswith("safe") else {}
-        resolved = pyprune.methods.get(method, **options).settings
+        options = dict(safe_options) if method.startswith("safe") else {}
+        resolved = _identity(pyprune.methods.get(method, **options).settings)
         key = (str(pattern), method, scope)
-        if any(_row_key(r) == key and r["options"] == resolved for r in rows):
+        if any(_row_key(r) == key and _identity(r["options"]) == resolved for r in rows):
             continue  # done before with the same options (a changed default reruns the row)
         rows[:] = [r for r in rows if _row_key(r) != key]
+        if args.checkpoint_dir:
+            options["checkpoint"] = os.path.join(args.checkpoint_dir, "-".join(
+                part.replace(" ", "").replace(":", "of") for part in (method, str(pattern), scope or "")).strip("-"))
+        resumed = bool(options.get("checkpoint")) and os.path.isdir(options["checkpoint"]) \
+            and bool(os.listdir(options["checkpoint"]))
         model = copy.deepcopy(dense_model)
         load_before = os.getloadavg()[0]
         report = pyprune.prune(model, method, pattern, calib, **options)
@@ -147,7 +156,8 @@ def main(argv=None):
                "perplexity": perplexity(model, tokens, args.seqlen, progress=False),
                "sparsity": report["sparsity"], "time_s": report["time_s"],
                "threads": torch.get_num_threads(), "load_avg": (load_before + os.getloadavg()[0]) / 2,
-               "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
+               "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–",
+               "resumed": resumed}
         if "admm" in report:
             row["admm"] = report["admm"]
         if "blocks" in report:
@@ -161,6 +171,11 @@ def main(argv=None):
         print(f"{pattern} {method} {scope or ''}: perplexity {row['perplexity']:.3f} ({row['time_s']:.0f} s)",
               flush=True)
     return 0
+
+
+def _identity(options):
+    """A row's options without where its blocks were checkpointed."""
+    return {name: value for name, value in options.items() if name != "checkpoint"}
 
 
 def _row_key(row):
