@@ -50,8 +50,9 @@ class Alps(LayerwiseMaskMethod):
 
     def working_bytes(self, block):
         """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
-        largest layer its float64 eigendecomposition and normalised copy, (H + ρI)⁻¹ and six fp32
-        [out, in] matrices (W, WH, the iterate, v, masks and PCG's vectors)."""
+        largest layer the float64 temporaries of its normalisation, its normalised copy, eigenvectors
+        and (H + ρI)⁻¹ (32 bytes per entry of H in all), and six fp32 [out, in] matrices (W, WH, the
+        iterate, v, masks and PCG's vectors)."""
         with expert_linears(block, strict=False):
             linears = list(engine.block_linears(block).values())
         hessians = sum(4 * linear.in_features ** 2 for linear in linears)
