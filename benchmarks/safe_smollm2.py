@@ -1,4 +1,4 @@
-"""SAFE / SAFE⁺ against Wanda and SparseGPT on SmolLM2-135M (the paper's Table 1 setting, small).
+"""SAFE / SAFE⁺ and ALPS against Wanda and SparseGPT on SmolLM2-135M (SAFE's Table 1 setting, small).
 
 Calibration: ``--nsamples`` x ``--seqlen`` random windows of the first half of Emma
 (``emma:first_half``), the same for every method (SAFE's default, 64 x 256); evaluation:
@@ -11,14 +11,17 @@ settings say so. Every row prunes
 a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
 others (e.g. the paper's ``epochs=30 train_batch=8 dual_interval=32``). At unstructured patterns
 the SAFE rows run once per ``--scopes`` entry: per-row top-k (Wanda's comparison group) and
-per-tensor top-k (the authors' projection); Wanda and SparseGPT keep their own (per row). Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after
-every row; a rerun with the same settings resumes. Each SAFE row also records its convergence
-diagnostics (‖x − z‖/‖x‖ at every dual update, first and last block losses).
+per-tensor top-k (the authors' projection); Wanda (per row), SparseGPT and ALPS (per tensor) keep
+their own. Results go to benchmarks/results/safe-smollm2-135m.{json,md}, rewritten after every row;
+a rerun with the same settings resumes. Each SAFE row also records its convergence diagnostics
+(‖x − z‖/‖x‖ at every dual update, first and last block losses), each ALPS row its mean ADMM
+iterations and relative layer errors of the projected ADMM iterate and after the PCG refit.
 
     python benchmarks/safe_smollm2.py                                 # the README table
     python benchmarks/safe_smollm2.py --patterns 0.5 & python benchmarks/safe_smollm2.py --patterns 2:4 4:8
                                                           # two processes: each keeps the other's rows
     python benchmarks/safe_smollm2.py --patterns 2:4 --methods safe+ wanda --safe-options lr=1e-3
+    python benchmarks/safe_smollm2.py --patterns 0.7 0.5 2:4 4:8 --methods alps   # the ALPS rows
 """
 import argparse
 import copy
@@ -30,12 +33,14 @@ import torch
 
 from _common import environment, merge_rows, previous_result, write_atomic, write_json
 import pyprune
+import pyprune.methods
+import pyprune.patterns
 from pyprune.inputs import data
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("wanda", "sparsegpt", "safe", "safe+")
+METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
 CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_half"
 #: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
 RISE_NOISE, CONVERGED = 0.002, 0.05
@@ -67,7 +72,7 @@ def unconverged(blocks) -> str:
 def markdown(result) -> str:
     s = result["settings"]
     env = result["environment"]
-    lines = ["# SAFE / SAFE⁺ on SmolLM2-135M (paper Table 1, small)", "",
+    lines = ["# SAFE / SAFE⁺ and ALPS on SmolLM2-135M (SAFE's Table 1, small)", "",
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "
              f"{s.get('tuning', 'SAFE defaults chosen on the first 4096 tokens of the evaluation text')}; SAFE options "
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
@@ -83,8 +88,16 @@ def markdown(result) -> str:
                     + (f" (worst {row['residual_last_max']:.4f})" if "residual_last_max" in row else "")
                     if row.get("residual_first") is not None else "–")
         when = f" ({row['threads']} threads, load {row['load_avg']:.1f})" if "threads" in row else ""
+        when += " (resumed: the blocks after the checkpoint only)" if row.get("resumed") else ""
         lines.append(f"| {row['pattern']} | {method} | {row['perplexity']:.3f} | {row['sparsity']:.3f} | "
                      f"{row['valid']} | {residual} | {unconverged(row.get('blocks'))} | {row['time_s']:.0f}{when} |")
+    alps = [row for row in result["rows"] if "admm" in row]
+    if alps:
+        lines += ["", "ALPS per linear layer (means over the layers): ADMM iterations, and the relative layer error "
+                  "E(Ŵ)/E(0) = tr((Ŵ−W)H(Ŵ−W)ᵀ)/tr(WHWᵀ) of the projected ADMM iterate and after the PCG refit.", "",
+                  "| pattern | layers | ADMM iterations | error after ADMM | error after PCG |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {row['pattern']} | {row['admm']['layers']} | {row['admm']['iterations_mean']:.1f} | {row['admm']['error_admm_mean']:.5f} | "
+                  f"{row['admm']['error_pcg_mean']:.5f} |" for row in alps]
     return "\n".join(lines) + "\n"
 
 
@@ -100,6 +113,9 @@ def main(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--safe-options", nargs="*", type=_option, default=[],
                         help="NAME=VALUE method options for the SAFE rows (e.g. lr=1e-3 epochs=30)")
+    parser.add_argument("--checkpoint-dir", help="save every finished block under DIR/<method>-<pattern>: an "
+                        "interrupted row resumes from its last block (the checkpoint path is not part of a row's "
+                        "identity)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-smollm2-135m.json"))
     args = parser.parse_args(argv)
 
@@ -132,12 +148,17 @@ def main(argv=None):
         pattern = pyprune.patterns.parse(spec)
         if scope is not None:
             pattern = pyprune.patterns.Unstructured(pattern.sparsity, scope)
-        options = safe_options if method.startswith("safe") else {}
-        resolved = pyprune.methods.get(method, **options).settings
+        options = dict(safe_options) if method.startswith("safe") else {}
+        resolved = _identity(pyprune.methods.get(method, **options).settings)
         key = (str(pattern), method, scope)
-        if any(_row_key(r) == key and r["options"] == resolved for r in rows):
+        if any(_row_key(r) == key and _identity(r["options"]) == resolved for r in rows):
             continue  # done before with the same options (a changed default reruns the row)
         rows[:] = [r for r in rows if _row_key(r) != key]
+        if args.checkpoint_dir:
+            options["checkpoint"] = os.path.join(args.checkpoint_dir, "-".join(
+                part.replace(" ", "").replace(":", "of") for part in (method, str(pattern), scope or "")).strip("-"))
+        resumed = bool(options.get("checkpoint")) and os.path.isdir(options["checkpoint"]) \
+            and bool(os.listdir(options["checkpoint"]))
         model = copy.deepcopy(dense_model)
         load_before = os.getloadavg()[0]
         report = pyprune.prune(model, method, pattern, calib, **options)
@@ -145,7 +166,10 @@ def main(argv=None):
                "perplexity": perplexity(model, tokens, args.seqlen, progress=False),
                "sparsity": report["sparsity"], "time_s": report["time_s"],
                "threads": torch.get_num_threads(), "load_avg": (load_before + os.getloadavg()[0]) / 2,
-               "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–"}
+               "valid": report["nm_valid"].get(str(pattern), "–") if ":" in str(pattern) else "–",
+               "resumed": resumed}
+        if "admm" in report:
+            row["admm"] = report["admm"]
         if "blocks" in report:
             blocks = report["blocks"]
             row["residual_first"] = sum(b["residuals"][0] for b in blocks) / len(blocks)
@@ -157,6 +181,11 @@ def main(argv=None):
         print(f"{pattern} {method} {scope or ''}: perplexity {row['perplexity']:.3f} ({row['time_s']:.0f} s)",
               flush=True)
     return 0
+
+
+def _identity(options):
+    """A row's options without where its blocks were checkpointed."""
+    return {name: value for name, value in options.items() if name != "checkpoint"}
 
 
 def _row_key(row):

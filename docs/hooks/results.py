@@ -22,6 +22,7 @@ TOPICS = {
     "crosscheck": "Cross-check against the authors' code",
     "zeroshot": "Zero-shot accuracy",
     "safe": "SAFE / SAFE⁺",
+    "alps": "ALPS",
     "continual": "COPAL: continual pruning",
     "robustness": "MoreauPruner: robustness",
     "moreau": "MoreauPruner: memory",
