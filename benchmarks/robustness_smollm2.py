@@ -45,7 +45,15 @@ from pyprune.studies import robustness
 from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("taylor", "smoothgrad", "moreau", "moreau-gs")
+#: the table's rows: a name -> (pyprune method, its options)
+VARIANTS = {
+    "taylor": ("taylor", {}),
+    "smoothgrad": ("smoothgrad", {}),  # averages the scores (v2 paper)
+    "smoothgrad-gradients": ("smoothgrad", {"average": "gradients"}),  # averages the gradients (v1 paper)
+    "moreau": ("moreau", {}),
+    "moreau-gs": ("moreau-gs", {}),
+}
+METHODS = tuple(VARIANTS)
 PAPER_LAYERS, PAPER_FIRST, PAPER_END = 32, 4, 30  # LLaMA-7B: layers 4..29 pruned (range(4, 30))
 
 
@@ -201,6 +209,8 @@ def main(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=128)
     parser.add_argument("--smoothgrad-passes", type=int, default=10, help="SmoothGrad's K (paper: 100)")
+    parser.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="prune once more in bf16 with the next noise seed (methods with noise; +50%% time)")
     parser.add_argument("--eta-sweep", nargs="*", type=float, default=None,
                         help="only a MoreauPruner-GS η sweep: these η against η = 0 (bf16, rounding, first seed)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "robustness-smollm2-135m.json"))
@@ -239,12 +249,15 @@ def main(argv=None):
             if any(_run_key(r) == _run_key(run) for r in runs):
                 continue
             first, last, layer_ratio = layer_protocol(args.layers, ratio, n_layers)
-            options = {"first_layer": first, "last_layer": last}
-            if method == "smoothgrad":
+            name, options = VARIANTS[method]
+            options = {**options, "first_layer": first, "last_layer": last}
+            if name == "smoothgrad":
                 options["passes"] = args.smoothgrad_passes
             start = time.perf_counter()
-            report = robustness.study(model, method, layer_ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
-                                      arithmetic=arithmetic, keep_scores=True, progress=False, **options)
+            report = robustness.study(model, name, layer_ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
+                                      arithmetic=arithmetic, keep_scores=True, noise_control=args.noise_floor,
+                                      progress=False, **options)
+            report["method"] = method
             save_scores(_scores_path(scores_dir, run, seed), report)
             del report["scores"], report["groups"]
             run.update(report, wall_s=round(time.perf_counter() - start, 1))
