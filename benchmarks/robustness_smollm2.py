@@ -52,6 +52,9 @@ VARIANTS = {
     "smoothgrad-gradients": ("smoothgrad", {"average": "gradients"}),  # averages the gradients (v1 paper)
     "moreau": ("moreau", {}),
     "moreau-gs": ("moreau-gs", {}),
+    # the authors' released loop (spec Appendix X): no decay, mean δ of the last 5 steps, per-row RMS operator,
+    # every parameter smoothed
+    "moreau-gs-released": ("moreau-gs", {"operator": "released", "decay": False, "average_last": 5, "smooth": "all"}),
 }
 METHODS = tuple(VARIANTS)
 PAPER_LAYERS, PAPER_FIRST, PAPER_END = 32, 4, 30  # LLaMA-7B: layers 4..29 pruned (range(4, 30))
@@ -141,7 +144,9 @@ def markdown(result) -> str:
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
              f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
              "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
-             "calibration floor: bf16 runs of two calibration seeds (mean over pairs).", "",
+             "calibration floor: bf16 runs of two calibration seeds (mean over pairs). Variants: "
+             + "; ".join(f"{name} = {method} {options}" for name, (method, options) in VARIANTS.items()
+                         if name != method) + ".", "",
              "| method | arithmetic | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
              "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
              "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
