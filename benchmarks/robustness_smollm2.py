@@ -28,6 +28,13 @@ resumes; seeds are the outer loop, so every setting gets its first seed before a
     python benchmarks/robustness_smollm2.py --methods moreau-gs smoothgrad --seeds 0 --layers middle \\
         --ratios 0.1 0.2                                                      # the second stage
     python benchmarks/robustness_smollm2.py --eta-sweep 1e-3 1e-2 1e-1      # where -GS starts to act
+    python benchmarks/robustness_smollm2.py --methods smoothgrad-gradients --arithmetic fp32-accumulate \
+        --no-noise-floor                                                      # the attribution control
+    python benchmarks/robustness_smollm2.py --nsamples 2 --eval-tokens 1024 --seeds 0 --no-noise-floor \
+        --output benchmarks/results/robustness-smollm2-135m-cut.json --methods moreau-gs-released moreau-gs taylor \
+        --arithmetic rounding                                                 # the released -GS loop, cut for CPU
+
+Other settings than the table's need their own ``--output`` (a file's rows share its settings).
 """
 import argparse
 import itertools
