@@ -28,6 +28,13 @@ resumes; seeds are the outer loop, so every setting gets its first seed before a
     python benchmarks/robustness_smollm2.py --methods moreau-gs smoothgrad --seeds 0 --layers middle \\
         --ratios 0.1 0.2                                                      # the second stage
     python benchmarks/robustness_smollm2.py --eta-sweep 1e-3 1e-2 1e-1      # where -GS starts to act
+    python benchmarks/robustness_smollm2.py --methods smoothgrad-gradients --arithmetic fp32-accumulate \
+        --no-noise-floor                                                      # the attribution control
+    python benchmarks/robustness_smollm2.py --nsamples 2 --eval-tokens 1024 --seeds 0 --no-noise-floor \
+        --output benchmarks/results/robustness-smollm2-135m-cut.json --methods moreau-gs-released moreau-gs taylor \
+        --arithmetic rounding                                                 # the released -GS loop, cut for CPU
+
+Other settings than the table's need their own ``--output`` (a file's rows share its settings).
 """
 import argparse
 import itertools
@@ -45,7 +52,18 @@ from pyprune.studies import robustness
 from pyprune.inputs.models import load_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("taylor", "smoothgrad", "moreau", "moreau-gs")
+#: the table's rows: a name -> (pyprune method, its options)
+VARIANTS = {
+    "taylor": ("taylor", {}),
+    "smoothgrad": ("smoothgrad", {}),  # averages the scores (v2 paper)
+    "smoothgrad-gradients": ("smoothgrad", {"average": "gradients"}),  # averages the gradients (v1 paper)
+    "moreau": ("moreau", {}),
+    "moreau-gs": ("moreau-gs", {}),
+    # the authors' released loop (spec Appendix X): no decay, mean δ of the last 5 steps, per-row RMS operator,
+    # every parameter smoothed
+    "moreau-gs-released": ("moreau-gs", {"operator": "released", "decay": False, "average_last": 5, "smooth": "all"}),
+}
+METHODS = tuple(VARIANTS)
 PAPER_LAYERS, PAPER_FIRST, PAPER_END = 32, 4, 30  # LLaMA-7B: layers 4..29 pruned (range(4, 30))
 
 
@@ -133,7 +151,9 @@ def markdown(result) -> str:
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
              f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
              "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
-             "calibration floor: bf16 runs of two calibration seeds (mean over pairs).", "",
+             "calibration floor: bf16 runs of two calibration seeds (mean over pairs). Variants: "
+             + "; ".join(f"{name} = {method} {options}" for name, (method, options) in VARIANTS.items()
+                         if name != method) + ".", "",
              "| method | arithmetic | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
              "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
              "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
@@ -201,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=128)
     parser.add_argument("--smoothgrad-passes", type=int, default=10, help="SmoothGrad's K (paper: 100)")
+    parser.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="prune once more in bf16 with the next noise seed (methods with noise; +50%% time)")
     parser.add_argument("--eta-sweep", nargs="*", type=float, default=None,
                         help="only a MoreauPruner-GS η sweep: these η against η = 0 (bf16, rounding, first seed)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "robustness-smollm2-135m.json"))
@@ -239,12 +261,15 @@ def main(argv=None):
             if any(_run_key(r) == _run_key(run) for r in runs):
                 continue
             first, last, layer_ratio = layer_protocol(args.layers, ratio, n_layers)
-            options = {"first_layer": first, "last_layer": last}
-            if method == "smoothgrad":
+            name, options = VARIANTS[method]
+            options = {**options, "first_layer": first, "last_layer": last}
+            if name == "smoothgrad":
                 options["passes"] = args.smoothgrad_passes
             start = time.perf_counter()
-            report = robustness.study(model, method, layer_ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
-                                      arithmetic=arithmetic, keep_scores=True, progress=False, **options)
+            report = robustness.study(model, name, layer_ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
+                                      arithmetic=arithmetic, keep_scores=True, noise_control=args.noise_floor,
+                                      progress=False, **options)
+            report["method"] = method
             save_scores(_scores_path(scores_dir, run, seed), report)
             del report["scores"], report["groups"]
             run.update(report, wall_s=round(time.perf_counter() - start, 1))

@@ -14,6 +14,13 @@ for T steps (the printed loop "for t = 0..T" is read as T updates), then the sco
 |δ_T ⊙ w| / ρ (Eq. 9 / 11; MG = δ/ρ up to a sign that |·| removes). GST is the proximal operator
 of η‖·‖₂,₁ (Eq. 8), one group per output channel (row) by default.
 
+The authors' released code (``moreauprune.py``; spec Appendix X) runs another loop; each of its
+differences is an option, the paper's reading the default: ``decay=False`` (its proximal term
+carries no gradient, so δ ← δ − γ·g), ``average_last=5`` (it scores the mean δ of the last 5 of
+10 steps), ``operator="released"`` (-GS: :func:`released_shrink_`, per-row RMS and 1 − η/RMS in
+place of GST_γη) and ``smooth="all"`` (noise and δ on every parameter, norms and embeddings too;
+only the pruned layers' δ is scored).
+
 δ is fp32 whatever the model's dtype and never goes through ``.grad``. Each step is one fused op
 (:func:`pyprune.ops.moreau_step_`): the update, the group norms and soft-threshold, and the next
 noisy weights (counter-based Philox noise, never stored) written into the parameter. Memory per
@@ -37,6 +44,8 @@ from .structured import StructuredMethod, gradients_for
 
 _GROUPS = {"rows": 0, "columns": 1}
 _AVERAGES = ("gradients", "scores")
+_OPERATORS = ("gst", "released")
+_SMOOTHED = ("pruned", "all")
 _SEED_STRIDE = 1_000_003  # distinct Philox keys per (seed, step, draw, tensor)
 
 
@@ -51,19 +60,41 @@ def _noise_seed(seed: int, draw: int, index: int, count: int) -> int:
     return (seed * _SEED_STRIDE + draw) * count + index
 
 
+def released_shrink_(delta: Tensor, *, eta: float, threshold: float, group_dim: int = 0) -> Tensor:
+    """The released code's "group soft-threshold", in place on a 2-D ``delta`` (groups along
+    ``group_dim``, as :func:`pyprune.ops.group_soft_threshold`): with r_g = RMS(δ_g) = ‖δ_g‖₂/√n,
+    a group with r_g ≤ ``threshold`` (there γη) is zeroed and the others are scaled by 1 − η/r_g.
+    Unlike GST_γη (Eq. 8, scale 1 − γη/‖δ_g‖₂) the factor uses η and the RMS, so it is negative for
+    threshold < r_g < η: such a group flips sign and leaves with RMS |r_g − η|. Returns ``delta``."""
+    rms = delta.square().mean(dim=1 - group_dim, keepdim=True).sqrt_()
+    kept = rms > threshold
+    scale = torch.where(kept, 1.0 - eta / torch.where(kept, rms, torch.ones_like(rms)), torch.zeros_like(rms))
+    return delta.mul_(scale)
+
+
 def moreau_displacements(params: Sequence[nn.Parameter], gradient: Callable[[], None], *, rho: float,
                          gamma: float, steps: int, eta: float = 0.0, group_dim: int = 0,
-                         noise_std: float = 0.05, draws: int = 1, seed: int = 0,
+                         noise_std: float = 0.05, draws: int = 1, seed: int = 0, decay: bool = True,
+                         operator: str = "gst", average_last: int = 1,
                          progress: bool = False, desc: str = "moreau") -> List[Tensor]:
-    """δ_T of Algorithm 1 for each of ``params`` (fp32, the parameter's shape).
+    """δ_T of Algorithm 1 for each of ``params`` (fp32, the parameter's shape); with
+    ``average_last`` N > 1 the mean of δ over the last N steps instead.
 
     ``gradient()`` must return ∇L at the parameters' current values, one tensor per parameter (it
     is called ``steps·draws`` times, with the noisy weights in place; the tensors it returns are
-    summed over the draws in place). The parameters hold their original values again on return,
-    with ``.grad`` cleared, also after an error.
+    summed over the draws in place). ``decay=False`` drops the factor 1 − γ/ρ; ``operator``
+    "released" applies :func:`released_shrink_` (threshold γη) after each step in place of GST_γη.
+    The parameters hold their original values again on return, with ``.grad`` cleared, also after
+    an error.
     """
+    if operator not in _OPERATORS:
+        raise ValueError(f"operator must be one of {', '.join(_OPERATORS)}; got {operator!r}")
+    if not 1 <= average_last <= steps:
+        raise ValueError(f"average_last must be in 1..steps ({steps}); got {average_last}")
     originals = [_matrix(p.detach()).clone() for p in params]
     deltas = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in originals]
+    sums = [torch.zeros_like(d) for d in deltas] if average_last > 1 else None
+    fused = operator == "gst"  # GST runs inside the fused step; the released operator after it
     count = len(params)
 
     def perturb(draw: int) -> None:
@@ -81,15 +112,24 @@ def moreau_displacements(params: Sequence[nn.Parameter], gradient: Callable[[], 
                     total.add_(grad)  # the m draws' gradients add up; γ/m averages them
             last = step == steps - 1
             for i, (p, w, d, grad) in enumerate(zip(params, originals, deltas, grads)):
-                ops.moreau_step_(d, _matrix(grad), w, None if last else _matrix(p.data),
-                                 decay=1.0 - gamma / rho, step_size=gamma / draws,
-                                 threshold=gamma * eta, group_dim=group_dim, noise_ratio=noise_std,
-                                 seed=_noise_seed(seed, (step + 1) * draws, i, count))
+                next_seed = _noise_seed(seed, (step + 1) * draws, i, count)
+                ops.moreau_step_(d, _matrix(grad), w, None if last or not fused else _matrix(p.data),
+                                 decay=1.0 - gamma / rho if decay else 1.0, step_size=gamma / draws,
+                                 threshold=gamma * eta if fused else 0.0, group_dim=group_dim,
+                                 noise_ratio=noise_std, seed=next_seed)
+                if not fused:
+                    released_shrink_(d, eta=eta, threshold=gamma * eta, group_dim=group_dim)
+                    if not last:
+                        ops.moreau_perturb_(_matrix(p.data), w, d, noise_ratio=noise_std, seed=next_seed)
+                if sums is not None and step >= steps - average_last:
+                    sums[i].add_(d)
     finally:
         with torch.no_grad():
             for p, w in zip(params, originals):
                 _matrix(p.data).copy_(w)
                 p.grad = None
+    if sums is not None:
+        deltas = [total.div_(average_last) for total in sums]
     return [d.reshape(p.shape) for p, d in zip(params, deltas)]
 
 
@@ -142,20 +182,21 @@ def _gamma_option(default: float) -> Any:
 
 
 def moreau_diagnostics(weights: Sequence[Tensor], deltas: Sequence[Tensor], *, rho: float, gamma: float,
-                       steps: int, eta: float, group_dim: int, noise_std: float) -> Dict[str, Optional[float]]:
+                       steps: int, eta: float, group_dim: int, noise_std: float, decay: bool = True,
+                       operator: str = "gst") -> Dict[str, Optional[float]]:
     """Whether the Moreau part of Algorithm 1 acts, from δ_T and the original weights:
 
     * ``delta_to_noise``: ‖δ_T‖ / ‖σ|w|‖ over all pruned parameters (None without noise);
-    * ``decay_per_step`` 1 − γ/ρ and ``decay`` (1 − γ/ρ)^T: near 1, δ_T ≈ −γ Σ_t g_t, a plain sum of
-      the noisy gradients (the envelope's pull back to w barely acts);
-    * with a group threshold γη > 0 (MoreauPruner-GS), over all groups (rows or columns) of the
+    * ``decay_per_step`` 1 − γ/ρ (1 with ``decay`` off) and ``decay`` (1 − γ/ρ)^T: near 1,
+      δ_T ≈ −γ Σ_t g_t, a plain sum of the noisy gradients (the envelope's pull back to w barely acts);
+    * with a group threshold γη > 0 and ``operator`` "gst" (MoreauPruner-GS), over all groups (rows or columns) of the
       last step's GST: ``gs_zeroed``, the fraction set to zero; ``gs_shrunk_1pct``, the fraction
       shrunk by more than 1% (γη > 0.01·‖pre-threshold row‖, zeroed included); ``gs_shrink_median``,
       the median of γη / ‖pre-threshold row‖ (rows with ‖δ_g‖ > 0 had ‖δ_g‖ + γη before GST).
     """
     delta_sq = sum(float(d.double().square().sum()) for d in deltas)
     weight_sq = sum(float(w.double().square().sum()) for w in weights)
-    decay = 1.0 - gamma / rho
+    decay = 1.0 - gamma / rho if decay else 1.0
     report: Dict[str, Optional[float]] = {
         "delta_to_noise": delta_sq ** 0.5 / (noise_std * weight_sq ** 0.5) if noise_std > 0 and weight_sq > 0
         else None,
@@ -163,7 +204,7 @@ def moreau_diagnostics(weights: Sequence[Tensor], deltas: Sequence[Tensor], *, r
         "decay": decay ** steps,
     }
     threshold = gamma * eta
-    if threshold > 0:
+    if threshold > 0 and operator == "gst":
         norms = torch.cat([_matrix(d).double().norm(dim=1 - group_dim) for d in deltas])
         shrink = torch.where(norms > 0, threshold / (norms + threshold), torch.ones_like(norms))
         report.update(gs_zeroed=float((norms == 0).double().mean()),
@@ -183,24 +224,39 @@ class MoreauPruner(StructuredMethod):
                               "no value, default 1)", at_least_one)
     noise_std: float = _noise_std_option()
     noise_seed: int = _noise_seed_option()
+    decay: bool = option(True, "Moreau: contract δ by 1 - γ/ρ each step (Algorithm 1 step 5); false: δ ← δ - γg, "
+                         "what the released code runs (its proximal term carries no gradient)")
+    average_last: int = option(1, "Moreau: score the mean δ of the last N steps (1: δ_T, Algorithm 1; the "
+                               "released code: 5)", at_least_one)
+    smooth: str = option("pruned", "Moreau: the parameters perturbed and optimised: the pruned layers' (the "
+                         "scored ones) or every parameter, norms and embeddings too (the released code)",
+                         choices=_SMOOTHED)
     #: MoreauPruner-GS's options, fixed: no group threshold
-    eta, group = 0.0, "rows"
+    eta, group, operator = 0.0, "rows", "gst"
 
     def check_options(self, settings):
         if settings["gamma"] >= settings["rho"]:
             raise ValueError(f"option gamma of method {self.name!r} must be < rho (each step scales δ by "
                              f"1 - gamma/rho); got gamma={settings['gamma']}, rho={settings['rho']}")
+        if settings["average_last"] > settings["steps"]:
+            raise ValueError(f"option average_last of method {self.name!r} must be <= steps; got "
+                             f"average_last={settings['average_last']}, steps={settings['steps']}")
 
     def element_scores(self, model, params, calib, *, batch_size, progress) -> Dict[int, Tensor]:
-        with gradients_for(model, params):
+        smoothed = list(params)
+        if self.smooth == "all":
+            pruned = {id(p) for p in params}
+            smoothed += [p for p in model.parameters() if p.is_floating_point() and id(p) not in pruned]
+        with gradients_for(model, smoothed):
             deltas = moreau_displacements(
-                params, lambda: self.calibration_gradients(model, params, calib, batch_size=batch_size),
+                smoothed, lambda: self.calibration_gradients(model, smoothed, calib, batch_size=batch_size),
                 rho=self.rho, gamma=self.gamma, steps=self.steps, eta=self.eta, group_dim=_GROUPS[self.group],
-                noise_std=self.noise_std, draws=self.noise_draws, seed=self.noise_seed, progress=progress,
-                desc=self.name)
+                noise_std=self.noise_std, draws=self.noise_draws, seed=self.noise_seed, decay=self.decay,
+                operator=self.operator, average_last=self.average_last, progress=progress,
+                desc=self.name)[:len(params)]
         self.diagnostics = moreau_diagnostics(
             [p.detach() for p in params], deltas, rho=self.rho, gamma=self.gamma, steps=self.steps, eta=self.eta,
-            group_dim=_GROUPS[self.group], noise_std=self.noise_std)
+            group_dim=_GROUPS[self.group], noise_std=self.noise_std, decay=self.decay, operator=self.operator)
         return {id(p): (d * p.detach().float()).abs_().div_(self.rho) for p, d in zip(params, deltas)}
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
@@ -220,6 +276,8 @@ class MoreauPrunerGS(MoreauPruner):
     eta: float = option(5e-6, "Moreau-GS: group-sparsity η; the threshold is γ·η (paper: 5e-6)", nonnegative)
     group: str = option("rows", "Moreau-GS: the ℓ2,1 groups: rows (output channels) or columns (input channels)",
                         choices=tuple(_GROUPS))
+    operator: str = option("gst", "Moreau-GS: the group prox: gst (GST_γη, Eq. 8) or released (the released "
+                           "code's: rows with RMS ≤ γη zeroed, the others scaled by 1 - η/RMS)", choices=_OPERATORS)
 
 
 class SmoothGrad(StructuredMethod):

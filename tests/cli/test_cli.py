@@ -102,12 +102,14 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     report_path = tmp_path / "report.json"
     assert cli.main(["prune", "--model", str(model_dir), "--method", "moreau-gs", "--ratio", "0.5",
                      "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--steps", "2",
-                     "--eta", "0.001", "--group", "columns", "--heads", "false", "--report", str(report_path),
+                     "--eta", "0.001", "--group", "columns", "--heads", "false", "--decay", "false",
+                     "--average-last", "2", "--smooth", "all", "--operator", "released", "--report", str(report_path),
                      "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["options"] == {"first_layer": 0, "last_layer": None, "heads": False, "channels": True,
                                  "loss_scaling": False, "rho": 0.2, "gamma": 0.0002, "steps": 2, "noise_draws": 1, "noise_std": 0.05,
-                                 "noise_seed": 0, "eta": 0.001, "group": "columns"}
+                                 "noise_seed": 0, "eta": 0.001, "group": "columns", "decay": False,
+                                 "average_last": 2, "smooth": "all", "operator": "released"}
     assert all(e["heads"] == 4 for e in report["structure"])  # heads=false kept every head
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import pyprune
-from pyprune.methods.moreau import moreau_displacements, smoothed_scores
+from pyprune.methods import moreau
+from pyprune.methods.moreau import moreau_displacements, released_shrink_, smoothed_scores
 from pyprune.patterns import Structured
 from tests.helpers import random_tokens, tiny_llama
 
@@ -157,6 +158,71 @@ def test_smoothgrad_averages():
         smoothed_scores([p], loss, passes=1, average="mean")
 
 
+def test_released_shrink_against_a_hand_computation():
+    """η = 0.5, threshold 0.1. Row 0: RMS 0.05 ≤ 0.1, zeroed. Row 1: RMS 0.2, factor 1 − 0.5/0.2 =
+    −1.5 (sign flipped). Row 2: [2, 0, 0, 0], RMS √(4/4) = 1, factor 0.5. GST_0.1 (Eq. 8) would
+    keep row 1 as 0.2·(1 − 0.1/0.4) and row 2 as 2·(1 − 0.1/2)."""
+    delta = torch.tensor([[0.05, -0.05, 0.05, -0.05], [0.2, 0.2, -0.2, 0.2], [2.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[0.0, 0.0, 0.0, 0.0], [-0.3, -0.3, 0.3, -0.3], [1.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(released_shrink_(delta.clone(), eta=0.5, threshold=0.1), expected)
+    torch.testing.assert_close(released_shrink_(delta.t().contiguous(), eta=0.5, threshold=0.1, group_dim=1),
+                               expected.t())
+    out = delta.clone()
+    assert released_shrink_(out, eta=0.5, threshold=0.1) is out  # in place
+
+
+def test_released_code_loop_follows_its_recursion():
+    """decay off, the released operator after each step and the mean δ of the last 3 of 6 steps
+    against the float64 recursion δ ← shrink(δ − γ∇L(w + δ)) (noise off)."""
+    p = _param((5, 8))
+    w = p.detach().double().clone()
+    loss = Quadratic(p, a=3.0)
+    gamma, eta, steps = 0.05, 0.3, 6
+    delta = moreau_displacements([p], loss, rho=0.1, gamma=gamma, steps=steps, eta=eta, noise_std=0.0,
+                                 decay=False, operator="released", average_last=3)[0].double()
+    iterates, d = [], torch.zeros_like(w)
+    for _ in range(steps):
+        d = released_shrink_(d - gamma * loss.a * (w + d - loss.c), eta=eta, threshold=gamma * eta)
+        iterates.append(d)
+    torch.testing.assert_close(delta, torch.stack(iterates[-3:]).mean(dim=0), rtol=1e-5, atol=1e-7)
+    for seen, d in zip(loss.seen[1:], iterates):  # each gradient at w + the shrunk δ
+        torch.testing.assert_close(seen, w + d, rtol=0, atol=1e-6)
+    assert not torch.allclose(iterates[-1], iterates[-2])  # averaging is not δ_T here
+
+
+def test_released_operator_at_eta_zero_is_the_plain_step():
+    """η = 0: the released operator is the identity and the unfused path gives the fused one's δ,
+    noise included, bit for bit; average_last=1 is δ_T."""
+    runs = []
+    for operator in ("gst", "released"):
+        p = _param((16, 16))
+        runs.append(moreau_displacements([p], Quadratic(p, 1.0), rho=0.05, gamma=1e-3, steps=4, noise_std=0.05,
+                                         seed=2, operator=operator, average_last=1)[0])
+    assert torch.equal(runs[0], runs[1]) and runs[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="operator must be one of gst, released"):
+        moreau_displacements([p], Quadratic(p, 1.0), rho=0.05, gamma=1e-3, steps=1, operator="rms")
+
+
+def test_smooth_all_perturbs_every_parameter_and_scores_the_pruned(monkeypatch):
+    """smooth="all": the Moreau loop runs over every parameter (embeddings and norms too) and the
+    selection uses only the pruned layers' δ; the unpruned parameters come back unchanged."""
+    seen = []
+
+    def spy(params, *args, **kwargs):
+        seen.append({id(q) for q in params})
+        return moreau_displacements(params, *args, **kwargs)
+
+    monkeypatch.setattr(moreau, "moreau_displacements", spy)
+    model = _llama()
+    embed, norm = model.model.embed_tokens.weight, model.model.layers[0].input_layernorm.weight
+    before = (embed.detach().clone(), norm.detach().clone())
+    pyprune.prune(model, "moreau", Structured(0.5), _calib(), progress=False, smooth="all", steps=1)
+    assert id(embed) in seen[0] and id(norm) in seen[0] and len(seen[0]) == len(list(model.parameters()))
+    assert torch.equal(embed, before[0]) and torch.equal(norm, before[1])
+    pyprune.prune(_llama(), "moreau", Structured(0.5), _calib(), progress=False, steps=1)
+    assert id(embed) not in seen[1] and len(seen[1]) < len(seen[0])
+
+
 # ------------------------------------------------------------------------------------ methods
 
 
@@ -232,6 +298,9 @@ def test_moreau_gs_threshold_changes_the_selection():
     ("smoothgrad", {"passes": 0}, "option passes of method 'smoothgrad' must be >= 1"),
     ("smoothgrad", {"average": "median"}, "must be one of scores, gradients|must be one of gradients, scores"),
     ("moreau", {"steps": 2.5}, "option steps of method 'moreau' must be an integer"),
+    ("moreau", {"average_last": 11}, "option average_last of method 'moreau' must be <= steps"),
+    ("moreau-gs", {"operator": "l1"}, "option operator of method 'moreau-gs' must be one of gst, released"),
+    ("moreau", {"smooth": "norms"}, "option smooth of method 'moreau' must be one of pruned, all"),
 ])
 def test_bad_hyperparameters_raise_before_the_model_changes(method, options, match):
     model = _llama()
