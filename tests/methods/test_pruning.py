@@ -77,7 +77,7 @@ GRADIENT_METHODS = sorted(name for name, cls in methods.METHODS.items() if cls.u
 
 
 def test_the_gradient_methods_are_the_ones_that_call_backward():
-    assert GRADIENT_METHODS == ["dress", "moreau", "moreau-gs", "safe", "safe+", "smoothgrad", "taylor"]
+    assert GRADIENT_METHODS == ["dress", "masked-recon", "moreau", "moreau-gs", "safe", "safe+", "smoothgrad", "taylor"]
 
 
 @pytest.mark.parametrize("method", GRADIENT_METHODS)
