@@ -1,4 +1,5 @@
 """What every benchmark script shares: timing, the machine record, atomic writes, an SVG plot."""
+import argparse
 import json
 import math
 import os
@@ -18,6 +19,19 @@ from pyprune.ops import backend
 ROOFLINES = [("H100 PCIe", {"flops": 756e12, "bytes": 2.0e12}),
              ("H100 80GB HBM3", {"flops": 989.4e12, "bytes": 3.35e12}),
              ("H200", {"flops": 989.4e12, "bytes": 4.8e12})]
+
+
+def method_option(text: str):
+    """argparse type of a NAME=VALUE method option: (name, value as int, else float, else str)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
+    for convert in (int, float):
+        try:
+            return name, convert(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def timed(fn, device, repeat):

@@ -39,7 +39,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from _common import environment, merge_rows, previous_result, write_atomic, write_json
+from _common import environment, merge_rows, method_option, previous_result, write_atomic, write_json
 import pyprune
 import pyprune.methods
 from pyprune.evaluation.perplexity import perplexity
@@ -65,18 +65,6 @@ ARMS = {
 }
 TRAINING = ("safe", "safe+", "masked-recon")
 RELATIVE_NORMS = (0.01, 0.05)
-
-
-def _option(text: str):
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
-    for convert in (int, float):
-        try:
-            return name, convert(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 def flatness(model, dense, windows, blocks, pairs, iterations):
@@ -192,7 +180,7 @@ def main(argv=None):
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=128)
-    parser.add_argument("--train-options", nargs="*", type=_option, default=[("epochs", 3)],
+    parser.add_argument("--train-options", nargs="*", type=method_option, default=[("epochs", 3)],
                         help="NAME=VALUE options of every training arm alike (default epochs=3: 24 steps per "
                              "block at 16 windows, batch 2)")
     parser.add_argument("--eval-tokens", type=int, default=2048)

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from _common import environment, merge_rows, previous_result, write_atomic, write_json
+from _common import environment, merge_rows, method_option, previous_result, write_atomic, write_json
 import pyprune
 import pyprune.methods
 import pyprune.patterns
@@ -44,18 +44,6 @@ METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
 CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_half"
 #: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
 RISE_NOISE, CONVERGED = 0.002, 0.05
-
-
-def _option(text: str):
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
-    for convert in (int, float):
-        try:
-            return name, convert(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 def unconverged(blocks) -> str:
@@ -111,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tokens", type=int, default=8192)
-    parser.add_argument("--safe-options", nargs="*", type=_option, default=[],
+    parser.add_argument("--safe-options", nargs="*", type=method_option, default=[],
                         help="NAME=VALUE method options for the SAFE rows (e.g. lr=1e-3 epochs=30)")
     parser.add_argument("--checkpoint-dir", help="save every finished block under DIR/<method>-<pattern>: an "
                         "interrupted row resumes from its last block (the checkpoint path is not part of a row's "
