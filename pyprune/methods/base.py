@@ -185,8 +185,9 @@ class LayerSparsityMethod(Method):
         """:meth:`Method.prune`; with ``owl``, the block sparsities are allocated first."""
         if not self.owl:
             return super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        self.check_grad_mode()
         self.check(model, pattern)
-        self.check_calibration(calib)
+        self.check_calibration(model, calib)
         ratios = owl.block_outlier_ratios(model, calib, self.owl_m, batch_size=batch_size, progress=progress)
         self._block_sparsities = owl.allocate(ratios, pattern.sparsity, self.owl_lambda)
         try:

@@ -45,8 +45,17 @@ def _uniform():
     return model
 
 
+def _residual_rotations():
+    """SliceGPT's output: a sliced hidden stream with a shortcut rotation per residual."""
+    model = tiny_llama(hidden=64, heads=4, kv_heads=2)
+    calib = random_tokens((4, 16))
+    pyprune.prune(model, "slicegpt", pyprune.patterns.Structured(0.25), calib, batch_size=4, progress=False)
+    return model
+
+
 #: name -> (build, whether plain from_pretrained reads it as saved)
 FORMATS = {"sparse-layers": (_sparse_layers, False), "non-uniform-structured": (_non_uniform, False),
+           "residual-rotations": (_residual_rotations, False),
            "uniform-structured": (_uniform, True), "nm-dense": (_nm_pruned, True)}
 
 

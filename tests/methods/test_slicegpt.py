@@ -100,7 +100,7 @@ def test_save_then_pyprune_load_is_exact_and_from_pretrained_refuses(tmp_path):
     assert json.loads((tmp_path / "sliced" / "config.json").read_text())["hidden_size"] == 64
     loaded, _ = pyprune.load(tmp_path / "sliced")
     assert torch.equal(_logits(loaded), expected)
-    with pytest.raises(RuntimeError, match="mismatch"):
+    with pytest.raises(ValueError, match=r"pyprune-checkpoint: load it with pyprune\.load"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "sliced", local_files_only=True)
 
 
