@@ -9,6 +9,9 @@ Each method runs on a fresh copy of the dense model; results go to JSON and a ma
     python benchmarks/baselines_smollm2.py --model gemma3-270m --nsamples 16 --seqlen 256 --eval-tokens 4096 \
         --only magnitude wanda sparsegpt                         # -> results/baselines-gemma3-270m.{json,md}
 
+``--options NAME=VALUE ...`` adds method options to every row this run measures (e.g. a shorter DReSS
+regularisation, ``--only dress --options steps=40``); the row's pattern label lists them.
+
 A run with --only adds its rows to an existing results file of the same protocol (calibration, evaluation,
 model), replacing rows of the same method and pattern, so a long table can be measured in parts.
 """
@@ -23,7 +26,7 @@ from datetime import datetime, timezone
 import torch
 
 import pyprune
-from _common import cpu_info
+from _common import cpu_info, method_option
 from pyprune.inputs import data
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
@@ -55,6 +58,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8,
                         help="calibration batch (the gradient methods on Gemma's 262k-token head need 1-2 "
                              "within a few GB)")
+    parser.add_argument("--options", nargs="*", type=method_option, default=[],
+                        help="NAME=VALUE method options added to every row run (with --only; the label lists them)")
     parser.add_argument("--output", help="results JSON (default: results/baselines-<model>.json)")
     args = parser.parse_args(argv)
     if args.output is None:
@@ -75,6 +80,7 @@ def main(argv=None):
     for method, pattern, options in RUNS:
         if args.only and method not in args.only:
             continue
+        options = {**options, **dict(args.options)}
         model = copy.deepcopy(dense_model)
         report = pyprune.prune(model, method, pattern, calib, batch_size=args.batch_size, **options)
         ppl = perplexity(model, tokens, args.seqlen, bos_token_id=bos)
