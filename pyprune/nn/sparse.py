@@ -416,9 +416,9 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
     for name, fused in fused_experts(model, strict=False).items():
         matrices = [getattr(fused, matrix).detach() for matrix in MATRICES]
         found = next((p for p in candidates if all(p.fits(weights) for weights in matrices)), None)
-        views = ExpertLinears(fused)[0]
+        first = ExpertLinears(fused)[0]  # every expert has its shapes
         if (name.rsplit(".", 1)[-1] not in skip and found is not None
-                and all(_pays(getattr(views, matrix), found, faster_at) for matrix in MATRICES)):
+                and all(_pays(getattr(first, matrix), found, faster_at) for matrix in MATRICES)):
             experts = SparseExperts.from_fused(fused, found, backend)
             _replace(model, name, experts)
             replaced.update({f"{name}.{layer}": str(found) for layer, _ in experts.layers()})
@@ -429,12 +429,9 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
 
 def _sparse_modules(model: nn.Module) -> Dict[str, Union[SparseLinear, SparseExperts]]:
     """The SparseExperts of ``model`` and its SparseLinear layers outside them, by qualified name."""
-    found = {}
-    for name, module in model.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer, kind in found.items() if isinstance(kind, SparseExperts))
-        if isinstance(module, (SparseLinear, SparseExperts)) and not inside:
-            found[name] = module
-    return found
+    experts = tuple(f"{name}." for name in sparse_experts(model))
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, SparseExperts) or (isinstance(module, SparseLinear) and not name.startswith(experts))}
 
 
 def _patterns(name: str, module: Union[SparseLinear, SparseExperts]) -> Dict[str, str]:

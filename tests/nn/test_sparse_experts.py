@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import pyprune
-from pyprune.nn import SparseLinear, densify_, sparsify_
+from pyprune.nn import SparseLinear, densify_, densify_slower_, dispatch, sparsify_
 from pyprune.nn.anatomy import decoder_blocks
-from pyprune.nn.sparse import SparseExperts
-from tests.helpers import assert_close, random_tokens, tiny_decoder
+from pyprune.nn.sparse import SparseExperts, sparse_layers
+from tests.helpers import assert_close, kernel_dispatch_table, random_tokens, tiny_decoder
 
 MOE = ["mixtral", "qwen2_moe"]
 
@@ -94,3 +94,22 @@ def test_an_experts_module_that_is_not_n_m_stays_dense_and_is_not_reported():
     assert not any(".layers.1.mlp.experts" in name for name in replaced)
     unstructured = _pruned("qwen2_moe", pattern="0.5")
     assert not any("experts" in name for name in sparsify_(unstructured))
+
+
+def test_faster_at_converts_experts_whose_matrices_all_pay_and_densify_slower_turns_them_back(tmp_path, monkeypatch):
+    """With ``faster_at=1`` experts become SparseExperts only where the dispatch table names the kernel
+    for both expert shapes; densify_slower_ gives the fused module back where one shape has no row."""
+    model = _pruned("mixtral")
+    expected = _logits(model)
+    experts = model.model.layers[0].mlp.experts
+    gate_up, down = (tuple(getattr(experts, matrix).shape[1:]) for matrix in ("gate_up_proj", "down_proj"))
+    assert dispatch.shape_bucket(*gate_up) != dispatch.shape_bucket(*down)
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(kernel_dispatch_table(tmp_path / "gate-up.json", [gate_up])))
+    assert not any("experts" in name for name in sparsify_(model, faster_at=1))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(kernel_dispatch_table(tmp_path / "both.json", [gate_up, down])))
+    converted = {name for name in sparsify_(model, faster_at=1) if "experts" in name}
+    assert len(converted) == 2 * 4 * 2 and isinstance(model.model.layers[1].mlp.experts, SparseExperts)
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "gate-up.json"))
+    assert {name for name in densify_slower_(model, 1) if "experts" in name} == converted
+    assert not any(isinstance(block.mlp.experts, SparseExperts) for block in decoder_blocks(model))
+    assert not sparse_layers(model) and torch.equal(_logits(model), expected)  # every layer back, same weights
