@@ -159,7 +159,8 @@ def moe_sources(tmp_path_factory):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_an_offloaded_moe_prune_is_the_in_memory_prune(moe_sources, tmp_path, family, pattern):
     """Each block's per-expert tensors are read and fused as the model holds them: Wanda gives exactly
-    the in-memory masks and weights, and the saved model loads with identical logits."""
+    the in-memory masks and weights, and the saved model loads (pyprune.load, from_pretrained) with
+    identical logits."""
     calib = random_tokens((4, 16), seed=1)
     in_memory, _ = load_model(moe_sources[family])
     report = pyprune.prune(in_memory, "wanda", pattern, calib, progress=False)
@@ -172,5 +173,8 @@ def test_an_offloaded_moe_prune_is_the_in_memory_prune(moe_sources, tmp_path, fa
     expected, got = _state(in_memory), _state(saved)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
     tokens = random_tokens((2, 12), seed=2)
+    from transformers import AutoModelForCausalLM
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     with torch.no_grad():
         assert torch.equal(saved(input_ids=tokens).logits, in_memory(input_ids=tokens).logits)
+        assert torch.equal(plain(input_ids=tokens).logits, in_memory(input_ids=tokens).logits)
