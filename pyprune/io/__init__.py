@@ -2,6 +2,7 @@
 
 * :mod:`pyprune.io.model_dir` — ``pyprune.save`` / ``pyprune.load`` of a pruned model's directory.
 * :mod:`pyprune.io.manifest` — the ``pyprune.json`` that directory records (shapes, sparse layers, report).
+* :mod:`pyprune.io.names` — checkpoint tensor names converted to the model's (transformers' conversions).
 * :mod:`pyprune.io.offload` — decoder blocks kept on disk, one in memory at a time.
 * :mod:`pyprune.io.storage` — atomic writes, run states and checkpoints as safetensors.
 """

@@ -24,8 +24,8 @@ from . import storage
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
-_FORMAT_VERSION = 3  # 2: sparse_layers; 3: residual_rotations
-_READABLE_VERSIONS = (1, 2, 3)
+_FORMAT_VERSION = 4  # 2: sparse_layers; 3: residual_rotations; 4: sparse_experts
+_READABLE_VERSIONS = (1, 2, 3, 4)
 #: the ``model_type`` of a saved config.json that plain transformers must refuse (see the module docstring)
 MARKED_MODEL_TYPE = "pyprune-checkpoint: load it with pyprune.load(directory)"
 _REAL_MODEL_TYPE = "pyprune_model_type"

@@ -8,7 +8,8 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
 * ``pyprune.json``: the ``[out, in]`` shape of every linear layer of every decoder block with its
   query heads, key/value heads, head size and MLP channels, whether one config describes them
   all (``config_compatible``), the :class:`~pyprune.nn.SparseLinear` layers with their N:M
-  pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``),
+  pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``)
+  and the MoE experts modules held as such layers (``sparse_experts``: :class:`~pyprune.nn.sparse.SparseExperts`),
   and the pruning report if given, and
 * for a model whose blocks hold residual rotations (SliceGPT, :mod:`pyprune.nn.rotation`), their
   size (``residual_rotations``); its ``config.json`` states the dense hidden size, so plain
@@ -29,7 +30,6 @@ last, and the directory is renamed into place. A failure leaves no output direct
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -42,6 +42,7 @@ from torch import nn
 from ..files import check_destination
 from ..nn import anatomy, compact, rotation, sparse
 from . import offload, storage
+from .names import model_names
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
@@ -134,6 +135,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)
+    sparse_experts = sparse.sparse_experts(model)
     rotations = rotation.residual_rotations(model)
     tmp = storage.make_temp_dir(directory)
     try:
@@ -158,6 +160,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "config_compatible": compatible,
             "layers": layout["layers"],
             "sparse_layers": sparse_layers,
+            "sparse_experts": sparse_experts,
             "residual_rotations": rotations,
         }
         storage.write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
@@ -254,8 +257,8 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
                              f"the config builds {len(blocks)}")
         for block, layout in zip(blocks, layers):
             compact.resize_block_(block, layout)
-    sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {})
-    _load_strict(model, _model_names(model, state), directory)
+    sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {}, manifest.get("sparse_experts") or ())
+    _load_strict(model, model_names(model, state), directory)
     model.to(device)
     model.eval()
     tokenizer = None
@@ -263,34 +266,6 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = read_tokenizer(directory)
     return model, tokenizer
-
-
-def _model_names(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The checkpoint ``state`` under the model's own parameter names: transformers 5 saves some
-    families in their original checkpoint format (an MoE's fused experts as one tensor per expert,
-    ``...experts.0.w1.weight``) and converts them on load; the same conversions, which transformers
-    declares for the model's class, are applied here. Names already the model's pass unchanged."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # transformers 4 saves the model's own names
-        return state
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    converter_of = {source: converter for converter in converters for source in converter.source_patterns}
-    own = model.state_dict()
-    converted, merged = {}, {}
-    for key, tensor in state.items():
-        name, source = rename_source_key(key, renamings, converters, model.base_model_prefix, own)
-        if source is None:
-            converted[name] = tensor
-        else:  # one converter per target gathers its source tensors (e.g. every expert's w1 and w3)
-            merged.setdefault(name, copy.deepcopy(converter_of[source])).add_tensor(name, key, source, tensor)
-    for first, converter in merged.items():
-        for name, value in converter.convert(first, model=model, config=model.config).items():
-            converted[name] = value[0] if isinstance(value, list) else value
-    return converted
 
 
 @torch.no_grad()

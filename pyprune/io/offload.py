@@ -24,8 +24,9 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..nn import anatomy, experts
+from ..nn import anatomy
 from . import storage
+from .names import model_names
 from .manifest import read_config, read_manifest
 
 __all__ = ["OffloadedBlocks", "load_offloaded", "skeleton", "weight_map", "write_weights"]
@@ -78,6 +79,7 @@ class OffloadedBlocks:
     the offload directory once stored, in the source files before."""
 
     def __init__(self, model: nn.Module, sources: Dict[str, str], directory: str, dtype: torch.dtype):
+        self.model = model  # its conversions turn a block's checkpoint names into its own (pyprune.io.names)
         self.prefix = anatomy.block_prefix(model)
         self.count = len(anatomy.decoder_blocks(model))
         self.sources = sources
@@ -92,7 +94,8 @@ class OffloadedBlocks:
         return f"{self.prefix}.{index}."
 
     def fetch(self, index: int, block: nn.Module) -> None:
-        """Read block ``index`` into memory (``dtype``) from its latest file."""
+        """Read block ``index`` into memory (``dtype``) from its latest file, under the model's
+        parameter names (an MoE's experts saved one tensor per expert are fused as the model holds them)."""
         from safetensors import safe_open
 
         prefix = self._names(index)
@@ -103,8 +106,9 @@ class OffloadedBlocks:
         state = {}
         for path in files:
             with safe_open(path, framework="pt") as handle:
-                state.update({name[len(prefix):]: handle.get_tensor(name).to(self.dtype)
+                state.update({name: handle.get_tensor(name).to(self.dtype)
                               for name in handle.keys() if name.startswith(prefix)})
+        state = {name[len(prefix):]: tensor for name, tensor in model_names(self.model, state).items()}
         block.load_state_dict(state, strict=True, assign=True)
 
     def store(self, index: int, block: nn.Module) -> None:
@@ -138,9 +142,6 @@ def load_offloaded(directory: str, dtype: torch.dtype, offload_dir: str) -> nn.M
         raise ValueError(f"offload_dir {offload_dir!r} exists and is not a directory")
     sources = weight_map(directory)
     model = skeleton(directory, dtype)
-    if experts.fused_experts(anatomy.decoder_blocks(model)[0], strict=False):
-        raise ValueError(f"cannot offload {directory}: its blocks hold fused mixture-of-experts weights, which "
-                         "offload does not read yet; load the model whole (without an offload directory)")
     prefix = anatomy.block_prefix(model) + "."
     from safetensors import safe_open
     rest = {}

@@ -5,6 +5,8 @@ Within :func:`expert_linears` a block's fused experts module is replaced by an :
 whose linears (``mlp.experts.3.gate_up_proj``, ...) hold views of the fused weights, so pruning them
 prunes the fused parameters, and whose forward calls each expert's linears on exactly the tokens the
 router sends to it: hooks on a linear see that expert's tokens, and the block's outputs are unchanged.
+That forward is :class:`RoutedExperts`', shared with :class:`pyprune.nn.sparse.SparseExperts` (the experts
+held as one SparseLinear per expert matrix after :func:`pyprune.nn.sparsify_`).
 """
 from __future__ import annotations
 
@@ -64,21 +66,15 @@ def _view_linear(weight: Tensor, requires_grad: bool) -> nn.Linear:
     return linear
 
 
-class ExpertLinears(nn.ModuleList):
-    """A fused experts module as one module per expert holding nn.Linear ``gate_up_proj`` and
-    ``down_proj`` whose weights are views of the fused ones. Its forward is the fused module's
-    (transformers' eager experts loop), calling each expert's linears on the tokens routed to it."""
+class RoutedExperts(nn.ModuleList):
+    """Experts as one module per expert holding linears ``gate_up_proj`` and ``down_proj`` (any
+    module computing ``x @ Wᵀ``: nn.Linear, SparseLinear), run as the fused module runs them
+    (transformers' eager experts loop): each expert's linears on exactly the tokens routed to it,
+    ``down(act_fn(gate) * up)`` weighted by the expert's routing score and summed per token."""
 
-    def __init__(self, fused: nn.Module):
-        experts = []
-        for index in range(fused.gate_up_proj.shape[0]):
-            expert = nn.Module()
-            for matrix in MATRICES:
-                parameter = getattr(fused, matrix)
-                setattr(expert, matrix, _view_linear(parameter.detach()[index], parameter.requires_grad))
-            experts.append(expert)
+    def __init__(self, experts, act_fn):
         super().__init__(experts)
-        object.__setattr__(self, "act_fn", fused.act_fn)  # not a child: the list holds experts only
+        object.__setattr__(self, "act_fn", act_fn)  # not a child: the list holds experts only
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if top_k_index.is_floating_point() or not top_k_weights.is_floating_point():
@@ -97,6 +93,25 @@ class ExpertLinears(nn.ModuleList):
             out = self[index].down_proj(self.act_fn(gate) * up) * top_k_weights[token, position, None]
             final.index_add_(0, token, out.to(final.dtype))
         return final
+
+
+def experts_of(linears) -> nn.Module:
+    """One expert module holding the linears {matrix: module} as its children."""
+    expert = nn.Module()
+    for matrix, linear in linears.items():
+        setattr(expert, matrix, linear)
+    return expert
+
+
+class ExpertLinears(RoutedExperts):
+    """A fused experts module as a :class:`RoutedExperts` whose nn.Linear weights are views of the
+    fused ones (pruning them prunes the fused parameters)."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__([experts_of({matrix: _view_linear(getattr(fused, matrix).detach()[index],
+                                                           getattr(fused, matrix).requires_grad)
+                                      for matrix in MATRICES})
+                          for index in range(fused.gate_up_proj.shape[0])], fused.act_fn)
 
     @torch.no_grad()
     def write_back(self, fused: nn.Module) -> None:

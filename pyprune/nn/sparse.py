@@ -31,7 +31,8 @@ differentiable backend), whatever ``backend`` says.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple, Union
+import copy
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from ..ops.conventions import pack_mask, sparse24_mma_meta, unpack_mask
 from ..ops.linear import nm_linear_prechecked
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch, tuning
+from .experts import MATRICES, ExpertLinears, RoutedExperts, experts_of, fused_experts
 
 #: The patterns ``sparsify_`` recognises in a weight when none is given, most hardware-friendly first.
 DETECTED_PATTERNS = (NM(2, 4), NM(4, 8))
@@ -309,6 +311,51 @@ class SparseLinear(nn.Module):
         return super()._apply(fn, recurse)
 
 
+def _with_parameters(module: nn.Module, parameters: Dict[str, nn.Parameter]) -> nn.Module:
+    """A shallow copy of ``module`` (same class, attributes and children) holding ``parameters``."""
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters, **parameters)
+    twin._buffers, twin._modules = dict(module._buffers), dict(module._modules)
+    return twin
+
+
+class SparseExperts(RoutedExperts):
+    """A fused MoE experts module (:mod:`pyprune.nn.experts`) whose every expert matrix is N:M
+    sparse, held as one :class:`SparseLinear` per expert matrix (``experts.3.gate_up_proj``: the
+    compressed values and metadata, the backends and decisions of any SparseLinear) and run by the
+    fused module's routing (:class:`~pyprune.nn.experts.RoutedExperts`). The dense 3-D parameters
+    are not kept: the fused module is remembered with its parameters on ``meta``, and
+    :meth:`to_fused` rebuilds it with the same weights."""
+
+    def __init__(self, fused: nn.Module, layers: Sequence[Dict[str, SparseLinear]]):
+        super().__init__([experts_of(linears) for linears in layers], fused.act_fn)
+        shell = _with_parameters(fused, {matrix: nn.Parameter(getattr(fused, matrix).detach().to("meta"))
+                                         for matrix in MATRICES})
+        object.__setattr__(self, "_fused_shell", shell)  # not a child: no state, no memory
+
+    @classmethod
+    def from_fused(cls, fused: nn.Module, pattern: NM, backend: str = "auto") -> "SparseExperts":
+        """The experts of ``fused`` (each matrix already ``pattern`` sparse) as SparseLinear layers."""
+        views = ExpertLinears(fused)
+        return cls(fused, [{matrix: SparseLinear.from_dense(getattr(expert, matrix), pattern, backend=backend)
+                            for matrix in MATRICES} for expert in views])
+
+    def to_fused(self) -> nn.Module:
+        """The fused experts module with the dense 3-D weights (the same values, zeros included)."""
+        stacked = {}
+        for matrix in MATRICES:
+            layers = [getattr(expert, matrix) for expert in self]
+            stacked[matrix] = nn.Parameter(torch.stack([layer.weight for layer in layers]),
+                                           requires_grad=layers[0].values.requires_grad)
+        return _with_parameters(self._fused_shell, stacked)
+
+    def layers(self) -> Iterator[Tuple[str, SparseLinear]]:
+        """(``<expert>.<matrix>``, SparseLinear) of every expert matrix."""
+        for index, expert in enumerate(self):
+            for matrix in MATRICES:
+                yield f"{index}.{matrix}", getattr(expert, matrix)
+
+
 def _cusparselt_algorithm(sparse, x: Tensor) -> int:
     """The fastest cuSPARSELt algorithm id for ``x @ sparseᵀ`` (0, the default, if the search fails)."""
     try:
@@ -343,51 +390,83 @@ def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
               backend: str = "auto", skip: Iterable[str] = ("lm_head",),
               faster_at: Optional[int] = None) -> Dict[str, str]:
-    """Replace, in place, every nn.Linear of ``model`` whose weight is N:M sparse by a SparseLinear.
+    """Replace, in place, every nn.Linear of ``model`` whose weight is N:M sparse by a SparseLinear,
+    and every fused MoE experts module (:func:`pyprune.nn.experts.fused_experts`) whose expert
+    matrices are all N:M sparse by a :class:`SparseExperts` (one SparseLinear per expert matrix).
 
-    ``pattern`` None detects 2:4, else 4:8, per layer; a given pattern converts exactly the layers
-    that satisfy it. Layers named in ``skip`` (by the last part of their name) stay dense, as do
-    layers that satisfy no pattern, and with ``faster_at=T`` those for which no sparse backend
-    measured faster than dense at T tokens per forward on this machine, dtype and shape (cache,
-    table, or a first-use measurement on a CPU; T = batch size for decode): they would only run
-    dense, at the memory of both forms.
-    Returns {qualified name: pattern} of the replaced layers.
+    ``pattern`` None detects 2:4, else 4:8, per layer (per experts module); a given pattern converts
+    exactly the layers that satisfy it. Layers named in ``skip`` (by the last part of their name)
+    stay dense, as do layers that satisfy no pattern, and with ``faster_at=T`` those for which no
+    sparse backend measured faster than dense at T tokens per forward (per expert call for experts)
+    on this machine, dtype and shape (cache, table, or a first-use measurement on a CPU; T = batch
+    size for decode): they would only run dense, at the memory of both forms. Routers are nn.Linear
+    layers no method prunes: they satisfy no pattern and stay dense.
+    Returns {qualified name: pattern} of the replaced layers (``...experts.3.down_proj`` for experts).
     """
     candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
     _check_backend(backend)
     _check_tokens(faster_at)
     skip = set(skip)
-    plan = {}
+    plan, replaced = {}, {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in skip:
             found = detect_pattern(module.weight.detach(), candidates)
             if found is not None and _pays(module, found, faster_at):
                 plan[name] = found
+    for name, fused in fused_experts(model, strict=False).items():
+        matrices = [getattr(fused, matrix).detach() for matrix in MATRICES]
+        found = next((p for p in candidates if all(p.fits(weights) for weights in matrices)), None)
+        first = ExpertLinears(fused)[0]  # every expert has its shapes
+        if (name.rsplit(".", 1)[-1] not in skip and found is not None
+                and all(_pays(getattr(first, matrix), found, faster_at) for matrix in MATRICES)):
+            experts = SparseExperts.from_fused(fused, found, backend)
+            _replace(model, name, experts)
+            replaced.update({f"{name}.{layer}": str(found) for layer, _ in experts.layers()})
     for name, found in plan.items():
         _replace(model, name, SparseLinear.from_dense(model.get_submodule(name), found, backend=backend))
-    return {name: str(found) for name, found in plan.items()}
+    return dict({name: str(found) for name, found in plan.items()}, **replaced)
+
+
+def _sparse_modules(model: nn.Module) -> Dict[str, Union[SparseLinear, SparseExperts]]:
+    """The SparseExperts of ``model`` and its SparseLinear layers outside them, by qualified name."""
+    experts = tuple(f"{name}." for name in sparse_experts(model))
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, SparseExperts) or (isinstance(module, SparseLinear) and not name.startswith(experts))}
+
+
+def _patterns(name: str, module: Union[SparseLinear, SparseExperts]) -> Dict[str, str]:
+    """{qualified name: pattern} of the sparse layers of ``module`` (every expert matrix of experts)."""
+    if isinstance(module, SparseLinear):
+        return {name: str(module.pattern)}
+    return {f"{name}.{layer}": str(linear.pattern) for layer, linear in module.layers()}
+
+
+def _dense(module: Union[SparseLinear, SparseExperts]) -> nn.Module:
+    return module.to_dense() if isinstance(module, SparseLinear) else module.to_fused()
 
 
 def densify_slower_(model: nn.Module, faster_at: int) -> Dict[str, str]:
-    """Turn back into nn.Linear, in place, every SparseLinear of ``model`` that measured (cache,
-    table or first use, as in :func:`sparsify_`) no faster than dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint
-    on a machine where a layer does not pay). Returns {qualified name: pattern} of those layers."""
+    """Turn back into nn.Linear (fused experts), in place, every SparseLinear (SparseExperts) of
+    ``model`` that measured (cache, table or first use, as in :func:`sparsify_`) no faster than
+    dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint on a machine where a
+    layer does not pay). Returns {qualified name: pattern} of those layers."""
     _check_tokens(faster_at, allow_none=False)
-    slower = {name: module for name, module in model.named_modules()
-              if isinstance(module, SparseLinear) and not _pays(module, module.pattern, faster_at)}
+    slower = {name: module for name, module in _sparse_modules(model).items()
+              if not all(_pays(layer, layer.pattern, faster_at)
+                         for layer in ([module] if isinstance(module, SparseLinear) else module[0].children()))}
     for name, module in slower.items():
-        _replace(model, name, module.to_dense())
-    return {name: str(module.pattern) for name, module in slower.items()}
+        _replace(model, name, _dense(module))
+    return {layer: found for name, module in slower.items() for layer, found in _patterns(name, module).items()}
 
 
 def densify_(model: nn.Module) -> Dict[str, str]:
-    """Turn every SparseLinear of ``model`` back into nn.Linear, in place (the same weights, zeros
-    included), e.g. to prune or fine-tune a loaded sparse checkpoint. Returns {qualified name:
-    pattern} of those layers."""
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, SparseLinear)}
+    """Turn every SparseLinear of ``model`` back into nn.Linear and every SparseExperts back into
+    the fused experts module, in place (the same weights, zeros included), e.g. to prune or
+    fine-tune a loaded sparse checkpoint. Returns {qualified name: pattern} of those layers."""
+    layers = _sparse_modules(model)
     for name, module in layers.items():
-        _replace(model, name, module.to_dense())
-    return {name: str(module.pattern) for name, module in layers.items()}
+        _replace(model, name, _dense(module))
+    return {layer: found for name, module in layers.items() for layer, found in _patterns(name, module).items()}
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -396,22 +475,36 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def sparse_layers(model: nn.Module) -> Dict[str, Dict]:
-    """{qualified name: constructor arguments} of the SparseLinear layers of ``model``."""
+    """{qualified name: constructor arguments} of the SparseLinear layers of ``model`` (those of
+    its SparseExperts included)."""
     return {name: {"in_features": module.in_features, "out_features": module.out_features,
                    "bias": module.bias is not None, "n": module.n, "m": module.m,
                    "backend": module.backend}
             for name, module in model.named_modules() if isinstance(module, SparseLinear)}
 
 
-def restore_sparse_layers_(model: nn.Module, layers: Dict[str, Dict]) -> None:
-    """Put empty SparseLinear layers where ``layers`` (from :func:`sparse_layers`) names them, with
-    the dtype/device of the module they replace, ready for ``load_state_dict``."""
+def sparse_experts(model: nn.Module) -> List[str]:
+    """The qualified names of the SparseExperts modules of ``model``."""
+    return [name for name, module in model.named_modules() if isinstance(module, SparseExperts)]
+
+
+def _empty_layer(spec: Dict, reference_tensor: Tensor) -> SparseLinear:
+    return SparseLinear(spec["in_features"], spec["out_features"], spec["bias"], n=spec["n"], m=spec["m"],
+                        backend=spec.get("backend", "auto"), device=reference_tensor.device,
+                        dtype=reference_tensor.dtype)
+
+
+def restore_sparse_layers_(model: nn.Module, layers: Dict[str, Dict], experts: Iterable[str] = ()) -> None:
+    """Put empty SparseExperts where ``experts`` (from :func:`sparse_experts`) names them and empty
+    SparseLinear layers where ``layers`` (from :func:`sparse_layers`) names them, with the
+    dtype/device of the module they replace, ready for ``load_state_dict``."""
+    for name in experts:
+        fused = model.get_submodule(name)
+        count = getattr(fused, MATRICES[0]).shape[0]
+        _replace(model, name, SparseExperts(fused, [
+            {matrix: _empty_layer(layers[f"{name}.{index}.{matrix}"], getattr(fused, matrix))
+             for matrix in MATRICES} for index in range(count)]))
     for name, spec in layers.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        reference_tensor = next(old.parameters())
-        setattr(parent, child, SparseLinear(spec["in_features"], spec["out_features"], spec["bias"],
-                                            n=spec["n"], m=spec["m"], backend=spec.get("backend", "auto"),
-                                            device=reference_tensor.device,
-                                            dtype=reference_tensor.dtype))
+        old = model.get_submodule(name)
+        if not isinstance(old, SparseLinear):
+            _replace(model, name, _empty_layer(spec, next(old.parameters())))

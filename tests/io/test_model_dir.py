@@ -255,16 +255,26 @@ def test_a_checkpoint_in_the_model_s_own_names_still_loads(tmp_path):
     assert torch.equal(_logits(loaded), _logits(model))
 
 
-def test_a_sparsified_moe_round_trips_with_its_experts_dense(tmp_path):
-    """sparsify_ turns an N:M-pruned Qwen2-MoE's nn.Linear layers (attention, shared expert) into
-    SparseLinear and leaves the fused experts as they are; save -> pyprune.load gives identical logits."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_sparsified_moe_round_trips_with_sparse_experts_and_plain_transformers_refuses_it(tmp_path, family):
+    """sparsify_ turns an N:M-pruned MoE's nn.Linear layers into SparseLinear and its fused experts into
+    SparseExperts; pyprune.json records them, pyprune.load rebuilds them (identical logits, compressed
+    weights), and plain from_pretrained refuses the directory rather than load dense experts at random."""
     from pyprune.nn import SparseLinear, sparsify_
+    from pyprune.nn.sparse import SparseExperts
     from tests.helpers import tiny_decoder
-    model = tiny_decoder("qwen2_moe")
+    model = tiny_decoder(family, layers=2)
     pyprune.prune(model, "wanda", "2:4", _calib(), progress=False)
     replaced = sparsify_(model)
-    assert len(replaced) == 4 * 7 and not any("experts" in name or name.endswith("gate") for name in replaced)
-    pyprune.save(model, None, tmp_path / "sparse-moe")
+    assert isinstance(model.model.layers[1].mlp.experts, SparseExperts)
+    manifest = pyprune.save(model, None, tmp_path / "sparse-moe")
+    assert manifest["sparse_experts"] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert set(manifest["sparse_layers"]) == set(replaced) and manifest["config_compatible"] is False
     loaded, _ = pyprune.load(tmp_path / "sparse-moe")
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, SparseLinear)
+    assert isinstance(loaded.model.layers[1].mlp.experts, SparseExperts)
+    got, want = loaded.state_dict(), model.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[name], tensor) for name, tensor in want.items())
     assert torch.equal(_logits(loaded), _logits(model))
+    with pytest.raises(ValueError, match="pyprune.load"):
+        _from_pretrained(tmp_path / "sparse-moe")

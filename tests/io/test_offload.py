@@ -142,11 +142,39 @@ def test_the_cli_refuses_a_prune_that_does_not_fit_before_loading(source, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-def test_an_moe_model_is_refused_in_one_line_before_the_offload_directory_is_made(tmp_path):
-    """Offload reads a block's tensors by their saved names, which transformers 5 writes per expert
-    for fused MoE weights: such a model is refused, and nothing is written."""
+@pytest.fixture(scope="module")
+def moe_sources(tmp_path_factory):
+    """Saved tiny Mixtral and Qwen2-MoE models (2 blocks; experts saved one tensor per expert, as
+    transformers 5 writes them) with a tokenizer."""
     from tests.helpers import tiny_decoder
-    tiny_decoder("mixtral", layers=2).save_pretrained(tmp_path / "moe")
-    with pytest.raises(ValueError, match="fused mixture-of-experts") as info:
-        offload.load_offloaded(str(tmp_path / "moe"), torch.float32, str(tmp_path / "blocks"))
-    assert "\n" not in str(info.value) and not (tmp_path / "blocks").exists()
+    directories = {}
+    for family in ("mixtral", "qwen2_moe"):
+        directories[family] = tmp_path_factory.mktemp(family)
+        tiny_decoder(family, layers=2).save_pretrained(directories[family])
+        tiny_tokenizer().save_pretrained(directories[family])
+    return directories
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "0.5"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_an_offloaded_moe_prune_is_the_in_memory_prune(moe_sources, tmp_path, family, pattern):
+    """Each block's per-expert tensors are read and fused as the model holds them: Wanda gives exactly
+    the in-memory masks and weights, and the saved model loads (pyprune.load, from_pretrained) with
+    identical logits."""
+    calib = random_tokens((4, 16), seed=1)
+    in_memory, _ = load_model(moe_sources[family])
+    report = pyprune.prune(in_memory, "wanda", pattern, calib, progress=False)
+    offloaded, _ = load_model(moe_sources[family], offload_dir=tmp_path / "offload")
+    offloaded_report = pyprune.prune(offloaded, "wanda", pattern, calib, progress=False)
+    assert all(p.is_meta for p in offloaded.model.layers.parameters())
+    assert offloaded_report["layers"] == report["layers"] and offloaded_report["sparsity"] == 0.5
+    pyprune.save(offloaded, None, tmp_path / "out")
+    saved, _ = pyprune.load(tmp_path / "out")
+    expected, got = _state(in_memory), _state(saved)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+    tokens = random_tokens((2, 12), seed=2)
+    from transformers import AutoModelForCausalLM
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.equal(saved(input_ids=tokens).logits, in_memory(input_ids=tokens).logits)
+        assert torch.equal(plain(input_ids=tokens).logits, in_memory(input_ids=tokens).logits)
