@@ -116,8 +116,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "o
 
 
 def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, vocab=128, window=8,
-                 attn_implementation="sdpa"):
-    """A small random-weight causal LM of ``family`` (eval mode, fp32). Families with sliding-window
+                 attn_implementation=None):
+    """A small random-weight causal LM of ``family`` (eval mode, fp32), with ``attn_implementation``
+    (default: sdpa, or eager for Gemma 2, which transformers runs only eagerly). Families with sliding-window
     attention get a ``window`` shorter than the tests' sequences and alternate local and global
     layers where the family does (Gemma 2/3, Qwen2/3), so each block's attention mask and (Gemma 3)
     RoPE differ from the first block's."""
@@ -158,7 +159,7 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
         raise ValueError(f"family must be one of {', '.join(configs)}; got {family!r}")
     config_class, model_class, fields = configs[family]()
     config = config_class(**fields)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attn_implementation or ("eager" if family == "gemma2" else "sdpa")
     return model_class(config).eval()
 
 

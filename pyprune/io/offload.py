@@ -149,7 +149,7 @@ def load_offloaded(directory: str, dtype: torch.dtype, offload_dir: str) -> nn.M
         with safe_open(path, framework="pt") as handle:
             rest.update({name: handle.get_tensor(name).to(dtype) for name in handle.keys()
                          if not name.startswith(prefix)})
-    unexpected = model.load_state_dict(rest, strict=False, assign=True).unexpected_keys
+    unexpected = model.load_state_dict(model_names(model, rest), strict=False, assign=True).unexpected_keys
     model.tie_weights()
     if unexpected:
         raise ValueError(f"cannot load {directory}: unexpected weights {sorted(unexpected)[:5]}")

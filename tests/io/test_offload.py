@@ -14,7 +14,8 @@ from pyprune.io import offload
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
 from pyprune.patterns import Structured
-from tests.helpers import WORDS, random_tokens, tiny_llama, tiny_tokenizer
+from pyprune.nn import anatomy
+from tests.helpers import FAMILIES, WORDS, random_tokens, tiny_decoder, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -143,31 +144,32 @@ def test_the_cli_refuses_a_prune_that_does_not_fit_before_loading(source, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def moe_sources(tmp_path_factory):
-    """Saved tiny Mixtral and Qwen2-MoE models (2 blocks; experts saved one tensor per expert, as
-    transformers 5 writes them) with a tokenizer."""
-    from tests.helpers import tiny_decoder
+def family_sources(tmp_path_factory):
+    """A saved tiny model (2 blocks) with a tokenizer of every family the tests build; MoE experts are
+    saved one tensor per expert, as transformers 5 writes them."""
     directories = {}
-    for family in ("mixtral", "qwen2_moe"):
+    for family in FAMILIES:
         directories[family] = tmp_path_factory.mktemp(family)
         tiny_decoder(family, layers=2).save_pretrained(directories[family])
         tiny_tokenizer().save_pretrained(directories[family])
     return directories
 
 
-@pytest.mark.parametrize("pattern", ["2:4", "0.5"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_an_offloaded_moe_prune_is_the_in_memory_prune(moe_sources, tmp_path, family, pattern):
-    """Each block's per-expert tensors are read and fused as the model holds them: Wanda gives exactly
-    the in-memory masks and weights, and the saved model loads (pyprune.load, from_pretrained) with
-    identical logits."""
+FAMILY_CASES = [(family, "2:4") for family in FAMILIES] + [("mixtral", "0.5"), ("qwen2_moe", "0.5")]
+
+
+@pytest.mark.parametrize("family,pattern", FAMILY_CASES)
+def test_an_offloaded_prune_is_the_in_memory_prune_on_every_family(family_sources, tmp_path, family, pattern):
+    """Each block's tensors are read (MoE: per-expert tensors fused as the model holds them): Wanda gives
+    exactly the in-memory masks and weights, and the saved model loads (pyprune.load, from_pretrained)
+    with identical logits."""
     calib = random_tokens((4, 16), seed=1)
-    in_memory, _ = load_model(moe_sources[family])
+    in_memory, _ = load_model(family_sources[family])
     report = pyprune.prune(in_memory, "wanda", pattern, calib, progress=False)
-    offloaded, _ = load_model(moe_sources[family], offload_dir=tmp_path / "offload")
+    offloaded, _ = load_model(family_sources[family], offload_dir=tmp_path / "offload")
     offloaded_report = pyprune.prune(offloaded, "wanda", pattern, calib, progress=False)
-    assert all(p.is_meta for p in offloaded.model.layers.parameters())
-    assert offloaded_report["layers"] == report["layers"] and offloaded_report["sparsity"] == 0.5
+    assert all(p.is_meta for block in anatomy.decoder_blocks(offloaded) for p in block.parameters())
+    assert offloaded_report["layers"] == report["layers"] and offloaded_report["sparsity"] == report["sparsity"]
     pyprune.save(offloaded, None, tmp_path / "out")
     saved, _ = pyprune.load(tmp_path / "out")
     expected, got = _state(in_memory), _state(saved)

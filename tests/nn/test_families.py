@@ -16,7 +16,7 @@ FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llam
 
 
 def tiny(family, **kwargs):
-    return tiny_decoder(family, attn_implementation="eager" if family == "gemma2" else "sdpa", **kwargs)
+    return tiny_decoder(family, **kwargs)
 
 
 @pytest.mark.parametrize("family", DENSE)

@@ -19,7 +19,7 @@ D, KEPT = 64, 48
 
 
 def tiny(family, **kwargs):
-    return tiny_decoder(family, layers=2, attn_implementation="eager" if family == "gemma2" else "sdpa", **kwargs)
+    return tiny_decoder(family, layers=2, **kwargs)
 
 
 def _zeroed_and_rescaled(model, keep, offset):
