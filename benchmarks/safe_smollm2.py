@@ -44,6 +44,8 @@ METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
 CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_half"
 #: a residual rise below this is noise at its floor (~0.001); the issue's convergence bar
 RISE_NOISE, CONVERGED = 0.002, 0.05
+#: the README table's protocol: calibration windows, their length, evaluation tokens
+TABLE_PROTOCOL = (64, 256, 8192)
 
 
 def unconverged(blocks) -> str:
@@ -60,7 +62,12 @@ def unconverged(blocks) -> str:
 def markdown(result) -> str:
     s = result["settings"]
     env = result["environment"]
-    lines = ["# SAFE / SAFE⁺ and ALPS on SmolLM2-135M (SAFE's Table 1, small)", "",
+    nsamples, seqlen, eval_tokens = TABLE_PROTOCOL
+    cut = not (s["calibration"].startswith(f"{nsamples} x {seqlen} ")
+               and s["evaluation"].startswith(f"first {eval_tokens} "))
+    lines = ["# SAFE / SAFE⁺ and ALPS on SmolLM2-135M (SAFE's Table 1, small" + (", cut protocol)" if cut else ")"), "",
+             *([f"Cut protocol: fewer calibration or evaluation tokens than the table's {nsamples} x {seqlen} and "
+                f"{eval_tokens}, for the CPU time a shared core allows; the same for every row.", ""] if cut else []),
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "
              f"{s.get('tuning', 'SAFE defaults chosen on the first 4096 tokens of the evaluation text')}; SAFE options "
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
@@ -95,10 +102,10 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--scopes", nargs="+", default=["row", "tensor"], choices=("row", "tensor"),
                         help="top-k scopes of the SAFE rows at unstructured patterns")
-    parser.add_argument("--nsamples", type=int, default=64)
-    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--nsamples", type=int, default=TABLE_PROTOCOL[0])
+    parser.add_argument("--seqlen", type=int, default=TABLE_PROTOCOL[1])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-tokens", type=int, default=8192)
+    parser.add_argument("--eval-tokens", type=int, default=TABLE_PROTOCOL[2])
     parser.add_argument("--safe-options", nargs="*", type=method_option, default=[],
                         help="NAME=VALUE method options for the SAFE rows (e.g. lr=1e-3 epochs=30)")
     parser.add_argument("--checkpoint-dir", help="save every finished block under DIR/<method>-<pattern>: an "
