@@ -84,7 +84,7 @@ setup(
         # the docs site (mkdocs.yml; tests/test_docs.py builds it, so "test" carries the same packages)
         "docs": DOCS,
         # import-linter checks the layers contract of pyproject.toml; grimp (its graph) finds import cycles
-        "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8",
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "pytest-benchmark", "hypothesis", "lm-eval>=0.4.13,<0.5", "matplotlib>=3.8",
                  "import-linter>=2.10,<3", "grimp>=3.5,<4", *DOCS],
     },
     entry_points={"console_scripts": ["pyprune=pyprune.cli:main"]},
