@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 # Under pytest-xdist (the README's `pytest -n 2`) the workers share the cores: each takes its share of
 # torch's threads rather than all of them, so the workers do not oversubscribe the CPU.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # SparseLinear(backend="auto") would otherwise time unmeasured cases on first use and pick by the
 # timing: the suite stays deterministic, and the tuning tests turn it on themselves.
