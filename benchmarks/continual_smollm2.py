@@ -20,6 +20,7 @@ rerun resumes.
 
     python benchmarks/continual_smollm2.py                          # the README table
     python benchmarks/continual_smollm2.py --patterns 0.5 --rows copal wanda:global --permutations given
+    python benchmarks/continual_smollm2.py --rows copal+gaussian/row --orders austen,moby_dick,python  # one order
 """
 import argparse
 import os
@@ -88,7 +89,8 @@ def _per_order(result) -> list:
     s = result["settings"]
     orders = continual.orders(s["datasets"], s["permutations"])
     lines = ["", "Per order: A-BWT / mean final perplexity of that order alone (a row marked partial has "
-             "finished only the orders shown; its run resumes with the same command).", "",
+             "finished only the orders shown; its run resumes with the same command, which runs the orders "
+             "given by --orders, or every order without it).", "",
              "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders) + " |",
              "|---|---|---|" + "---:|" * len(orders)]
     for row in rows:
@@ -134,6 +136,21 @@ def _runs(args):
                                        "perturbation_seed": seed}, f"gaussian, ratio {ratio:g}, seed {seed}"
 
 
+def selected_orders(datasets, permutations, requested):
+    """The orders this invocation runs: every order of the protocol, or the ``requested`` ones
+    (each "a,b,c"), refused when one is not an order of the protocol."""
+    protocol = continual.orders(datasets, permutations)
+    if not requested:
+        return protocol
+    chosen = [tuple(order.split(",")) for order in requested]
+    unknown = [",".join(order) for order in chosen if order not in protocol]
+    if unknown:
+        raise SystemExit(f"--orders: {', '.join(unknown)} is not an order of --datasets {' '.join(datasets)} "
+                         f"with --permutations {permutations}; allowed: "
+                         + " ".join(",".join(order) for order in protocol))
+    return list(dict.fromkeys(chosen))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["0.5", "2:4"])
@@ -149,8 +166,13 @@ def main(argv=None):
                         help="COPAL gaussian rows: one row per perturbation seed")
     parser.add_argument("--perturbation-ratios", type=float, nargs="+", default=[1.0],
                         help="COPAL gaussian rows: one row per size ratio of dX to dW")
+    parser.add_argument("--orders", nargs="+", metavar="A,B,C",
+                        help="run only these orders of the protocol's (datasets comma-separated, e.g. "
+                             "austen,moby_dick,python); a row stays partial until every order has run")
     parser.add_argument("--output", default=os.path.join(RESULTS, "continual-smollm2-135m.json"))
     args = parser.parse_args(argv)
+    protocol = continual.orders(args.datasets, args.permutations)
+    selected = selected_orders(args.datasets, args.permutations, args.orders)
 
     model, tokenizer = load_model("smollm2-135m")
     tasks = [continual.Task(name, data.calibration_samples(tokenizer, f"{name}:first_half", nsamples=args.nsamples,
@@ -194,9 +216,22 @@ def main(argv=None):
             save()
 
         start = time.perf_counter()
-        report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
-                               eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint,
-                               method_options=options)
+        if selected == protocol:
+            report = continual.run(model, method, pattern, tasks, init=init, permutations=args.permutations,
+                                   eval_seqlen=args.eval_seqlen, progress=True, done=done, on_order=checkpoint,
+                                   method_options=options)
+        else:  # the chosen orders one at a time; the row is complete once every order has run
+            by_name = {task.name: task for task in tasks}
+            for order in selected:
+                if order not in done:
+                    continual.run(model, method, pattern, [by_name[name] for name in order], init=init,
+                                  eval_seqlen=args.eval_seqlen, progress=True, on_order=checkpoint,
+                                  method_options=options)
+            matrix = {tuple(r["order"]): r["steps"] for r in row["matrix"]}
+            if set(matrix) != set(protocol):
+                continue
+            report = continual.metrics(args.datasets, matrix) | {
+                "matrix": [{"order": list(order), "steps": matrix[order]} for order in protocol]}
         report["time_s"] = round(time.perf_counter() - start, 1)
         row.clear()
         row.update(label, resumed_orders=len(done), **{k: report[k] for k in (

@@ -20,6 +20,7 @@ import bench_dress_speed  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_ops  # noqa: E402
 import bench_sparse_linear  # noqa: E402
+import continual_smollm2  # noqa: E402
 import crosscheck_wanda  # noqa: E402
 
 
@@ -202,3 +203,16 @@ def test_every_op_has_a_benchmark_row(tmp_path):
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     values, meta = ops.nm_compress(w, ops.score_nm_mask(w, 2, 4), 2, 4)
     assert torch.equal(bench_ops.eager_decompress(values, meta, 2, 4), ops.nm_decompress(values, meta, 2, 4))
+
+
+def test_continual_benchmark_runs_the_chosen_orders_and_refuses_one_outside_its_protocol(capsys):
+    datasets = ["austen", "moby_dick", "python"]
+    assert len(continual_smollm2.selected_orders(datasets, "all", None)) == 6
+    assert continual_smollm2.selected_orders(datasets, "all", ["python,austen,moby_dick", "austen,moby_dick,python",
+                                                                "python,austen,moby_dick"]) == [
+        ("python", "austen", "moby_dick"), ("austen", "moby_dick", "python")]
+    with pytest.raises(SystemExit, match="--orders: python,austen,moby_dick is not an order .* allowed: "
+                                         "austen,moby_dick,python$"):
+        continual_smollm2.selected_orders(datasets, "given", ["python,austen,moby_dick"])
+    with pytest.raises(SystemExit, match="--orders: austen,python is not an order"):
+        continual_smollm2.main(["--orders", "austen,python"])  # refused before the model loads
