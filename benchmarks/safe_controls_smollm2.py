@@ -126,7 +126,8 @@ def markdown(result) -> str:
              f"Dense perplexity: {result['dense']:.3f}", "",
              "Perplexity, mean ± std over the calibration seeds run (each seed's value in the seeds column); block "
              f"diagnostics are means over blocks and seeds. Flatness, per block ({' / '.join(s['flat_blocks'])}, "
-             "means over seeds) on held-out windows: f = the block's relative reconstruction error at the final "
+             "means over the seeds that measured it; a seed run without it, `--skip-flatness`, is marked ° in the "
+             "seeds column) on held-out windows: f = the block's relative reconstruction error at the final "
              "weights, Δf/f = its relative increase under random perturbations of relative norm r on the kept "
              "weights (antithetic pairs), and the top eigenvalue of ∇²f on the kept weights.", "",
              "| pattern | arm | perplexity | seeds | mean last training loss (calibration; SAFE: at x before "
@@ -140,7 +141,7 @@ def markdown(result) -> str:
         rows = sorted(rows, key=lambda r: r["seed"])
         mean, std = _mean_std([r["perplexity"] for r in rows])
         ppl = f"{mean:.3f}" + (f" ± {std:.3f}" if len(rows) > 1 else "")
-        seeds = ", ".join(f"{r['seed']}: {r['perplexity']:.3f}" for r in rows)
+        seeds = ", ".join(f"{r['seed']}{'' if r['flatness'] else '°'}: {r['perplexity']:.3f}" for r in rows)
         loss_last = [r["summary"]["loss_last"] for r in rows if r["summary"]]
         def avg(key, fmt):  # per flatness block (mean over seeds), "first / second / …"
             per_block = [[r["flatness"][b][key] for r in rows if b in r["flatness"]] for b in s["flat_blocks"]]
@@ -188,6 +189,8 @@ def main(argv=None):
     parser.add_argument("--flat-blocks", nargs="*", type=int, default=[2, 15, 28])
     parser.add_argument("--flat-pairs", type=int, default=2)
     parser.add_argument("--flat-iterations", type=int, default=6)
+    parser.add_argument("--skip-flatness", action="store_true",
+                        help="rows of this run skip the flatness measure (for extra seeds; the table marks them)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-controls-smollm2-135m.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -249,8 +252,8 @@ def main(argv=None):
                        "perplexity": perplexity(model, tokens, args.eval_seqlen, progress=False, bos_token_id=bos),
                        "sparsity": report["sparsity"], "time_s": report["time_s"],
                        "load_avg": os.getloadavg()[0], "summary": summary(report.get("blocks"))}
-                row["flatness"] = flatness(model, dense_model, flat_windows, args.flat_blocks, args.flat_pairs,
-                                           args.flat_iterations)
+                row["flatness"] = {} if args.skip_flatness else flatness(
+                    model, dense_model, flat_windows, args.flat_blocks, args.flat_pairs, args.flat_iterations)
                 row["blocks"] = report.get("blocks")
                 rows.append(row)
                 save()
