@@ -258,7 +258,7 @@ def main(argv=None):
                 rows.append(row)
                 save()
                 print(f"{pattern} {arm} seed {seed}: perplexity {row['perplexity']:.3f} "
-                      f"({time.time() - started:.0f} s with flatness)", flush=True)
+                      f"({time.time() - started:.0f} s in all)", flush=True)
     return 0
 
 
