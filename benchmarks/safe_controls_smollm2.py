@@ -65,6 +65,9 @@ ARMS = {
 }
 TRAINING = ("safe", "safe+", "masked-recon")
 RELATIVE_NORMS = (0.01, 0.05)
+#: (arm, against): perplexity differences on the calibration seeds both ran (the seed's windows cancel)
+PAIRED = (("safe+", "masked-recon wanda"), ("safe+", "sparsegpt"), ("masked-recon wanda", "sparsegpt"),
+          ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe", "masked-recon magnitude"))
 
 
 def flatness(model, dense, windows, blocks, pairs, iterations):
@@ -152,6 +155,21 @@ def markdown(result) -> str:
                      + f" | {avg('loss', '.2g')} | "
                      + " | ".join(avg(f"increase_r{r}", ".3f") for r in RELATIVE_NORMS)
                      + f" | {avg('top_eigenvalue', '.3g')} | {sum(r['time_s'] for r in rows) / len(rows):.0f} |")
+    paired = []
+    for pattern in dict.fromkeys(pattern for pattern, _ in groups):
+        for arm, against in PAIRED:
+            ours = {r["seed"]: r["perplexity"] for r in groups.get((pattern, arm), [])}
+            theirs = {r["seed"]: r["perplexity"] for r in groups.get((pattern, against), [])}
+            differences = [(seed, ours[seed] - theirs[seed]) for seed in sorted(ours.keys() & theirs.keys())]
+            if differences:
+                mean, std = _mean_std([d for _, d in differences])
+                paired.append(f"| {pattern} | {arm} − {against} | {mean:+.3f}" + (f" ± {std:.3f}" if len(
+                    differences) > 1 else "") + " | " + ", ".join(f"{seed}: {d:+.3f}" for seed, d in differences)
+                    + " |")
+    if paired:
+        lines += ["", "Paired perplexity differences, arm − the arm it is set against, on the calibration seeds both "
+                  "ran (mean ± std over those seeds; negative = the first arm is better):", "",
+                  "| pattern | difference | mean ± std | per seed |", "|---|---|---:|---|", *paired]
     sam = [(pattern, arm, rows) for (pattern, arm), rows in groups.items()
            if rows[0]["summary"].get("sam_relative") is not None]
     if sam:
