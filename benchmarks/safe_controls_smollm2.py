@@ -8,7 +8,7 @@ schedule, relative loss, minibatch seed, sequential propagation):
 
 * ``wanda``, ``sparsegpt``: the one-shot methods;
 * ``safe+`` / ``safe``: SAFE⁺ / SAFE with their CPU defaults; ``safe+ rho=0``: without SAM;
-  ``safe+ rho=5e-3``: ρ scaled by the 25x the learning rate was (paper 2e-4 → 5e-3);
+  ``safe+ rho=5e-3``: ρ scaled 25x, as the learning rate was (paper 2e-4 → 5e-3);
 * ``masked-recon wanda`` / ``magnitude`` / ``sparsegpt``: the control (:mod:`pyprune.methods.reconstruction`),
   each block pruned one-shot by the start (Wanda's mask is SAFE⁺'s z₀, magnitude's SAFE's), then
   its kept weights trained with the same budget, no ADMM, no SAM.
@@ -23,6 +23,10 @@ f = ‖B(X) − B_dense(X)‖² / ‖B_dense(X)‖² over X = the pruned model's
 first 4 evaluation windows: the mean increase of f under antithetic random perturbations of
 ‖ε_t‖ = r·‖w_t‖ per weight on its kept entries, over f, and the top eigenvalue of ∇²f on the kept
 entries (power iteration, :mod:`pyprune.runtime.flatness`).
+
+Perplexity is reported as mean ± std over the calibration seeds run, and as paired differences
+between arms on the seeds both ran (``PAIRED``); ``--skip-flatness`` spares extra seeds the
+flatness measure.
 
 Results go to benchmarks/results/safe-controls-smollm2-135m.{json,md}, rewritten after every row;
 rows with the same key are skipped on a rerun (same settings), and concurrent runs merge rows.
