@@ -71,6 +71,7 @@ TRAINING = ("safe", "safe+", "masked-recon")
 RELATIVE_NORMS = (0.01, 0.05)
 #: (arm, against): perplexity differences on the calibration seeds both ran (the seed's windows cancel)
 PAIRED = (("safe+", "masked-recon wanda"), ("safe+", "sparsegpt"), ("masked-recon wanda", "sparsegpt"),
+          ("masked-recon sparsegpt", "sparsegpt"),
           ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe", "masked-recon magnitude"))
 
 
