@@ -8,7 +8,7 @@ schedule, relative loss, minibatch seed, sequential propagation):
 
 * ``wanda``, ``sparsegpt``: the one-shot methods;
 * ``safe+`` / ``safe``: SAFE⁺ / SAFE with their CPU defaults; ``safe+ rho=0``: without SAM;
-  ``safe+ rho=5e-3``: ρ scaled by the 25x the learning rate was (paper 2e-4 → 5e-3);
+  ``safe+ rho=5e-3``: ρ scaled 25x, as the learning rate was (paper 2e-4 → 5e-3);
 * ``masked-recon wanda`` / ``magnitude`` / ``sparsegpt``: the control (:mod:`pyprune.methods.reconstruction`),
   each block pruned one-shot by the start (Wanda's mask is SAFE⁺'s z₀, magnitude's SAFE's), then
   its kept weights trained with the same budget, no ADMM, no SAM.
@@ -23,6 +23,10 @@ f = ‖B(X) − B_dense(X)‖² / ‖B_dense(X)‖² over X = the pruned model's
 first 4 evaluation windows: the mean increase of f under antithetic random perturbations of
 ‖ε_t‖ = r·‖w_t‖ per weight on its kept entries, over f, and the top eigenvalue of ∇²f on the kept
 entries (power iteration, :mod:`pyprune.runtime.flatness`).
+
+Perplexity is reported as mean ± std over the calibration seeds run, and as paired differences
+between arms on the seeds both ran (``PAIRED``); ``--skip-flatness`` spares extra seeds the
+flatness measure.
 
 Results go to benchmarks/results/safe-controls-smollm2-135m.{json,md}, rewritten after every row;
 rows with the same key are skipped on a rerun (same settings), and concurrent runs merge rows.
@@ -65,6 +69,10 @@ ARMS = {
 }
 TRAINING = ("safe", "safe+", "masked-recon")
 RELATIVE_NORMS = (0.01, 0.05)
+#: (arm, against): perplexity differences on the calibration seeds both ran (the seed's windows cancel)
+PAIRED = (("safe+", "masked-recon wanda"), ("safe+", "sparsegpt"), ("masked-recon wanda", "sparsegpt"),
+          ("masked-recon sparsegpt", "sparsegpt"),
+          ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe", "masked-recon magnitude"))
 
 
 def flatness(model, dense, windows, blocks, pairs, iterations):
@@ -126,7 +134,8 @@ def markdown(result) -> str:
              f"Dense perplexity: {result['dense']:.3f}", "",
              "Perplexity, mean ± std over the calibration seeds run (each seed's value in the seeds column); block "
              f"diagnostics are means over blocks and seeds. Flatness, per block ({' / '.join(s['flat_blocks'])}, "
-             "means over seeds) on held-out windows: f = the block's relative reconstruction error at the final "
+             "means over the seeds that measured it; a seed run without it, `--skip-flatness`, is marked ° in the "
+             "seeds column) on held-out windows: f = the block's relative reconstruction error at the final "
              "weights, Δf/f = its relative increase under random perturbations of relative norm r on the kept "
              "weights (antithetic pairs), and the top eigenvalue of ∇²f on the kept weights.", "",
              "| pattern | arm | perplexity | seeds | mean last training loss (calibration; SAFE: at x before "
@@ -140,7 +149,7 @@ def markdown(result) -> str:
         rows = sorted(rows, key=lambda r: r["seed"])
         mean, std = _mean_std([r["perplexity"] for r in rows])
         ppl = f"{mean:.3f}" + (f" ± {std:.3f}" if len(rows) > 1 else "")
-        seeds = ", ".join(f"{r['seed']}: {r['perplexity']:.3f}" for r in rows)
+        seeds = ", ".join(f"{r['seed']}{'' if r['flatness'] else '°'}: {r['perplexity']:.3f}" for r in rows)
         loss_last = [r["summary"]["loss_last"] for r in rows if r["summary"]]
         def avg(key, fmt):  # per flatness block (mean over seeds), "first / second / …"
             per_block = [[r["flatness"][b][key] for r in rows if b in r["flatness"]] for b in s["flat_blocks"]]
@@ -151,6 +160,21 @@ def markdown(result) -> str:
                      + f" | {avg('loss', '.2g')} | "
                      + " | ".join(avg(f"increase_r{r}", ".3f") for r in RELATIVE_NORMS)
                      + f" | {avg('top_eigenvalue', '.3g')} | {sum(r['time_s'] for r in rows) / len(rows):.0f} |")
+    paired = []
+    for pattern in dict.fromkeys(pattern for pattern, _ in groups):
+        for arm, against in PAIRED:
+            ours = {r["seed"]: r["perplexity"] for r in groups.get((pattern, arm), [])}
+            theirs = {r["seed"]: r["perplexity"] for r in groups.get((pattern, against), [])}
+            differences = [(seed, ours[seed] - theirs[seed]) for seed in sorted(ours.keys() & theirs.keys())]
+            if differences:
+                mean, std = _mean_std([d for _, d in differences])
+                paired.append(f"| {pattern} | {arm} − {against} | {mean:+.3f}" + (f" ± {std:.3f}" if len(
+                    differences) > 1 else "") + " | " + ", ".join(f"{seed}: {d:+.3f}" for seed, d in differences)
+                    + " |")
+    if paired:
+        lines += ["", "Paired perplexity differences, arm − the arm it is set against, on the calibration seeds both "
+                  "ran (mean ± std over those seeds; negative = the first arm is better):", "",
+                  "| pattern | difference | mean ± std | per seed |", "|---|---|---:|---|", *paired]
     sam = [(pattern, arm, rows) for (pattern, arm), rows in groups.items()
            if rows[0]["summary"].get("sam_relative") is not None]
     if sam:
@@ -188,6 +212,8 @@ def main(argv=None):
     parser.add_argument("--flat-blocks", nargs="*", type=int, default=[2, 15, 28])
     parser.add_argument("--flat-pairs", type=int, default=2)
     parser.add_argument("--flat-iterations", type=int, default=6)
+    parser.add_argument("--skip-flatness", action="store_true",
+                        help="rows of this run skip the flatness measure (for extra seeds; the table marks them)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-controls-smollm2-135m.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -249,13 +275,13 @@ def main(argv=None):
                        "perplexity": perplexity(model, tokens, args.eval_seqlen, progress=False, bos_token_id=bos),
                        "sparsity": report["sparsity"], "time_s": report["time_s"],
                        "load_avg": os.getloadavg()[0], "summary": summary(report.get("blocks"))}
-                row["flatness"] = flatness(model, dense_model, flat_windows, args.flat_blocks, args.flat_pairs,
-                                           args.flat_iterations)
+                row["flatness"] = {} if args.skip_flatness else flatness(
+                    model, dense_model, flat_windows, args.flat_blocks, args.flat_pairs, args.flat_iterations)
                 row["blocks"] = report.get("blocks")
                 rows.append(row)
                 save()
                 print(f"{pattern} {arm} seed {seed}: perplexity {row['perplexity']:.3f} "
-                      f"({time.time() - started:.0f} s with flatness)", flush=True)
+                      f"({time.time() - started:.0f} s in all)", flush=True)
     return 0
 
 
