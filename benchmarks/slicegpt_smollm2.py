@@ -4,7 +4,8 @@ random Emma windows (seed 0), the first three quarters calibrate (DReSS regulari
 SliceGPT computes its PCAs on them, or on the first
 ``--pca-windows`` of them), the last quarter trains LoRA (same steps, rank, alpha, lr,
 batch); perplexity on the first ``--eval-tokens`` tokens of Pride and Prejudice and Moby Dick,
-sliced and after LoRA; zero-shot accuracy after LoRA with ``--tasks``. Prune (PCA + rotation)
+sliced and after LoRA; zero-shot accuracy with ``--tasks``, sliced (as SLEB's rows, without
+recovery) and after LoRA. Prune (PCA + rotation)
 time and parameter counts recorded (SliceGPT's model carries an untied LM head and two k x k
 shortcut matrices per block). The DReSS rows of the table are read from
 benchmarks/results/dress-smollm2-135m.json when its settings match, never re-run here, and so are
@@ -48,7 +49,8 @@ def dress_result(path, settings):
 def markdown(result, dress_result_rows) -> str:
     s = result["settings"]
     texts = list(result["dense"])
-    tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
+    tasks = sorted({t for r in result["rows"] + dress_result_rows
+                    for t in {**r.get("zero_shot_sliced", {}), **(r.get("zero_shot_lora") or {})}})
     lines = ["# SliceGPT beside DReSS on SmolLM2-135M", "",
              f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
              f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
@@ -56,12 +58,14 @@ def markdown(result, dress_result_rows) -> str:
              "as benchmarks/dress_smollm2.py; its rows are quoted from dress-smollm2-135m.json. "
              "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
              "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
-             + "".join(f" | {t} (after LoRA)" for t in tasks) + " | prune (s) | LoRA (s) |",
-             "|---|---|---:|" + "---:|---:|" * len(texts) + "---:|" * len(tasks) + "---:|---:|"]
+             + "".join(f" | {t} sliced | {t} + LoRA" for t in tasks) + " | prune (s) | LoRA (s) |",
+             "|---|---|---:|" + "---:|---:|" * (len(texts) + len(tasks)) + "---:|---:|"]
 
     def scores(row):
-        found = row.get("zero_shot_lora", {})
-        return [f"{found[t]['acc']:.3f} ± {found[t]['stderr']:.3f}" if t in found else "–" for t in tasks]
+        """Each task's accuracy sliced, then after LoRA ('–' where not scored)."""
+        found = [row.get("zero_shot_sliced") or {}, row.get("zero_shot_lora") or {}]
+        return [f"{scored[t]['acc']:.3f} ± {scored[t]['stderr']:.3f}" if t in scored else "–"
+                for t in tasks for scored in found]
 
     for r in result["rows"]:
         lora = r["ppl_lora"] or {}
@@ -103,8 +107,9 @@ def main(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--eval-seqlen", type=int, default=256)
     parser.add_argument("--no-recovery", action="store_true",
-                        help="sliced perplexity only: no LoRA, no zero-shot (the row says so)")
-    parser.add_argument("--tasks", default="", help="comma-separated zero-shot tasks scored after LoRA")
+                        help="the sliced model only: no LoRA (the row says so)")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated zero-shot tasks scored on the sliced model and after LoRA")
     parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
     parser.add_argument("--dress-results", default=os.path.join(dress.RESULTS, "dress-smollm2-135m.json"))
     parser.add_argument("--output", default=os.path.join(dress.RESULTS, "dress-slicegpt-smollm2-135m.json"))
@@ -141,11 +146,14 @@ def main(argv=None):
     windows = calibrate[:args.pca_windows]
     label = f"ratio {args.ratio:g}, PCA on {windows.shape[0]} of the {split} windows" \
         + (", no LoRA run" if args.no_recovery else "")
-    if not any(r["label"] == label for r in rows):
+    scored = set(tasks.tasks) if tasks is not None else set()
+    if not any(r["label"] == label and scored <= set(r.get("zero_shot_sliced", {})) for r in rows):
+        rows[:] = [r for r in rows if r["label"] != label]  # rerun (the PCA is deterministic) to score the tasks
         model = copy.deepcopy(dense_model)
         report = pyprune.prune(model, "slicegpt", Structured(args.ratio), windows, batch_size=args.batch_size,
                                progress=True)
         ppl_sliced = {text: perplexity(model, ids, args.eval_seqlen, progress=False) for text, ids in tokens.items()}
+        sliced_scores = {} if tasks is None else dress.zero_shot(model, tokenizer, tasks, args.limit)
         ppl_lora, scores, lora_s = None, {}, None
         if not args.no_recovery:
             start = time.perf_counter()
@@ -156,10 +164,12 @@ def main(argv=None):
             scores = {} if tasks is None else dress.zero_shot(model, tokenizer, tasks, args.limit)
         rows.append({"label": label, "ratio": args.ratio, "hidden_size": report["hidden_size"],
                      "parameters": [report["parameters_before"], report["parameters_after"]],
-                     "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora, "zero_shot_lora": scores,
+                     "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
+                     "zero_shot_sliced": sliced_scores, "zero_shot_lora": scores,
                      "prune_s": report["time_s"], "lora_s": lora_s, "kept_variance": report["kept_variance"],
                      "rotation_parameters": report["rotation_parameters"], "deviations": report["deviations"]})
-        print(f"slicegpt {label}: ppl sliced {ppl_sliced}, + LoRA {ppl_lora}, {scores}", flush=True)
+        print(f"slicegpt {label}: ppl sliced {ppl_sliced}, + LoRA {ppl_lora}, zero-shot sliced {sliced_scores}, "
+              f"+ LoRA {scores}", flush=True)
     save()
     return 0
 
