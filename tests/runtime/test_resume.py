@@ -22,9 +22,11 @@ BLOCKWISE = [("wanda", {}), ("sparsegpt", {}), ("copal", {"propagate": "dense"})
 IDS = [method for method, _ in BLOCKWISE]
 
 #: One process per method is killed by SIGKILL once blocks 0 and 1 of 3 are saved: forked from one
-#: interpreter that imports everything first and runs no torch work itself (so forking is safe).
+#: interpreter that imports everything first and runs no torch work itself (so forking is safe), at the
+#: test process's thread count (under `pytest -n 2` a worker runs 1 thread, a fresh interpreter 2).
 _KILLED_RUNS = """
 import json, os, signal, sys
+import torch
 import pyprune
 from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_llama
@@ -34,6 +36,7 @@ def save_then_die(self, index, block, details):
     if index == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 engine.BlockCheckpoint.save = save_then_die
+torch.set_num_threads(int(sys.argv[2]))  # the test process's count: SparseGPT's float sums depend on it
 statuses = {}
 for method, options, directory in json.loads(sys.argv[1]):
     child = os.fork()
@@ -52,8 +55,8 @@ def killed_checkpoints(tmp_path_factory):
     """{method: checkpoint directory of its run killed after two of three blocks}."""
     base = tmp_path_factory.mktemp("killed")
     runs = [(method, options, str(base / method)) for method, options in BLOCKWISE]
-    result = subprocess.run([sys.executable, "-c", _KILLED_RUNS, json.dumps(runs)], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-c", _KILLED_RUNS, json.dumps(runs), str(torch.get_num_threads())],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {method: 9 for method in IDS}
     return {method: base / method for method in IDS}
