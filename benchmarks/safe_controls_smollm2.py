@@ -8,7 +8,8 @@ schedule, relative loss, minibatch seed, sequential propagation):
 
 * ``wanda``, ``sparsegpt``: the one-shot methods;
 * ``safe+`` / ``safe``: SAFE⁺ / SAFE with their CPU defaults; ``safe+ rho=0``: without SAM;
-  ``safe+ rho=5e-3``: ρ scaled 25x, as the learning rate was (paper 2e-4 → 5e-3);
+  ``safe+ rho=5e-3``: ρ scaled 25x, as the learning rate was (paper 2e-4 → 5e-3); ``safe+ dual_init=box``:
+  u₀ = x₀ − z₀ (the printed box's u-step at t = 0) instead of Algorithm 1's u₀ = 0;
 * ``masked-recon wanda`` / ``magnitude`` / ``sparsegpt``: the control (:mod:`pyprune.methods.reconstruction`),
   each block pruned one-shot by the start (Wanda's mask is SAFE⁺'s z₀, magnitude's SAFE's), then
   its kept weights trained with the same budget, no ADMM, no SAM.
@@ -66,13 +67,15 @@ ARMS = {
     "masked-recon magnitude": ("masked-recon", {"start": "magnitude"}),
     "safe+ rho=0": ("safe+", {"rho": 0.0}),
     "safe+ rho=5e-3": ("safe+", {"rho": 5e-3}),
+    "safe+ dual_init=box": ("safe+", {"dual_init": "box"}),
 }
 TRAINING = ("safe", "safe+", "masked-recon")
 RELATIVE_NORMS = (0.01, 0.05)
 #: (arm, against): perplexity differences on the calibration seeds both ran (the seed's windows cancel)
 PAIRED = (("safe+", "masked-recon wanda"), ("safe+", "sparsegpt"), ("masked-recon wanda", "sparsegpt"),
           ("masked-recon sparsegpt", "sparsegpt"),
-          ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe", "masked-recon magnitude"))
+          ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe+", "safe+ dual_init=box"),
+          ("safe", "masked-recon magnitude"))
 
 
 def flatness(model, dense, windows, blocks, pairs, iterations):

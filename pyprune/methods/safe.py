@@ -5,11 +5,11 @@ For each decoder block, on its calibration inputs X (the outputs of the blocks a
 targets Y = dense block(X); the 7 linear weights train on fp32 masters with
 :class:`pyprune.runtime.optim.SafeOptimizer` on the reconstruction error f over seeded minibatches
 (:func:`pyprune.runtime.training.train_block`), Adam β = (0.9, 0.95), linear LR schedule with warm-up;
-z₀ = proj(x₀), u₀ = 0, then after every ``dual_interval`` steps the z/u-step projects onto the
-pattern by |v| (SAFE) or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA) from the block's calibration inputs,
-§1.6.2); the block ends projected (Algorithm 1, line 15) and in the model's dtype. With
-``train_norms`` the block's other parameters (RMSNorm gains) train with the same SAM-Adam,
-unconstrained (as in the authors' code).
+z₀ = proj(x₀), u₀ = 0 (``dual_init="box"``: u₀ = x₀ − z₀), then after every ``dual_interval``
+steps the z/u-step projects onto the pattern by |v| (SAFE) or by |v|·‖X_j‖ (SAFE⁺, P = diag(AᵀA)
+from the block's calibration inputs, §1.6.2); the block ends projected (Algorithm 1, line 15) and
+in the model's dtype. With ``train_norms`` the block's other parameters (RMSNorm gains) train with
+the same SAM-Adam, unconstrained (as in the authors' code).
 
 A scale-free penalty. Under Adam only the per-coordinate ratio of the penalty λ(x − z + u) to
 ∇f in the x-step (Eq. 4–5) matters when the penalty enters the moments (the authors' code,
@@ -58,6 +58,8 @@ class Safe(BlockTraining):
     penalty: str = option("decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step x -= lr·λ(x − z + u) "
                           "after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before Adam's "
                           "moments (the authors' code)", choices=("decoupled", "adam"))
+    dual_init: str = option("zero", "SAFE: the scaled dual at the start: 'zero' = u₀ = 0 (Algorithm 1, line 2), "
+                            "'box' = u₀ = x₀ − z₀ (the printed box's u-step run at t = 0)", choices=("zero", "box"))
     train_norms: bool = option(False, "SAFE: also train the block's other parameters (RMSNorm gains) with the same "
                                "SAM-Adam, unconstrained")
     dual_interval: int = option(8, "SAFE: steps between dual (z/u) updates, K (paper: 32)", at_least_one)
@@ -95,7 +97,7 @@ class Safe(BlockTraining):
                                "pattern": None})
             optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
                                       lam=self.lam, dual_interval=self.dual_interval, importance=importance,
-                                      penalty=self.penalty)
+                                      penalty=self.penalty, dual_init=self.dual_init)
             first_masks.update(optimizer.masks())  # z₀'s support
             return optimizer, [p for group in groups for p in group["params"]]
 

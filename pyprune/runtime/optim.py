@@ -3,7 +3,8 @@ Algorithm 1; spec §1.4–1.9).
 
 ADMM on min_{x∈C} max_{‖ε‖≤ρ} f(x+ε) with the split x = z, z ∈ C (the sparsity pattern):
 
-* before the first step, z₀ = proj_C(x₀) and u₀ = 0 (Algorithm 1, lines 1–2; :meth:`SafeOptimizer.initialise`);
+* before the first step, z₀ = proj_C(x₀) and u₀ = 0 (Algorithm 1, lines 1–2; :meth:`SafeOptimizer.initialise`),
+  or with ``dual_init="box"`` u₀ = x₀ − z₀ (the printed box's u-step run at t = 0);
 * after steps K, 2K, … (K = ``dual_interval``), z-step and u-step: z = proj_C(x + u), u ← u + x − z
   (:func:`pyprune.ops.admm_dual_update_` on the compact state v = x + u, keep = support of z);
 * every step, the x-step of Eq. (5) with Adam as the base optimiser (:func:`~pyprune.ops.sam_perturb_`
@@ -33,6 +34,7 @@ from ..patterns import NM, Pattern, Unstructured, parse
 
 
 _PENALTIES = ("adam", "decoupled")
+_DUAL_INITS = ("zero", "box")
 
 
 def _selection(pattern: Pattern) -> Dict:
@@ -58,9 +60,12 @@ class SafeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, rho: float = 2e-4, lam: float = 1e-3, dual_interval: int = 32,
-                 importance: Optional[Dict[Tensor, Tensor]] = None, penalty: str = "adam"):
+                 importance: Optional[Dict[Tensor, Tensor]] = None, penalty: str = "adam",
+                 dual_init: str = "zero"):
         if penalty not in _PENALTIES:
             raise ValueError(f"penalty must be one of {', '.join(_PENALTIES)}; got {penalty!r}")
+        if dual_init not in _DUAL_INITS:
+            raise ValueError(f"dual_init must be one of {', '.join(_DUAL_INITS)}; got {dual_init!r}")
         if not (isinstance(dual_interval, int) and dual_interval >= 1):
             raise ValueError(f"dual_interval must be an integer >= 1; got {dual_interval!r}")
         for name, value in (("lr", lr), ("rho", rho), ("lam", lam), ("weight_decay", weight_decay)):
@@ -84,6 +89,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                         raise ValueError("the constrained parameters must be 2-D weights [out, in]; got shape "
                                          f"{tuple(p.shape)} (put it in a group with pattern=None)")
         self.decoupled = penalty == "decoupled"
+        self.dual_init = dual_init
         self.steps_done = 0
         self.initialised = False
         self.residuals: List[float] = []
@@ -122,16 +128,18 @@ class SafeOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def initialise(self) -> float:
         """z₀ = proj(x₀), u₀ = 0 (Algorithm 1, lines 1–2): the z-step alone on the current weights,
-        whatever the state held; returns (and records) ‖x − z₀‖ / ‖x‖. :meth:`step` calls it once
+        whatever the state held; with ``dual_init="box"`` the u-step too, u₀ = x₀ − z₀ (the printed
+        box runs it at t = 0). Returns (and records) ‖x − z₀‖ / ‖x‖. :meth:`step` calls it once
         before the first step."""
         for _, p in self._constrained():
             state = self._state(p)
             state["v"].zero_()
             state["keep"].zero_()
-        residual = self.dual_update()  # u = 0: v = x, keep = the support of proj(x)
-        for _, p in self._constrained():
-            state = self.state[p]
-            state["v"].mul_(state["keep"])  # v = z₀, so u = v⊙¬keep = 0
+        residual = self.dual_update()  # from u = 0: v = x₀, keep = the support of z₀ = proj(x₀), u = x₀ − z₀
+        if self.dual_init == "zero":
+            for _, p in self._constrained():
+                state = self.state[p]
+                state["v"].mul_(state["keep"])  # v = z₀, so u = v⊙¬keep = 0
         self.initialised = True
         return residual
 

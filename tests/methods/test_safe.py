@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyprune
+import pyprune.methods
 from pyprune.runtime import engine
 from pyprune.runtime.optim import SafeOptimizer
 from pyprune.patterns import NM, Unstructured
@@ -174,6 +175,29 @@ def test_initialisation_is_z0_the_projection_u0_zero_and_the_first_dual_update_a
         pulled.step(lambda: (weight * 0).sum().backward())
     pruned = weight.detach()[~projected]
     assert pruned.abs().max() < 0.1 * x0[~projected].abs().min() + 0.05  # at z₀'s zeros, not at −x₀
+
+
+def test_dual_init_box_starts_u0_at_x0_minus_z0_and_zero_at_zero():
+    """``dual_init``: z₀ = proj(x₀) either way; u₀ = 0 ("zero", Algorithm 1, line 2) or x₀ − z₀ ("box",
+    the printed box's u-step at t = 0). On f ≡ 0 the decoupled penalty's first step then moves a pruned
+    entry by lr·λ·(x₀ − z₀ + u₀): to 0.7·x₀ from u₀ = 0, to 0.4·x₀ from u₀ = x₀ − z₀ (lr·λ = 0.3)."""
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 16)
+    z0 = x0 * NM(2, 4).weight_mask(x0)
+    for dual_init, u0, factor in (("zero", torch.zeros_like(x0), 0.7), ("box", x0 - z0, 0.4)):
+        w = nn.Parameter(x0.clone())
+        optimizer = SafeOptimizer([w], NM(2, 4), lr=1e-2, rho=0.0, lam=30.0, dual_interval=100,
+                                  penalty="decoupled", dual_init=dual_init)
+        optimizer.initialise()
+        state = optimizer.state[w]
+        assert torch.equal(state["v"] * state["keep"], z0)  # z₀
+        assert torch.equal(state["v"] * ~state["keep"], u0)  # u₀
+        optimizer.step(lambda: (w * 0).sum().backward())
+        torch.testing.assert_close(w.detach(), torch.where(z0 != 0, x0, factor * x0))
+    with pytest.raises(ValueError, match="dual_init must be one of zero, box; got 'ones'"):
+        SafeOptimizer([w], NM(2, 4), dual_init="ones")
+    with pytest.raises(ValueError, match="option dual_init of method 'safe' must be one of zero, box"):
+        pyprune.methods.get("safe", dual_init="ones")
 
 
 def test_decoupled_penalty_closes_lr_times_lambda_of_the_distance_to_z_minus_u_each_step():
