@@ -6,9 +6,9 @@ perplexity on the first ``--eval-tokens`` tokens of the second half of Pride and
 (``pride_and_prejudice:second_half``) in ``--seqlen`` windows: held out, and never tuned on (the
 SAFE defaults were chosen on the first 4096 tokens of Pride and Prejudice, in its first half;
 safe_sweep_smollm2.py now chooses on Emma's second half). Results files up to this protocol
-reported on Pride and Prejudice's first 8192 tokens, half of them the tuning text; their
-settings say so. Every row prunes
-a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
+reported on Pride and Prejudice's first 8192 tokens, half of them the tuning text
+(safe-smollm2-135m-tuning-text.{json,md}, rendered with ``--render``: its tuning line says so).
+Every row prunes a fresh copy of the dense model; SAFE runs with its CPU defaults unless ``--safe-options`` sets
 others (e.g. the paper's ``epochs=30 train_batch=8 dual_interval=32``). At unstructured patterns
 the SAFE rows run once per ``--scopes`` entry: per-row top-k (Wanda's comparison group) and
 per-tensor top-k (the authors' projection); Wanda (per row), SparseGPT and ALPS (per tensor) keep
@@ -46,6 +46,11 @@ CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_h
 RISE_NOISE, CONVERGED = 0.002, 0.05
 #: the README table's protocol: calibration windows, their length, evaluation tokens
 TABLE_PROTOCOL = (64, 256, 8192)
+#: the tuning line of the results written before the held-out protocol (their settings have none)
+LEAKED = ("the SAFE defaults (decoupled penalty, λ 100, K 8, lr 5e-3, 64 windows) were chosen by safe_sweep_smollm2.py "
+          "on the first 4096 tokens of pride_and_prejudice, half of this evaluation text: the tuning leaked into "
+          "these rows; held out (never tuned on): safe-smollm2-135m.md and safe-controls-smollm2-135m.md, both on "
+          "pride_and_prejudice's second half")
 
 
 def unconverged(blocks) -> str:
@@ -69,7 +74,7 @@ def markdown(result) -> str:
              *([f"Cut protocol: fewer calibration or evaluation tokens than the table's {nsamples} x {seqlen} and "
                 f"{eval_tokens}, for the CPU time a shared core allows; the same for every row.", ""] if cut else []),
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "
-             f"{s.get('tuning', 'SAFE defaults chosen on the first 4096 tokens of the evaluation text')}; SAFE options "
+             f"{s.get('tuning', LEAKED)}; SAFE options "
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
              f"torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
@@ -112,7 +117,13 @@ def main(argv=None):
                         "interrupted row resumes from its last block (the checkpoint path is not part of a row's "
                         "identity)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "safe-smollm2-135m.json"))
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the .md of --output from its .json (the table's current layout), no run")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.output, encoding="utf-8") as handle:
+            write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(json.load(handle)))
+        return 0
 
     safe_options = dict(args.safe_options)
     for method in ("safe", "safe+"):
