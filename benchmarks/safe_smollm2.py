@@ -46,11 +46,17 @@ CALIBRATION_TEXT, REPORT_TEXT = "emma:first_half", "pride_and_prejudice:second_h
 RISE_NOISE, CONVERGED = 0.002, 0.05
 #: the README table's protocol: calibration windows, their length, evaluation tokens
 TABLE_PROTOCOL = (64, 256, 8192)
+#: said in place of the SAFE rows while a results file has none
+NO_SAFE_ROW = ("No SAFE / SAFE⁺ row on this protocol yet: a SAFE⁺ row at 64 x 256 took 2483 s at load 3.7 on "
+               "the 2 cores (Wanda 166 s), more than the CPU time left when these rows ran. The held-out "
+               "comparison of SAFE⁺ with Wanda and SparseGPT is safe-controls-smollm2-135m.md (cut protocol, "
+               "calibration seeds 0–2); safe-smollm2-135m-tuning-text.md has the full protocol's SAFE rows, on the "
+               "text the defaults were tuned on.")
 #: the tuning line of the results written before the held-out protocol (their settings have none)
-LEAKED = ("the SAFE defaults (decoupled penalty, λ 100, K 8, lr 5e-3, 64 windows) were chosen by safe_sweep_smollm2.py "
-          "on the first 4096 tokens of pride_and_prejudice, half of this evaluation text: the tuning leaked into "
-          "these rows; held out (never tuned on): safe-smollm2-135m.md and safe-controls-smollm2-135m.md, both on "
-          "pride_and_prejudice's second half")
+LEAKED = ("the SAFE defaults (decoupled penalty, λ 100, K 8, lr 5e-3, 64 windows) were chosen by "
+          "safe_sweep_smollm2.py on the first 4096 tokens of pride_and_prejudice, half of this evaluation text: the "
+          "tuning leaked into these rows; held out (never tuned on): safe-smollm2-135m.md and "
+          "safe-controls-smollm2-135m.md, both on pride_and_prejudice's second half")
 
 
 def unconverged(blocks) -> str:
@@ -78,6 +84,7 @@ def markdown(result) -> str:
              f"{s['safe_options'] or 'the CPU defaults'}; {env['device']}, {env['cpu_threads']} threads, "
              f"torch {env['torch']}.", "",
              f"Dense perplexity: {result['dense']:.3f}", "",
+             *([NO_SAFE_ROW, ""] if not any(row["method"].startswith("safe") for row in result["rows"]) else []),
              "| pattern | method | perplexity | measured sparsity | pattern valid | ‖x−z‖/‖x‖ first → last dual "
              f"update (mean over blocks; worst block at the last) | blocks whose residual rises (> {RISE_NOISE}) / "
              f"ends > {CONVERGED} | prune time (s) |",
