@@ -72,8 +72,8 @@ def markdown(summary) -> str:
              f"{', '.join(map(str, seeds))}; evaluation {s['evaluation']}. Orders: {len(orders)} "
              f"({'; '.join(orders)}), the ones every row below finished for every seed. A-BWT, A-PPL: means over "
              "those orders (as in the per-seed results files); mean ± standard deviation over the seeds.", "",
-             "| pattern | method | init | A-BWT | A-PPL | " + " | ".join(f"seed {seed}: A-BWT / A-PPL" for seed in seeds)
-             + " |", "|---|---|---|---:|---:|" + "---:|" * len(seeds)]
+             "| pattern | method | init | A-BWT | A-PPL | "
+             + " | ".join(f"seed {seed}: A-BWT / A-PPL" for seed in seeds) + " |", "|---|---|---|---:|---:|" + "---:|" * len(seeds)]
     for row in summary["rows"]:
         lines.append(f"| {row['pattern']} | {row['method']} | {row['init']} | "
                      f"{row['a_bwt_mean']:.3f} ± {row['a_bwt_std']:.2f} | {row['a_ppl_mean']:.3f} ± "
