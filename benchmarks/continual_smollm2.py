@@ -77,6 +77,9 @@ def markdown(result) -> str:
                      f"{_spread(row['a_ppl'], row['a_ppl_std'])} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
                      + " | ".join(cells)
                      + f" | {row['time_s']:.0f} |")
+    if all(row.get("partial") for row in result["rows"]):  # no row for the summary table
+        lines[-2:] = ["No row has run every order of the protocol: the table below gives each row over the orders "
+                      "it finished."]
     return "\n".join(lines + _per_order(result)) + "\n"
 
 
