@@ -77,6 +77,9 @@ def markdown(result) -> str:
                      f"{_spread(row['a_ppl'], row['a_ppl_std'])} | {row['m_ppl']:.3f} | {row['a_ppl_steps']:.3f} | "
                      + " | ".join(cells)
                      + f" | {row['time_s']:.0f} |")
+    if all(row.get("partial") for row in result["rows"]):  # no row for the summary table
+        lines[-2:] = ["No row has run every order of the protocol: the table below gives each row over the orders "
+                      "it finished."]
     return "\n".join(lines + _per_order(result)) + "\n"
 
 
@@ -90,16 +93,20 @@ def _per_order(result) -> list:
     orders = continual.orders(s["datasets"], s["permutations"])
     lines = ["", "Per order: A-BWT / mean final perplexity of that order alone (a row marked partial has "
              "finished only the orders shown; its run resumes with the same command, which runs the orders "
-             "given by --orders, or every order without it).", "",
-             "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders) + " |",
-             "|---|---|---|" + "---:|" * len(orders)]
+             "given by --orders, or every order without it). Last column: A-BWT / A-PPL over the orders "
+             "the row finished, ± their standard deviation across those orders.", "",
+             "| pattern | method | init | " + " | ".join(" → ".join(order) for order in orders)
+             + " | orders finished |",
+             "|---|---|---|" + "---:|" * (len(orders) + 1)]
     for row in rows:
         by_order = {tuple(run["order"]): continual.metrics(list(run["order"]), {tuple(run["order"]): run["steps"]})
                     for run in row["matrix"]}
+        finished = continual.metrics(s["datasets"], {tuple(run["order"]): run["steps"] for run in row["matrix"]})
         partial = f" (partial, {len(row['matrix'])} of {len(orders)} orders)" if row.get("partial") else ""
         lines.append(f"| {row['pattern']} | {row['method']}{partial} | {row['init']} | " + " | ".join(
             f"{_fmt(by_order[o]['a_bwt'], 2)} / {by_order[o]['a_ppl']:.2f}" if o in by_order else "–"
-            for o in orders) + " |")
+            for o in orders) + f" | {_spread(finished['a_bwt'], finished['a_bwt_std'])} / "
+            f"{_spread(finished['a_ppl'], finished['a_ppl_std'])} |")
     return lines
 
 
