@@ -114,7 +114,8 @@ def test_every_structured_method_scores_the_hidden_stream(name, monkeypatch):
     report = pyprune.prune(model, method, Structured(0.1), random_tokens((4, 16)), progress=False)
     assert asked == [expected]
     scores = method.layer_scores[STREAM]["hidden"]
-    assert report["hidden_size"] == [64, 60]  # round(0.9·64) = 58: 56 and 60 are the nearest multiples of 4; ties keep more
+    # round(0.9·64) = 58: 56 and 60 are the nearest multiples of the 4 heads; a tie keeps more
+    assert report["hidden_size"] == [64, 60]
     assert float(scores[report["pruned_hidden_channels"]].max()) <= float(
         scores[[c for c in range(64) if c not in report["pruned_hidden_channels"]]].min())
 
