@@ -15,6 +15,11 @@ layers 4..29 of LLaMA-7B's 32, 25% of them for 20% overall) scaled to the model:
 proportion of the first and last layers stays dense (SmolLM2's 30: layers 4..27) and the layers
 in between lose ratio · layers / pruned layers each, so the ratio is the share of all blocks.
 
+Structure: ``groups`` (default) removes each pruned layer's heads and MLP channels; ``hidden`` is
+LLM-Pruner's channel-wise protocol, the one of the paper's perturbation table: hidden channels,
+the same in every layer (embedding, norms and LM head included), ranked over the whole model
+(every layer, so ``--layers all``); agreement and rank correlation are then over hidden channels.
+
 Calibration: ``--nsamples`` x ``--seqlen`` random windows of Emma (default 10 x 128, the paper's
 batch), one draw per seed; evaluation: the first ``--eval-tokens`` tokens of Pride and Prejudice
 in 128-token windows. The paper's hyperparameters are every method's defaults.
@@ -30,6 +35,8 @@ resumes; seeds are the outer loop, so every setting gets its first seed before a
     python benchmarks/robustness_smollm2.py --eta-sweep 1e-3 1e-2 1e-1      # where -GS starts to act
     python benchmarks/robustness_smollm2.py --methods smoothgrad-gradients --arithmetic fp32-accumulate \
         --no-noise-floor                                                      # the attribution control
+    python benchmarks/robustness_smollm2.py --structure hidden --seeds 0 --arithmetic rounding \
+        --ratios 0.2 0.1 0.05                                                 # the channel-wise protocol
     python benchmarks/robustness_smollm2.py --nsamples 2 --eval-tokens 1024 --seeds 0 --no-noise-floor \
         --output benchmarks/results/robustness-smollm2-135m-cut.json --methods moreau-gs-released moreau-gs taylor \
         --arithmetic rounding                                                 # the released -GS loop, cut for CPU
@@ -77,7 +84,7 @@ def layer_protocol(layers: str, ratio: float, n_layers: int):
 
 
 def _key(run):
-    return (run["method"], run["arithmetic"], run["layers"], run["overall_ratio"])
+    return (run["method"], run["arithmetic"], run["layers"], run["overall_ratio"], run.get("structure", "groups"))
 
 
 def _run_key(run):
@@ -85,8 +92,9 @@ def _run_key(run):
 
 
 def _scores_path(directory, run, seed):
-    method, arithmetic, layers, ratio = _key(run)
-    return os.path.join(directory, f"{method}-{arithmetic}-{layers}-{ratio}-seed{seed}.safetensors")
+    method, arithmetic, layers, ratio, structure = _key(run)
+    hidden = "-hidden" if structure == "hidden" else ""
+    return os.path.join(directory, f"{method}-{arithmetic}-{layers}{hidden}-{ratio}-seed{seed}.safetensors")
 
 
 def save_scores(path, report):
@@ -118,10 +126,17 @@ def load_scores(path):
     return scores, groups
 
 
-def calibration_floor(runs, directory):
-    """Per setting: mean agreement and rank correlation of the bf16 runs over pairs of seeds."""
-    floors = {}
-    for key in {_key(r) for r in runs}:
+def _floor_key(key):
+    """A setting's key in ``calibration_floor`` (the structure only when not the default)."""
+    return "|".join(map(str, key if key[4] != "groups" else key[:4]))
+
+
+def calibration_floor(runs, directory, previous=None):
+    """Per setting: mean agreement and rank correlation of the bf16 runs over pairs of seeds; a
+    ``previous`` floor stays when its runs' score files are not here (another machine's)."""
+    keys = {_key(r) for r in runs}
+    floors = {k: v for k, v in (previous or {}).items() if k in {_floor_key(key) for key in keys}}
+    for key in keys:
         seeds = sorted(r["seed"] for r in runs if _key(r) == key)
         paths = {s: _scores_path(directory, next(r for r in runs if _key(r) == key), s) for s in seeds}
         if len(seeds) < 2 or not all(os.path.exists(p) for p in paths.values()):
@@ -130,10 +145,15 @@ def calibration_floor(runs, directory):
         pairs = list(itertools.combinations(seeds, 2))
         agreements = [robustness.agreement(loaded[a][1], loaded[b][1]) for a, b in pairs]
         correlations = [robustness.rank_correlation(loaded[a][0], loaded[b][0]) for a, b in pairs]
-        floors["|".join(map(str, key))] = {
+        floors[_floor_key(key)] = {
             "pairs": [list(p) for p in pairs], "agreement": statistics.fmean(agreements),
-            "spearman": {kind: statistics.fmean(c[kind] for c in correlations) for kind in ("heads", "channels")}}
+            "spearman": {kind: statistics.fmean(c[kind] for c in correlations) for kind in correlations[0]}}
     return floors
+
+
+def _rho_channels(spearman):
+    """The channels' rank correlation: of the MLP channels, or of the hidden channels (structure hidden)."""
+    return spearman["channels"] if "channels" in spearman else spearman["hidden"]
 
 
 def _mean_std(values, spec=".4f"):
@@ -153,40 +173,43 @@ def markdown(result) -> str:
              "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
              "calibration floor: bf16 runs of two calibration seeds (mean over pairs). Variants: "
              + "; ".join(f"{name} = {method} {options}" for name, (method, options) in VARIANTS.items()
-                         if name != method) + ".", "",
-             "| method | arithmetic | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
+                         if name != method) + ". Structure: groups = each layer's heads and MLP channels; hidden = "
+             "hidden channels in every layer (LLM-Pruner's channel-wise protocol), ρ channels then over hidden "
+             "channels.", "",
+             "| method | arithmetic | structure | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
              "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
              "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for key in sorted({_key(r) for r in runs}, key=lambda k: (k[2], k[3], METHODS.index(k[0]), k[1])):
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted({_key(r) for r in runs}, key=lambda k: (k[4], k[2], k[3], METHODS.index(k[0]), k[1])):
         rows = [r for r in runs if _key(r) == key]
-        floor = result["calibration_floor"].get("|".join(map(str, key)))
+        floor = result["calibration_floor"].get(_floor_key(key))
         noise = [r["noise_floor"] for r in rows if r["noise_floor"]]
         moreau = [r["runs"]["bfloat16"].get("moreau") or {} for r in rows]
         ppl = [_mean_std([r[k] for r in rows], ".2f") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
-        cells = [key[0], key[1], key[2], f"{key[3]:g}", str(len(rows)),
+        cells = [key[0], key[1], key[4], key[2], f"{key[3]:g}", str(len(rows)),
                  _mean_std([r["agreement"] for r in rows]),
-                 _mean_std([r["spearman"]["channels"] for r in rows], ".5f"),
-                 _mean_std([r["spearman"]["heads"] for r in rows]),
+                 _mean_std([_rho_channels(r["spearman"]) for r in rows], ".5f"),
+                 _mean_std([r["spearman"].get("heads") for r in rows]),
                  _mean_std([n["agreement"] for n in noise]),
-                 _mean_std([n["spearman"]["channels"] for n in noise], ".5f"),
+                 _mean_std([_rho_channels(n["spearman"]) for n in noise], ".5f"),
                  f"{floor['agreement']:.4f}" if floor else "–",
-                 f"{floor['spearman']['channels']:.5f}" if floor else "–",
+                 f"{_rho_channels(floor['spearman']):.5f}" if floor else "–",
                  *ppl,
                  _mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
                  _mean_std([m.get("decay") for m in moreau], ".3f"),
                  _mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
-              "| method | arithmetic | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
+              "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
               "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "
-              "prune s (bf16, fp16) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "prune s (bf16, fp16) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         cross = r["ppl_cross"]
         backoffs = [r["runs"][f].get("loss_scale", {}).get("backoffs") for f in ("bfloat16", "float16")]
         lines.append(
-            f"| {r['method']} | {r['arithmetic']} | {r['layers']} | {r['overall_ratio']:g} | {r['seed']} | "
-            f"{r['agreement']:.4f} | {r['spearman']['channels']:.5f} | {r['spearman']['heads']:.4f} | "
+            f"| {r['method']} | {r['arithmetic']} | {r.get('structure', 'groups')} | {r['layers']} | "
+            f"{r['overall_ratio']:g} | {r['seed']} | {r['agreement']:.4f} | {_rho_channels(r['spearman']):.5f} | "
+            f"{_mean_std([r['spearman'].get('heads')])} | "
             f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
             f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
             f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
@@ -215,6 +238,8 @@ def main(argv=None):
                         choices=robustness.ARITHMETIC)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="calibration seeds")
     parser.add_argument("--layers", choices=("all", "middle"), default="all")
+    parser.add_argument("--structure", choices=("groups", "hidden"), default="groups",
+                        help="what is removed: each layer's heads and MLP channels, or hidden channels (every layer)")
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.2], help="share of all blocks' groups")
     parser.add_argument("--nsamples", type=int, default=10)
     parser.add_argument("--seqlen", type=int, default=128)
@@ -227,6 +252,9 @@ def main(argv=None):
                         help="only a MoreauPruner-GS η sweep: these η against η = 0 (bf16, rounding, first seed)")
     parser.add_argument("--output", default=os.path.join(RESULTS, "robustness-smollm2-135m.json"))
     args = parser.parse_args(argv)
+    if args.structure == "hidden" and (args.layers != "all" or args.eta_sweep is not None):
+        parser.error("--structure hidden removes hidden channels in every layer: it takes --layers all and no "
+                     "--eta-sweep")
 
     model, tokenizer = load_model("smollm2-135m")
     n_layers = model.config.num_hidden_layers
@@ -249,7 +277,7 @@ def main(argv=None):
         merge_rows(runs, (previous_result(args.output, settings) or {}).get("runs", []), _run_key)
         runs.sort(key=lambda run: run["seed"])  # stable: each seed's runs in the order they were made
         result["environment"] = environment(torch.device("cpu"))
-        result["calibration_floor"] = calibration_floor(runs, scores_dir)
+        result["calibration_floor"] = calibration_floor(runs, scores_dir, result.get("calibration_floor"))
         write_json(args.output, result)
         write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
 
@@ -257,12 +285,13 @@ def main(argv=None):
         calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=seed)
         for ratio, arithmetic, method in itertools.product(args.ratios, args.arithmetic, args.methods):
             run = {"method": method, "arithmetic": arithmetic, "layers": args.layers, "overall_ratio": ratio,
-                   "seed": seed}
+                   "seed": seed, "structure": args.structure}
             if any(_run_key(r) == _run_key(run) for r in runs):
                 continue
             first, last, layer_ratio = layer_protocol(args.layers, ratio, n_layers)
             name, options = VARIANTS[method]
-            options = {**options, "first_layer": first, "last_layer": last}
+            options = {**options, "first_layer": first, "last_layer": last} if args.structure == "groups" \
+                else {**options, "structure": "hidden"}
             if name == "smoothgrad":
                 options["passes"] = args.smoothgrad_passes
             start = time.perf_counter()
@@ -275,10 +304,9 @@ def main(argv=None):
             run.update(report, wall_s=round(time.perf_counter() - start, 1))
             runs.append(run)
             floor = run["noise_floor"]
-            print(f"{method} {arithmetic} {args.layers} {ratio:g} seed {seed}: agreement {run['agreement']:.4f} "
-                  f"(noise floor {floor['agreement']:.4f}) " if floor else
-                  f"{method} {arithmetic} {args.layers} {ratio:g} seed {seed}: agreement {run['agreement']:.4f} ",
-                  f"rho {run['spearman']['channels']:.4f}, ppl {run['ppl_bf16']:.2f} / {run['ppl_fp16']:.2f} "
+            print(f"{method} {arithmetic} {args.structure} {args.layers} {ratio:g} seed {seed}: agreement "
+                  f"{run['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else ""),
+                  f"rho {_rho_channels(run['spearman']):.4f}, ppl {run['ppl_bf16']:.2f} / {run['ppl_fp16']:.2f} "
                   f"({run['wall_s']} s)", flush=True)
             save()
     if args.eta_sweep is not None and not result.get("eta_sweep"):  # one run, not resumed

@@ -59,6 +59,7 @@ def run(args) -> int:
     print(f"{args.method} at {args.ratio}: perplexity in {args.eval_format} of the bf16 run {report['ppl_bf16']:.3f}, "
           f"of the fp16 run {report['ppl_fp16']:.3f}, ppl_diff {report['ppl_diff']:.3f}, agreement "
           f"{report['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
-          + f", channel rank correlation {report['spearman']['channels']:.4f} ({args.arithmetic})")
+          + "".join(f", {kind} rank correlation {rho:.4f}" for kind, rho in report["spearman"].items())
+          + f" ({args.arithmetic})")
     steps.output_report(args, report)
     return 0

@@ -39,7 +39,7 @@ from .. import ops
 from ..ops.conventions import kept_count, round_half_up
 from ..evaluation.perplexity import model_cost
 from ..nn.compact import keep_hidden_channels_
-from ..nn.layout import hidden_stream, rescaled_norm_weight
+from ..nn.layout import hidden_slices, hidden_stream, rescaled_norm_weight
 from ..patterns import Structured
 from ..runtime.recovery import DEFAULTS as LORA
 from ..runtime.recovery import lora_finetune
@@ -171,20 +171,11 @@ class DReSS(Method):
     # -- regularise, slice, recover ----------------------------------------------------------------
 
     def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int, float]]:
-        """(name, parameter, dim of the hidden channels, offset) of every tensor that reads or writes
-        them (Eqs. 2-4), as :func:`pyprune.nn.layout.hidden_stream` lists them: embedding and LM-head
-        columns, reader input columns, writer output rows, norm entries; a tied LM head shares the
-        embedding's tensor and appears once. The penalty and the mass act on parameter + offset, the
-        norm's effective scale: 1 + w for Gemma's norms (driving w to 0 would leave the scale at 1),
-        the weight itself (offset 0) everywhere else."""
-        stream = hidden_stream(model)
-        slices = [(stream["embed_name"], stream["embed"].weight, 1, 0.0)]
-        slices += [(name, linear.weight, 1, 0.0) for name, linear in stream["readers"].items()]
-        slices += [(name, linear.weight, 0, 0.0) for name, linear in stream["writers"].items()]
-        slices += [(name, norm.weight, 0, float(stream["norm_offset"])) for name, norm in stream["norms"].items()]
-        if stream["lm_head"].weight is not stream["embed"].weight:
-            slices.append((stream["lm_head_name"], stream["lm_head"].weight, 1, 0.0))
-        return slices
+        """(name, parameter, dim of the hidden channels, offset) of every weight that reads or writes
+        them (Eqs. 2-4): :func:`pyprune.nn.layout.hidden_slices` without biases. The penalty and the
+        mass act on parameter + offset, the norm's effective scale: 1 + w for Gemma's norms (driving
+        w to 0 would leave the scale at 1), the weight itself (offset 0) everywhere else."""
+        return hidden_slices(model, biases=False)
 
     @staticmethod
     def effective(parameter: Tensor, offset: float) -> Tensor:

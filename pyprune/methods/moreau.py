@@ -235,6 +235,7 @@ class MoreauPruner(StructuredMethod):
     eta, group, operator = 0.0, "rows", "gst"
 
     def check_options(self, settings):
+        super().check_options(settings)
         if settings["gamma"] >= settings["rho"]:
             raise ValueError(f"option gamma of method {self.name!r} must be < rho (each step scales δ by "
                              f"1 - gamma/rho); got gamma={settings['gamma']}, rho={settings['rho']}")

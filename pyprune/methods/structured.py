@@ -43,6 +43,21 @@ GQA rule. ``repeat_kv`` needs every kept key/value head to serve the same number
   ``pyprune.load`` restores such models exactly, and the report's ``config_compatible`` says
   whether plain ``from_pretrained`` can too.
 
+Hidden channels (``structure="hidden"``, LLM-Pruner's ``--channel_wise``, the protocol of
+MoreauPruner's perturbation table): one group is one hidden (residual-stream) channel d, the same
+in every layer, scored by the sum of the element scores of every parameter slice that indexes d
+(:func:`hidden_channel_scores` over :func:`pyprune.nn.layout.hidden_slices`: its embedding column,
+its input column of every attention/MLP input linear, its output row of every attention/MLP output
+linear, its entry of every norm, its LM-head column; a tied LM head is the embedding's tensor and
+counts once). The lowest-scoring ``ratio`` of the channels go, ranked over the whole model: keep
+round((1 - ratio)·hidden_size), or the nearest count the config class accepts (LlamaConfig: a
+multiple of the head count; ties: the larger), removed physically by
+:func:`pyprune.nn.keep_hidden_channels_` (DReSS's and SliceGPT's slice: each norm then averages over
+the kept channels, as LLM-Pruner's sliced RMSNorm does). RMS-norm families only (a LayerNorm
+centres over every channel); every layer, so ``first_layer``/``last_layer``/``heads``/``channels``
+keep their defaults. The scores of Gemma's norms are those of the stored w (its scale is 1 + w), as
+for any other parameter.
+
 Layers. LLM-Pruner and MoreauPruner leave the first few and the last layers dense (e.g. layers
 4..29 of the 32 in LLaMA-7B). Options ``first_layer`` / ``last_layer`` (inclusive; negative counts
 from the end) choose the pruned range; the defaults prune every layer. Leaving layers dense makes
@@ -63,12 +78,16 @@ from ..ops.conventions import kept_count
 from ..nn import compact
 from ..nn.families import channel_rows, experts_in_config, head_rows
 from ..nn.layout import (block_family, block_layout, check_block, config_accepts, config_fields, family_fields,
-                         head_counts, layouts_uniform)
+                         head_counts, hidden_slices, hidden_stream, layouts_uniform)
 from ..patterns import Structured
 from .base import Method
 from .options import option
 
 ElementScores = Callable[[nn.Parameter], Optional[Tensor]]
+#: what a structured method removes: each layer's heads and MLP channels, or the hidden channels
+STRUCTURES = ("groups", "hidden")
+#: the key of :attr:`StructuredMethod.layer_scores` holding the hidden-channel scores (every layer's)
+STREAM = -1
 
 
 def _score(linear: nn.Linear, rows: Optional[Tensor], groups: int, element_scores: ElementScores) -> Tensor:
@@ -121,6 +140,22 @@ def group_scores(block: nn.Module, element_scores: ElementScores) -> Dict[str, T
                 "channels": channels + _score(mlp_out, None, n_ch, element_scores)}
 
 
+def hidden_channel_scores(model: nn.Module, element_scores: ElementScores) -> Tensor:
+    """Importance of each hidden channel d of ``model`` (fp32 [hidden_size]; LLM-Pruner's
+    channel-wise group, Agg = sum): Σ over every parameter of :func:`pyprune.nn.layout.hidden_slices`
+    of ``element_scores(param)`` summed over its slice at d (a parameter without scores counts as
+    zero)."""
+    total = torch.zeros(model.config.hidden_size, dtype=torch.float32)
+    with torch.no_grad():
+        for _, param, dim, _ in hidden_slices(model):
+            score = element_scores(param)
+            if score is None:
+                continue
+            score = score.float().cpu()
+            total += score.movedim(dim, 0).reshape(score.shape[dim], -1).sum(dim=1)
+    return total
+
+
 def _top(scores: Tensor, count: int) -> Tensor:
     """Indices of the ``count`` highest scores (ties: lower index first), in that ranking order."""
     return torch.sort(scores.double().cpu(), descending=True, stable=True).indices[:count]
@@ -145,13 +180,18 @@ def _arrangement(q_scores: Tensor, kv_scores: Tensor, n_groups: int, per_group: 
     return float(totals[kv_kept].sum()), q_kept, kv_kept
 
 
+def allowed_kept_count(total: int, ratio: float, allowed: Callable[[int], bool] = lambda n: True) -> int:
+    """Of ``total`` groups, the count kept at ``ratio``: round((1 - ratio)·total), at least one, or,
+    when ``allowed`` (the config's validation) rejects that count, the nearest allowed one (ties:
+    the larger); all of them when none is."""
+    target = max(1, kept_count(total, ratio))
+    valid = [n for n in range(total, 0, -1) if allowed(n)]
+    return min(valid, key=lambda n: (abs(n - target), -n)) if valid else total
+
+
 def uniform_kv_groups(n_kv: int, ratio: float, allowed: Callable[[int], bool] = lambda n: True) -> int:
-    """KV groups every layer keeps under uniform pruning: round((1 - ratio)·kv_heads), at least one,
-    or, when ``allowed`` (the config's validation) rejects that count, the nearest allowed one
-    (ties: the larger); all of them when none is."""
-    target = max(1, kept_count(n_kv, ratio))
-    valid = [n for n in range(n_kv, 0, -1) if allowed(n)]
-    return min(valid, key=lambda n: (abs(n - target), -n)) if valid else n_kv
+    """KV groups every layer keeps under uniform pruning (:func:`allowed_kept_count`)."""
+    return allowed_kept_count(n_kv, ratio, allowed)
 
 
 def keep_heads(q_scores: Tensor, kv_scores: Tensor, ratio: float, uniform: bool,
@@ -201,9 +241,10 @@ def gradients_for(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterator[
 
 
 class StructuredMethod(Method):
-    """Structured pruning of heads and MLP channels (see the module docstring). A subclass gives
-    :meth:`element_scores`: fp32 per-element importance of the pruned linear layers' parameters.
-    After a prune, ``layer_scores`` holds each pruned layer's :func:`group_scores`."""
+    """Structured pruning of heads and MLP channels, or of hidden channels (see the module
+    docstring). A subclass gives :meth:`element_scores`: fp32 per-element importance of the pruned
+    parameters. After a prune, ``layer_scores`` holds each pruned layer's :func:`group_scores`, or,
+    with ``structure="hidden"``, ``{STREAM: {"hidden": hidden_channel_scores}}``."""
 
     patterns = (Structured,)
     uses_gradients = True
@@ -214,6 +255,9 @@ class StructuredMethod(Method):
                                        "last; negative: from the end)")
     heads: bool = option(True, "structured: prune attention heads")
     channels: bool = option(True, "structured: prune MLP channels")
+    structure: str = option("groups", "structured: remove each layer's attention heads and MLP channels (groups) "
+                            "or hidden channels, the same in every layer, embedding, norms and LM head included "
+                            "(hidden: LLM-Pruner's channel-wise protocol)", choices=STRUCTURES)
     loss_scaling: bool = option(False, "structured: dynamic loss scaling of the gradient passes (scale, "
                                 "back off on inf, as torch.amp.GradScaler), for fp16 models")
 
@@ -221,7 +265,8 @@ class StructuredMethod(Method):
     def element_scores(self, model: nn.Module, params: List[nn.Parameter], calib: Tensor, *,
                        batch_size: int, progress: bool) -> Dict[int, Tensor]:
         """Per-element fp32 importance of each of ``params`` (the pruned layers' weights and
-        biases), keyed by ``id(param)``, computed with the model as it is (restore it after)."""
+        biases, or every hidden-stream parameter), keyed by ``id(param)``, computed with the model
+        as it is (restore it after)."""
 
     def calibration_gradients(self, model: nn.Module, params: Sequence[nn.Parameter], calib: Tensor, *,
                               batch_size: int, progress: bool = False) -> List[Tensor]:
@@ -248,6 +293,15 @@ class StructuredMethod(Method):
             raise ValueError(f"method {self.name!r} prunes attention heads and MLP channels of dense decoder "
                              f"blocks; {type(config).__name__} has mixture-of-experts blocks ({experts} experts)")
 
+    def check_options(self, settings):
+        if settings["structure"] == "hidden":
+            changed = [f"{name}={settings[name]}" for name, default in
+                       (("first_layer", 0), ("last_layer", None), ("heads", True), ("channels", True))
+                       if settings[name] != default]
+            if changed:
+                raise ValueError(f"option structure='hidden' of method {self.name!r} removes hidden channels in "
+                                 f"every layer; {', '.join(changed)} apply to structure='groups' only")
+
     def check(self, model: nn.Module, pattern) -> None:
         super().check(model, pattern)
         self.check_config(getattr(model, "config", None), pattern)
@@ -255,6 +309,13 @@ class StructuredMethod(Method):
         prefix = engine.block_prefix(model)
         for index, block in enumerate(blocks):
             check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+        if self.structure == "hidden":
+            try:
+                hidden_stream(model)
+            except ValueError as error:
+                raise ValueError(f"option structure='hidden' of method {self.name!r} cannot slice this model's "
+                                 f"hidden channels: {error}") from error
+            return
         first, last = self.layer_range(len(blocks))
         if pattern.uniform and pattern.ratio > 0:
             if (first, last) != (0, len(blocks) - 1):
@@ -283,7 +344,6 @@ class StructuredMethod(Method):
         """Kept (query heads, KV heads, channels) of each pruned layer, from the element scores."""
         params = [p for block in blocks[first:last + 1]
                   for linear in engine.block_linears(block).values() for p in linear.parameters()]
-        self.scaler = engine.LossScaler() if self.loss_scaling else None
         scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
         n_groups = self._uniform_kv_groups(model, blocks, ratio) if uniform else None
         selections = {}
@@ -297,11 +357,40 @@ class StructuredMethod(Method):
             selections[index] = (q_kept, kv_kept, ch_kept, n_q, n_ch)
         return selections
 
+    def _prune_hidden(self, model, ratio, calib, batch_size, progress) -> Dict:
+        """Structure "hidden": score, select and slice the hidden channels (module docstring)."""
+        hidden = model.config.hidden_size
+        details = {"hidden_size": [hidden, hidden], "pruned_hidden_channels": []}
+        if ratio > 0:
+            params = [param for _, param, _, _ in hidden_slices(model)]
+            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            channel_scores = hidden_channel_scores(model, lambda p: scores.get(id(p)))
+            self.layer_scores[STREAM] = {"hidden": channel_scores}
+            count = allowed_kept_count(hidden, ratio, lambda n: compact.hidden_width_accepted(model, n))
+            keep = _top(channel_scores, count).sort().values
+            compact.keep_hidden_channels_(model, keep)
+            details = {"hidden_size": [hidden, count], "pruned_hidden_channels": _complement(keep, hidden)}
+        return {**details, "config_compatible": True}
+
     def _prune(self, model, pattern, calib, *, batch_size, progress):
+        self.layer_scores, self.scaler = {}, engine.LossScaler() if self.loss_scaling else None
+        if self.structure == "hidden":
+            details = self._prune_hidden(model, float(pattern.ratio), calib, batch_size, progress)
+            details["structure"] = [{"layer": index, "pruned": len(details["pruned_hidden_channels"]) > 0,
+                                     **{key: block_layout(block)[key] for key in ("heads", "kv_heads")},
+                                     "channels": block_layout(block)["intermediate"]}
+                                    for index, block in enumerate(engine.decoder_blocks(model))]
+        else:
+            details = self._prune_groups(model, pattern, calib, batch_size=batch_size, progress=progress)
+        if self.scaler is not None:
+            details["loss_scale"] = {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}
+        return details
+
+    def _prune_groups(self, model, pattern, calib, *, batch_size, progress):
         blocks = engine.decoder_blocks(model)
         first, last = self.layer_range(len(blocks))
         ratio, uniform = float(pattern.ratio), bool(pattern.uniform)
-        selections, self.layer_scores, self.scaler = {}, {}, None
+        selections = {}
         if ratio > 0 and (self.heads or self.channels):
             selections = self._select(model, blocks, first, last, ratio, uniform, calib, batch_size, progress)
         for index, (q_kept, kv_kept, ch_kept, _, _) in selections.items():
@@ -326,11 +415,8 @@ class StructuredMethod(Method):
         if fields is not None and config is not None:
             for key, value in fields.items():
                 setattr(config, key, value)
-        details = {"uniform": uniform, "first_layer": first, "last_layer": last,
-                   "config_compatible": fields is not None, "structure": structure}
-        if self.scaler is not None:
-            details["loss_scale"] = {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}
-        return details
+        return {"uniform": uniform, "first_layer": first, "last_layer": last,
+                "config_compatible": fields is not None, "structure": structure}
 
 
 def _complement(kept: Tensor, total: int) -> List[int]:

@@ -46,7 +46,7 @@ from .layout import (Indices, block_layout, check_block, checked_index,
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-           "keep_hidden_channels_", "keep_blocks_"]
+           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -198,6 +198,22 @@ def resize_block_(block: nn.Module, layout: Dict) -> None:
         raise ValueError(f"saved layer shapes {expected} cannot be rebuilt (got {actual})")
 
 
+def _hidden_fields(stream: Dict, count: int) -> Dict[str, int]:
+    """The config fields of the model of :func:`~pyprune.nn.layout.hidden_stream` ``stream`` with
+    ``count`` hidden channels: hidden_size and the (unchanged) head size."""
+    head_dims = {head_dim(block.self_attn) for block in stream["layers"]}
+    if len(head_dims) != 1:
+        raise ValueError(f"model: attention head sizes differ between layers ({sorted(head_dims)})")
+    return {"hidden_size": count, "head_dim": head_dims.pop()}
+
+
+def hidden_width_accepted(model: nn.Module, count: int) -> bool:
+    """Whether :func:`keep_hidden_channels_` can keep ``count`` hidden channels of ``model``: its
+    config class accepts that hidden_size with the head size unchanged (LlamaConfig: a multiple of
+    num_attention_heads)."""
+    return config_accepts(model.config, _hidden_fields(hidden_stream(model), count))
+
+
 @torch.no_grad()
 def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     """Keep only hidden (residual-stream) channels ``keep`` of a causal LM of an RMS-norm family
@@ -237,10 +253,7 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
         raise ValueError(f"model: config.tie_word_embeddings is {getattr(config, 'tie_word_embeddings', None)} "
                          f"but lm_head.weight {'is' if tied else 'is not'} embed_tokens.weight; cannot tell "
                          f"whether the sliced model should tie them")
-    head_dims = {head_dim(block.self_attn) for block in stream["layers"]}
-    if len(head_dims) != 1:
-        raise ValueError(f"model: attention head sizes differ between layers ({sorted(head_dims)})")
-    fields = {"hidden_size": index.numel(), "head_dim": head_dims.pop()}
+    fields = _hidden_fields(stream, index.numel())
     if not config_accepts(config, fields):
         raise ValueError(f"keep_hidden_channels_ keep: {index.numel()} channels make a hidden_size that "
                          f"{type(config).__name__} rejects with num_attention_heads="

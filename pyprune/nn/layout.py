@@ -19,7 +19,7 @@ from .sparse import SparseLinear
 __all__ = [
     "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block",
     "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
-    "checked_index", "hidden_index", "hidden_stream", "rescaled_norm_weight",
+    "checked_index", "hidden_index", "hidden_stream", "hidden_slices", "rescaled_norm_weight",
 ]
 
 #: The linears of a LLaMA-style attention and MLP (LoRA's default targets, runtime.recovery); the
@@ -299,3 +299,27 @@ def hidden_stream(model: nn.Module) -> Dict:
             "readers": readers, "writers": writers,
             "layers": layers}
 
+
+
+def hidden_slices(model: nn.Module, biases: bool = True) -> List[Tuple[str, nn.Parameter, int, float]]:
+    """(name, parameter, dim of the hidden channels, offset) of every parameter that holds hidden
+    channel d at index d of that dim, as :func:`hidden_stream` lists the modules: embedding and
+    LM-head columns (a tied LM head shares the embedding's tensor and appears once), reader input
+    columns, writer output rows, norm entries; with ``biases`` also the writers' and norms' biases
+    (named ``<module>.bias``; weights go by their module's name). ``offset`` is what the model adds
+    to a norm's weight (Gemma's 1 + w: 1), else 0."""
+    stream = hidden_stream(model)
+    offset = float(stream["norm_offset"])
+    slices = [(stream["embed_name"], stream["embed"].weight, 1, 0.0)]
+    slices += [(name, linear.weight, 1, 0.0) for name, linear in stream["readers"].items()]
+    for name, linear in stream["writers"].items():
+        slices.append((name, linear.weight, 0, 0.0))
+        if biases and linear.bias is not None:
+            slices.append((f"{name}.bias", linear.bias, 0, 0.0))
+    for name, norm in stream["norms"].items():
+        slices.append((name, norm.weight, 0, offset))
+        if biases and getattr(norm, "bias", None) is not None:
+            slices.append((f"{name}.bias", norm.bias, 0, 0.0))
+    if stream["lm_head"].weight is not stream["embed"].weight:
+        slices.append((stream["lm_head_name"], stream["lm_head"].weight, 1, 0.0))
+    return slices

@@ -3,11 +3,12 @@
 The same model is pruned twice, once with its weights in bfloat16 and once in float16. A robust
 criterion removes the same groups in both and gives both pruned models the same perplexity:
 
-* ``agreement``: of the groups (query heads and MLP channels, per layer) pruned in the bf16 run,
-  the fraction pruned in the fp16 run too (both runs remove equally many; 1.0 = identical);
+* ``agreement``: of the groups (query heads and MLP channels, per layer; or the hidden channels,
+  with the structured methods' ``structure="hidden"``) pruned in the bf16 run, the fraction pruned
+  in the fp16 run too (both runs remove equally many; 1.0 = identical);
 * ``spearman``: the rank correlation of all group scores of each pruned layer between the two runs
-  (channels and query heads separately, mean over layers): how far the whole ranking moves, not
-  only the cut;
+  (channels and query heads separately, mean over layers; the hidden channels' scores with
+  ``structure="hidden"``): how far the whole ranking moves, not only the cut;
 * ``ppl_diff``: |perplexity(bf16 run) − perplexity(fp16 run)|, the paper's "Diff", with both pruned
   models evaluated in one common format (``eval_format``, fp32 by default) as the papers' authors
   do, so that it measures the pruning choice and not the evaluation format; ``ppl_cross`` holds
@@ -47,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import methods
 from ..methods import pruning
+from ..methods.structured import STREAM
 from ..evaluation.perplexity import perplexity
 from ..patterns import Structured
 
@@ -54,6 +56,8 @@ FORMATS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_FORMATS = {"float32": torch.float32, **FORMATS}
 ARITHMETIC = ("rounding", "fp32-accumulate", "native")
 
+#: the group scores compared: each layer's query heads and MLP channels, the hidden channels
+KINDS = ("heads", "channels", "hidden")
 Group = Tuple[int, str, int]
 LayerScores = Mapping[int, Mapping[str, Tensor]]
 
@@ -100,8 +104,9 @@ def to_format(model: nn.Module, name: str, arithmetic: str) -> nn.Module:
 
 
 def pruned_groups(report: Dict) -> Set[Group]:
-    """The (layer, "head" | "channel", index) groups a structured pruning report removed."""
-    groups: Set[Group] = set()
+    """The (layer, "head" | "channel", index) groups a structured pruning report removed; hidden
+    channels as (:data:`pyprune.methods.structured.STREAM`, "hidden", index)."""
+    groups: Set[Group] = {(STREAM, "hidden", i) for i in report.get("pruned_hidden_channels", ())}
     for entry in report["structure"]:
         groups.update((entry["layer"], "head", i) for i in entry.get("pruned_heads", ()))
         groups.update((entry["layer"], "channel", i) for i in entry.get("pruned_channels", ()))
@@ -134,13 +139,14 @@ def spearman(first: Tensor, second: Tensor) -> float:
 
 
 def rank_correlation(first: LayerScores, second: LayerScores) -> Dict[str, float]:
-    """Mean over the layers both score of :func:`spearman` between their group scores, for the
-    query heads and the MLP channels (``layer -> {"heads": [heads], "channels": [channels]}``)."""
+    """Mean over the layers both score of :func:`spearman` between their group scores, per kind
+    both hold (``layer -> {"heads": [heads], "channels": [channels]}``, or the hidden channels'
+    ``{STREAM: {"hidden": [hidden_size]}}``)."""
     layers = sorted(set(first) & set(second))
     if not layers:
         raise ValueError("rank_correlation needs scores of at least one common layer")
-    return {kind: sum(spearman(first[i][kind], second[i][kind]) for i in layers) / len(layers)
-            for kind in ("heads", "channels")}
+    kinds = [kind for kind in KINDS if all(kind in first[i] and kind in second[i] for i in layers)]
+    return {kind: sum(spearman(first[i][kind], second[i][kind]) for i in layers) / len(layers) for kind in kinds}
 
 
 def _prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, pattern: Structured, calib: Tensor,
@@ -153,7 +159,7 @@ def _prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, patte
     pruned = to_format(copy.deepcopy(model), name, arithmetic)
     with linear_arithmetic(arithmetic):
         report = pruning.prune(pruned, runner, pattern, calib, batch_size=batch_size, progress=progress)
-    scores = {layer: {kind: grouped[kind] for kind in ("heads", "channels")}
+    scores = {layer: {kind: grouped[kind] for kind in KINDS if kind in grouped}
               for layer, grouped in runner.layer_scores.items()}
     return pruned, report, scores
 

@@ -107,6 +107,7 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
                      "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["options"] == {"first_layer": 0, "last_layer": None, "heads": False, "channels": True,
+                                 "structure": "groups",
                                  "loss_scaling": False, "rho": 0.2, "gamma": 0.0002, "steps": 2, "noise_draws": 1, "noise_std": 0.05,
                                  "noise_seed": 0, "eta": 0.001, "group": "columns", "decay": False,
                                  "average_last": 2, "smooth": "all", "operator": "released"}
