@@ -141,13 +141,20 @@ def write_atomic(path, text):
 
 
 def previous_result(path, settings):
-    """The result a resumable benchmark wrote to ``path`` before, when it was run with the same
-    ``settings``; None otherwise (nothing there, or other settings: start afresh)."""
+    """The result a resumable benchmark wrote to ``path`` before with the same ``settings``; None
+    when there is nothing there. A file of other settings is refused, never overwritten: its rows
+    were measured under another protocol."""
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as handle:
         result = json.load(handle)
-    return result if result.get("settings") == settings else None
+    stored = result.get("settings")
+    if stored != settings:
+        stored = stored if isinstance(stored, dict) else {}
+        differ = sorted(key for key in set(stored) | set(settings) if stored.get(key) != settings.get(key))
+        raise SystemExit(f"--output {path} holds results of other settings (differing: {', '.join(differ)}); "
+                         "give another --output, or move that file away to start afresh")
+    return result
 
 
 def merge_rows(rows, stored, key):

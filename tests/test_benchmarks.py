@@ -116,6 +116,19 @@ def test_svg_plot_rejects_empty_input():
         svg_line_plot({}, "t", "x", "y")
 
 
+def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(tmp_path):
+    from _common import previous_result, write_json
+    path = tmp_path / "study.json"
+    assert previous_result(str(path), {"seed": 0}) is None
+    write_json(str(path), {"settings": {"seed": 0, "tokens": 2048}, "rows": [{"ppl": 1.5}]})
+    before = path.read_text()
+    assert previous_result(str(path), {"seed": 0, "tokens": 2048})["rows"] == [{"ppl": 1.5}]
+    with pytest.raises(SystemExit, match=r"--output .*study.json holds results of other settings "
+                                         r"\(differing: seed, tokens\)"):
+        previous_result(str(path), {"seed": 1, "tokens": 8192})
+    assert path.read_text() == before
+
+
 def _one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("crosscheck_wanda.py: error: ")
