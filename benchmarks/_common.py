@@ -1,5 +1,7 @@
 """What every benchmark script shares: timing, the machine record, atomic writes, an SVG plot."""
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -155,6 +157,19 @@ def previous_result(path, settings):
         raise SystemExit(f"--output {path} holds results of other settings (differing: {', '.join(differ)}); "
                          "give another --output, or move that file away to start afresh")
     return result
+
+
+@contextlib.contextmanager
+def locked(path):
+    """Hold an exclusive lock on ``path`` (through ``path``.lock) for the block: concurrent runs that
+    re-read a results file, merge their rows and rewrite it do so one at a time."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def merge_rows(rows, stored, key):

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from _common import environment, previous_result, svg_line_plot, write_atomic, write_json
+from _common import environment, locked, previous_result, svg_line_plot, write_atomic, write_json
 import pyprune
 from pyprune.inputs import data
 from pyprune.evaluation import zeroshot
@@ -75,8 +75,9 @@ def arms(args, names=ARMS):
              "prox": (f"DReSS-{args.norm} proximal", {"steps": args.steps, **trained, "regulariser": "proximal"},
                       False),
              "lam0": ("fine-tune λ=0, then slice", {"steps": args.steps, **trained, "lam": 0.0}, False),
-             "npr": ("slice, then train (N&P&R)", {"steps": 0, **({"train_seed": args.train_seed}
-                                                               if "train_seed" in trained else {})}, True)}
+             "npr": ("slice, then train (N&P&R)", {"steps": 0, "lr": args.lr, "train_batch": args.train_batch,
+                                                   **({"train_seed": args.train_seed}
+                                                      if "train_seed" in trained else {})}, True)}
     return [every[name] for name in ARMS if name in names]
 
 
@@ -244,17 +245,18 @@ def main(argv=None):
     def save(row=None, label=None, options=None):
         """Write the results: the rows and dense zero-shot scores a concurrent run (same settings,
         other --channels / --arms) wrote meanwhile, with this run's ``row`` (replacing its earlier
-        copy) and dense scores; returns the rows."""
-        on_disk = previous_result(args.output, settings)
-        stored = on_disk["rows"] if on_disk else rows
-        if row is not None:
-            stored = [r for r in stored if not is_row(r, label, options)] + [row]
-        stored.sort(key=row_order(labels))
-        scores = {**(on_disk.get("dense_zero_shot", {}) if on_disk else {}), **dense_zero_shot}
-        result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
-                  "dense_zero_shot": scores, "rows": stored}
-        write_json(args.output, result)
-        write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
+        copy) and dense scores, re-read and rewritten under a lock; returns the rows."""
+        with locked(args.output):
+            on_disk = previous_result(args.output, settings)
+            stored = on_disk["rows"] if on_disk else rows
+            if row is not None:
+                stored = [r for r in stored if not is_row(r, label, options)] + [row]
+            stored.sort(key=row_order(labels))
+            scores = {**(on_disk.get("dense_zero_shot", {}) if on_disk else {}), **dense_zero_shot}
+            result = {"settings": settings, "environment": environment(torch.device("cpu")), "dense": dense,
+                      "dense_zero_shot": scores, "rows": stored}
+            write_json(args.output, result)
+            write_atomic(os.path.splitext(args.output)[0] + ".md", markdown(result))
         return stored
 
     labels = [label for label, _, _ in arms(args)]

@@ -1,6 +1,7 @@
 """The benchmark harnesses run on CPU in CI (tiny shapes), so they never rot: every file they
 promise is written, rows carry the measured numbers, and the dispatch table they build is one
 SparseLinear reads."""
+import argparse
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ import bench_sparse_linear  # noqa: E402
 import continual_seeds_smollm2  # noqa: E402
 import continual_smollm2  # noqa: E402
 import crosscheck_wanda  # noqa: E402
+import dress_smollm2  # noqa: E402
 
 
 def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_path, monkeypatch):
@@ -127,6 +129,30 @@ def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(
                                          r"\(differing: seed, tokens\)"):
         previous_result(str(path), {"seed": 1, "tokens": 8192})
     assert path.read_text() == before
+
+
+def test_results_lock_admits_one_writer_at_a_time(tmp_path):
+    import fcntl
+    from _common import locked
+    path = str(tmp_path / "rows.json")
+    with locked(path):
+        with open(f"{path}.lock", "w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(f"{path}.lock", "w") as other:  # released on leaving the block
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_dress_benchmark_tells_trained_rows_apart_by_learning_rate_and_seed():
+    def options(*argv):
+        args = argparse.Namespace(lam=1.0, lr=1e-3, norm="l2", train_batch=4, train_seed=0, steps=150)
+        for name, value in zip(argv[::2], argv[1::2]):
+            setattr(args, name, value)
+        return {label: dict(opts, channels="quiet") for label, opts, _ in dress_smollm2.arms(args, {"dress", "npr"})}
+    stored = options()
+    for changed in (options("lr", 3e-3), options("train_seed", 1)):
+        for label, opts in changed.items():
+            row = {"label": label, "lr": 1e-3, "train_batch": 4, **stored[label]}
+            assert dress_smollm2.is_row(row, label, stored[label]) and not dress_smollm2.is_row(row, label, opts)
 
 
 def _one_line_error(capsys):
