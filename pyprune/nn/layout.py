@@ -300,7 +300,6 @@ def hidden_stream(model: nn.Module) -> Dict:
             "layers": layers}
 
 
-
 def hidden_slices(model: nn.Module, biases: bool = True) -> List[Tuple[str, nn.Parameter, int, float]]:
     """(name, parameter, dim of the hidden channels, offset) of every parameter that holds hidden
     channel d at index d of that dim, as :func:`hidden_stream` lists the modules: embedding and
