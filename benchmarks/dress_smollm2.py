@@ -36,6 +36,7 @@ a row with another minibatch order.
 import argparse
 import copy
 import os
+import statistics
 import sys
 import time
 
@@ -122,6 +123,23 @@ def _ppl(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def seed_groups(rows):
+    """[(first row, rows)] of the trained settings run with more than one ``--train-seed``: rows
+    equal in everything that defines a run except the seed, in seed order."""
+    defining = ("channels", "label", "lam", "lr", "norm", "train_batch", "steps", "train_steps", "regulariser",
+                "rescale_norms")
+    groups = {}
+    for r in rows:
+        if r["train_steps"] > 0:
+            groups.setdefault(tuple(str(r.get(k)) for k in defining), []).append(r)
+    seed = lambda r: r.get("train_seed", DEFAULTS["train_seed"])  # noqa: E731
+    return [(group[0], sorted(group, key=seed)) for group in groups.values() if len({seed(r) for r in group}) > 1]
+
+
+def _mean_std(values, spec=".2f"):
+    return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
+
+
 def calibration(tokenizer, source, nsamples, seqlen):
     """``nsamples`` windows of Emma, or (``mixed``) a third each of Emma and the second halves of
     Pride and Prejudice and Moby Dick (the halves the evaluation's first tokens are not in),
@@ -157,6 +175,24 @@ def markdown(result) -> str:
                      + " | ".join(f"{_ppl(before.get(t))} | {r['ppl_sliced'][t]:.2f} | {_ppl(lora.get(t))}"
                                   for t in texts)
                      + f" | {r['train_s']:.0f} | {_ppl(r.get('lora_s'), 0)} |")
+    groups = seed_groups(result["rows"])
+    if groups:
+        lines += ["", "Over training seeds (minibatch orders, ``--train-seed``): perplexity mean ± std, then each "
+                  "seed's value in seed order:", "",
+                  "| channels | setting | λ | lr | seeds | slice mass after/before | "
+                  + " | ".join(f"{t} before the cut | {t} sliced | {t} sliced per seed" for t in texts) + " |",
+                  "|---|---|---:|---:|---|---:|" + "---:|---:|---|" * len(texts)]
+        for first, group in groups:
+            cells = []
+            for t in texts:
+                before = [(r.get("ppl_before_slice") or {}).get(t) for r in group]
+                sliced = [r["ppl_sliced"][t] for r in group]
+                cells += [_mean_std(before) if None not in before else "–", _mean_std(sliced),
+                          " / ".join(f"{v:.2f}" for v in sliced)]
+            lam = "–" if first["lam"] is None else f"{first['lam']:g}"
+            seeds = ", ".join(str(r.get("train_seed", DEFAULTS["train_seed"])) for r in group)
+            lines.append(f"| {first['channels']} | {first['label']} | {lam} | {first['lr']:g} | {seeds} | "
+                         f"{_mean_std([r['slice_mass_ratio'] for r in group], '.2g')} | " + " | ".join(cells) + " |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:
         dense = result.get("dense_zero_shot", {})

@@ -155,6 +155,19 @@ def test_dress_benchmark_tells_trained_rows_apart_by_learning_rate_and_seed():
             assert dress_smollm2.is_row(row, label, stored[label]) and not dress_smollm2.is_row(row, label, opts)
 
 
+def test_dress_benchmark_groups_a_setting_over_its_training_seeds():
+    def row(label, seed=None, lr=1e-3, steps=150, ppl=60.0):
+        return {"channels": "quiet", "label": label, "lam": None if label == "npr" else 250.0, "lr": lr,
+                "norm": "l2", "train_batch": 4, "steps": 0 if label == "npr" else steps, "train_steps": steps,
+                "rescale_norms": True, "slice_mass_ratio": 0.5, "ppl_sliced": {"pride_and_prejudice": ppl},
+                **({} if seed is None else {"train_seed": seed})}
+    rows = [row("prox", ppl=60.0), row("prox", seed=1, ppl=62.0), row("prox", lr=3e-3),  # other lr: alone
+            row("npr", ppl=58.0), row("npr", seed=2, ppl=57.0), row("slice", steps=0)]
+    groups = dress_smollm2.seed_groups(rows)
+    assert [(first["label"], [r["ppl_sliced"]["pride_and_prejudice"] for r in group]) for first, group in groups] \
+        == [("prox", [60.0, 62.0]), ("npr", [58.0, 57.0])]
+    assert dress_smollm2._mean_std([60.0, 62.0]) == "61.00 ± 1.41"
+
 def _one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("crosscheck_wanda.py: error: ")
