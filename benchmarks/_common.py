@@ -180,6 +180,17 @@ def merge_rows(rows, stored, key):
     return rows
 
 
+def mean_std(values, spec=".4f"):
+    """"mean ± std" (sample standard deviation) of the values that are not None, formatted by
+    ``spec``; one value alone, or "–" for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{format(statistics.fmean(values), spec)} ± {format(statistics.stdev(values), spec)}"
+
+
 def write_json(path, report):
     write_atomic(path, json.dumps(report, indent=2) + "\n")
 

@@ -36,13 +36,12 @@ a row with another minibatch order.
 import argparse
 import copy
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from _common import environment, locked, previous_result, svg_line_plot, write_atomic, write_json
+from _common import environment, locked, mean_std, previous_result, svg_line_plot, write_atomic, write_json
 import pyprune
 from pyprune.inputs import data
 from pyprune.evaluation import zeroshot
@@ -136,10 +135,6 @@ def seed_groups(rows):
     return [(group[0], sorted(group, key=seed)) for group in groups.values() if len({seed(r) for r in group}) > 1]
 
 
-def _mean_std(values, spec=".2f"):
-    return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
-
-
 def calibration(tokenizer, source, nsamples, seqlen):
     """``nsamples`` windows of Emma, or (``mixed``) a third each of Emma and the second halves of
     Pride and Prejudice and Moby Dick (the halves the evaluation's first tokens are not in),
@@ -187,12 +182,12 @@ def markdown(result) -> str:
             for t in texts:
                 before = [(r.get("ppl_before_slice") or {}).get(t) for r in group]
                 sliced = [r["ppl_sliced"][t] for r in group]
-                cells += [_mean_std(before) if None not in before else "–", _mean_std(sliced),
+                cells += [mean_std(before, ".2f") if None not in before else "–", mean_std(sliced, ".2f"),
                           " / ".join(f"{v:.2f}" for v in sliced)]
             lam = "–" if first["lam"] is None else f"{first['lam']:g}"
             seeds = ", ".join(str(r.get("train_seed", DEFAULTS["train_seed"])) for r in group)
             lines.append(f"| {first['channels']} | {first['label']} | {lam} | {first['lr']:g} | {seeds} | "
-                         f"{_mean_std([r['slice_mass_ratio'] for r in group], '.2g')} | " + " | ".join(cells) + " |")
+                         f"{mean_std([r['slice_mass_ratio'] for r in group], '.2g')} | " + " | ".join(cells) + " |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:
         dense = result.get("dense_zero_shot", {})

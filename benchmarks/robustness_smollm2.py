@@ -53,7 +53,7 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from _common import environment, merge_rows, previous_result, write_atomic, write_json
+from _common import environment, mean_std, merge_rows, previous_result, write_atomic, write_json
 from pyprune.inputs import data
 from pyprune.studies import robustness
 from pyprune.inputs.models import load_model
@@ -156,15 +156,6 @@ def _rho_channels(spearman):
     return spearman["channels"] if "channels" in spearman else spearman["hidden"]
 
 
-def _mean_std(values, spec=".4f"):
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return format(values[0], spec)
-    return f"{format(statistics.fmean(values), spec)} ± {format(statistics.stdev(values), spec)}"
-
-
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
     lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
@@ -185,19 +176,19 @@ def markdown(result) -> str:
         floor = result["calibration_floor"].get(_floor_key(key))
         noise = [r["noise_floor"] for r in rows if r["noise_floor"]]
         moreau = [r["runs"]["bfloat16"].get("moreau") or {} for r in rows]
-        ppl = [_mean_std([r[k] for r in rows], ".2f") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
+        ppl = [mean_std([r[k] for r in rows], ".2f") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
         cells = [key[0], key[1], key[4], key[2], f"{key[3]:g}", str(len(rows)),
-                 _mean_std([r["agreement"] for r in rows]),
-                 _mean_std([_rho_channels(r["spearman"]) for r in rows], ".5f"),
-                 _mean_std([r["spearman"].get("heads") for r in rows]),
-                 _mean_std([n["agreement"] for n in noise]),
-                 _mean_std([_rho_channels(n["spearman"]) for n in noise], ".5f"),
+                 mean_std([r["agreement"] for r in rows]),
+                 mean_std([_rho_channels(r["spearman"]) for r in rows], ".5f"),
+                 mean_std([r["spearman"].get("heads") for r in rows]),
+                 mean_std([n["agreement"] for n in noise]),
+                 mean_std([_rho_channels(n["spearman"]) for n in noise], ".5f"),
                  f"{floor['agreement']:.4f}" if floor else "–",
                  f"{_rho_channels(floor['spearman']):.5f}" if floor else "–",
                  *ppl,
-                 _mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
-                 _mean_std([m.get("decay") for m in moreau], ".3f"),
-                 _mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
+                 mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
+                 mean_std([m.get("decay") for m in moreau], ".3f"),
+                 mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
               "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
@@ -209,7 +200,7 @@ def markdown(result) -> str:
         lines.append(
             f"| {r['method']} | {r['arithmetic']} | {r.get('structure', 'groups')} | {r['layers']} | "
             f"{r['overall_ratio']:g} | {r['seed']} | {r['agreement']:.4f} | {_rho_channels(r['spearman']):.5f} | "
-            f"{_mean_std([r['spearman'].get('heads')])} | "
+            f"{mean_std([r['spearman'].get('heads')])} | "
             f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
             f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
             f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "

@@ -166,7 +166,9 @@ def test_dress_benchmark_groups_a_setting_over_its_training_seeds():
     groups = dress_smollm2.seed_groups(rows)
     assert [(first["label"], [r["ppl_sliced"]["pride_and_prejudice"] for r in group]) for first, group in groups] \
         == [("prox", [60.0, 62.0]), ("npr", [58.0, 57.0])]
-    assert dress_smollm2._mean_std([60.0, 62.0]) == "61.00 ± 1.41"
+    from _common import mean_std
+    assert mean_std([60.0, 62.0], ".2f") == "61.00 ± 1.41"
+    assert mean_std([60.0, None], ".2f") == "60.00" and mean_std([None]) == "–"
 
 def _one_line_error(capsys):
     err = capsys.readouterr().err.strip()
