@@ -122,6 +122,11 @@ def _ppl(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def train_seed(row):
+    """The ``--train-seed`` a stored row was trained with (rows of the default seed do not record it)."""
+    return row.get("train_seed", DEFAULTS["train_seed"])
+
+
 def seed_groups(rows):
     """[(first row, rows)] of the trained settings run with more than one ``--train-seed``: rows
     equal in everything that defines a run except the seed, in seed order."""
@@ -131,8 +136,8 @@ def seed_groups(rows):
     for r in rows:
         if r["train_steps"] > 0:
             groups.setdefault(tuple(str(r.get(k)) for k in defining), []).append(r)
-    seed = lambda r: r.get("train_seed", DEFAULTS["train_seed"])  # noqa: E731
-    return [(group[0], sorted(group, key=seed)) for group in groups.values() if len({seed(r) for r in group}) > 1]
+    return [(group[0], sorted(group, key=train_seed)) for group in groups.values()
+            if len({train_seed(r) for r in group}) > 1]
 
 
 def calibration(tokenizer, source, nsamples, seqlen):
@@ -165,7 +170,7 @@ def markdown(result) -> str:
         lr = f"{r['lr']:g}" if trained else "–"
         before, lora = r.get("ppl_before_slice") or {}, r.get("ppl_lora") or {}
         lines.append(f"| {r['channels']} | {r['label']} | {r['train_steps']} | {lam} | {lr} | "
-                     f"{r.get('train_seed', DEFAULTS['train_seed']) if trained else '–'} | "
+                     f"{train_seed(r) if trained else '–'} | "
                      f"{r['slice_mass_ratio']:.3f} | "
                      + " | ".join(f"{_ppl(before.get(t))} | {r['ppl_sliced'][t]:.2f} | {_ppl(lora.get(t))}"
                                   for t in texts)
@@ -185,7 +190,7 @@ def markdown(result) -> str:
                 cells += [mean_std(before, ".2f") if None not in before else "–", mean_std(sliced, ".2f"),
                           " / ".join(f"{v:.2f}" for v in sliced)]
             lam = "–" if first["lam"] is None else f"{first['lam']:g}"
-            seeds = ", ".join(str(r.get("train_seed", DEFAULTS["train_seed"])) for r in group)
+            seeds = ", ".join(str(train_seed(r)) for r in group)
             lines.append(f"| {first['channels']} | {first['label']} | {lam} | {first['lr']:g} | {seeds} | "
                          f"{mean_std([r['slice_mass_ratio'] for r in group], '.2g')} | " + " | ".join(cells) + " |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
