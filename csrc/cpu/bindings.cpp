@@ -24,10 +24,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the kept weights are read (fp32 accumulation).");
   m.def("nm_linear_gemv_path", &pyprune_cpu::nm_linear_gemv_path, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("n"), py::arg("m"),
-        "Which kernel nm_linear_gemv runs for these arguments: 'avx2_permute' (one token of a "
-        "half-density pattern), 'avx2_expand' (more tokens, 8 at a time) or 'generic'.");
-  m.def("cpu_has_avx2_fma_f16c", &pyprune_cpu::cpu_has_avx2_fma_f16c,
-        "Whether this CPU has AVX2, FMA and F16C (what the avx2 kernels need), at run time.");
+        "Which kernel nm_linear_gemv runs for these arguments: 'avx512_bf16_dot' (bf16, "
+        "half-density pattern), 'avx512_permute', 'avx2_permute' (one token), 'avx2_expand' (more "
+        "tokens, 8 at a time) or 'generic'.");
+  m.def("cpu_isa", &pyprune_cpu::cpu_isa_report, py::arg("detected") = false,
+        "The instruction-set level nm_linear_gemv runs here: 'generic', 'avx2' (AVX2+FMA+F16C), "
+        "'avx512' (+AVX-512 F/BW/VL/DQ/VBMI2) or 'avx512_bf16' (+AVX512_BF16), detected at run time "
+        "and capped by PYPRUNE_MAX_CPU_ISA / limit_cpu_isa; detected=True: the CPU's own level, uncapped.");
+  m.def("limit_cpu_isa", &pyprune_cpu::limit_cpu_isa, py::arg("isa"),
+        "Cap the level nm_linear_gemv runs at (generic, avx2, avx512, avx512_bf16; a cap above the CPU's "
+        "level runs the CPU's); returns the previous cap.");
   m.def("channel_penalty_", &pyprune_cpu::channel_penalty_, py::arg("grad"), py::arg("weight"),
         py::arg("channels"), py::arg("dim"), py::arg("lam"), py::arg("l1"),
         "DReSS penalty in place: for each channel c (a row for dim 0, a column for dim 1) grad[c] "

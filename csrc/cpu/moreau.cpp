@@ -31,6 +31,7 @@
 //                 added in order; pass 2 scales each row's d by its columns' factors.
 // Partitions are fixed, never derived from the thread count, so results do not depend on it.
 
+#include "cpu_isa.h"
 #include "ops.h"
 #include "parallel.h"
 #include "scores.h"
@@ -277,7 +278,7 @@ __attribute__((target("avx2"))) void perturb_avx2(const StepArgs& a, int64_t sta
 
 PerturbFn perturb_fn() {
 #ifdef PYPRUNE_MOREAU_X86
-  if (cpu_has_avx2_fma_f16c()) return &perturb_avx2;
+  if (cpu_has_avx2()) return &perturb_avx2;
 #endif
   return &perturb_default;
 }
@@ -449,7 +450,7 @@ torch::Tensor philox_uint32(int64_t seed, const torch::Tensor& offsets) {
     // the same word generator as the noise on this machine
     const uint64_t key = static_cast<uint64_t>(seed);
 #ifdef PYPRUNE_MOREAU_X86
-    if (cpu_has_avx2_fma_f16c()) philox_span_avx2(key, low, high, n, word0, word1);
+    if (cpu_has_avx2()) philox_span_avx2(key, low, high, n, word0, word1);
     else philox_span_scalar(key, low, high, n, word0, word1);
 #else
     philox_span_scalar(key, low, high, n, word0, word1);

@@ -7,6 +7,8 @@
 // mask holds the row's i-th value whatever n and m are: both kernels walk the mask bytes.
 
 #include "checks.h"
+#include "cpu_isa.h"
+#include "nm_linear_avx512.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -285,27 +287,19 @@ void gemv_half_density(const float* x, const T* values, const uint8_t* meta, con
   TORCH_CHECK(false, "nm_linear_gemv: the AVX2 kernel takes 1 to ", kMaxTokens, " tokens, got ", tokens);
 }
 
-bool has_avx2_fma_f16c() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return yes;
-}
 #endif
 
-// The AVX2 half-density kernel runs for 1:2, 2:4 and 4:8 (m divides 8, so every mask byte keeps
-// exactly 4 columns; 3:6 keeps 3 or 5 in some bytes) of fp32/fp16/bf16 weights; "permute" for one
-// token, "expand" for more (chunks of kMaxTokens; a last chunk of one token is permuted). Anything
-// else takes the generic kernel.
-const char* gemv_path(int64_t tokens, int64_t rows, int64_t cols, int64_t n, int64_t m,
-                      at::ScalarType dtype) {
-#ifdef PYPRUNE_X86
-  if (2 * n == m && 8 % m == 0 && dtype != at::kDouble && has_avx2_fma_f16c())
-    return tokens == 1 ? "avx2_permute" : "avx2_expand";
-#endif
-  return "generic";
+// Half-density patterns (1:2, 2:4, 4:8: m divides 8, so every mask byte keeps exactly 4 columns;
+// 3:6 keeps 3 or 5 in some bytes) of fp32/fp16/bf16 weights take the best kernel cpu_isa() allows:
+// "avx512_bf16_dot" (bf16), "avx512_permute" (any token count in one pass over the weights), or
+// "avx2_permute" for one token and "avx2_expand" for more (chunks of kMaxTokens; a last chunk of one
+// token is permuted). Anything else takes the generic kernel.
+const char* gemv_path(int64_t tokens, int64_t n, int64_t m, at::ScalarType dtype) {
+  const CpuIsa isa = cpu_isa();
+  if (2 * n != m || 8 % m != 0 || dtype == at::kDouble || isa == CpuIsa::kGeneric) return "generic";
+  if (isa == CpuIsa::kAvx512Bf16 && dtype == at::kBFloat16) return "avx512_bf16_dot";
+  if (isa >= CpuIsa::kAvx512) return "avx512_permute";
+  return tokens == 1 ? "avx2_permute" : "avx2_expand";
 }
 
 void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
@@ -319,18 +313,10 @@ void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
 
 }  // namespace
 
-bool cpu_has_avx2_fma_f16c() {
-#ifdef PYPRUNE_X86
-  return has_avx2_fma_f16c();
-#else
-  return false;
-#endif
-}
-
 std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m) {
   check_gemv_inputs(x, values, meta, n, m);
-  return gemv_path(x.size(0), values.size(0), values.size(1) / n * m, n, m, x.scalar_type());
+  return gemv_path(x.size(0), n, m, x.scalar_type());
 }
 
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
@@ -360,25 +346,45 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   const int64_t tokens = x.size(0);
   torch::Tensor y = torch::empty({tokens, rows}, x.options());
   if (y.numel() == 0) return y;
+  const std::string path = gemv_path(tokens, n, m, x.scalar_type());
+  const int64_t meta_bytes = meta.size(1);
+#ifdef PYPRUNE_X86
+  if (path == "avx512_bf16_dot") {  // bf16 x as it is: vdpbf16ps multiplies bf16 pairs
+    const torch::Tensor xc = x.contiguous();
+    gemv_half_density_avx512_bf16(xc.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(),
+                                  meta.data_ptr<uint8_t>(), has_bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+                                  y.data_ptr<at::BFloat16>(), tokens, rows, cols, meta_bytes);
+    return y;
+  }
+#endif
   const torch::Tensor x_float = x.to(at::kFloat).contiguous();
-  [[maybe_unused]] const bool avx2 = std::strcmp(gemv_path(tokens, rows, cols, n, m, x.scalar_type()), "generic") != 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
     const scalar_t* b = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
+#ifdef PYPRUNE_X86
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (path == "avx512_permute") {  // every token in one pass over the weights
+        gemv_half_density_avx512<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
+                                           meta.data_ptr<uint8_t>(), b, y.data_ptr<scalar_t>(), tokens, rows,
+                                           cols, meta_bytes);
+        return;
+      }
+    }
+#endif
     for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
       const int64_t count = std::min(kMaxTokens, tokens - t0);
       const float* xc = x_float.data_ptr<float>() + t0 * cols;
       scalar_t* yc = y.data_ptr<scalar_t>() + t0 * rows;
 #ifdef PYPRUNE_X86
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (avx2) {  // the choice nm_linear_gemv_path reports
+        if (path != "generic") {  // avx2_permute / avx2_expand
           gemv_half_density<scalar_t>(xc, values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(), b, yc,
-                                      count, rows, cols, meta.size(1));
+                                      count, rows, cols, meta_bytes);
           continue;
         }
       }
 #endif
       gemv_rows<scalar_t>(xc, values.data_ptr<scalar_t>(), meta.data_ptr<uint8_t>(), b, yc, count, rows,
-                          cols, static_cast<int>(n), static_cast<int>(m), meta.size(1));
+                          cols, static_cast<int>(n), static_cast<int>(m), meta_bytes);
     }
   });
   return y;

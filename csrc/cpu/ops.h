@@ -37,11 +37,15 @@ torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& me
 torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
                              const torch::Tensor& meta, int64_t n, int64_t m,
                              const c10::optional<torch::Tensor>& bias);
-// "avx2_permute" (1 token), "avx2_expand" (more, 8 at a time) or "generic": the kernel nm_linear_gemv runs
-// for these arguments.
+// "avx512_bf16_dot", "avx512_permute", "avx2_permute" (1 token), "avx2_expand" (more, 8 at a time) or
+// "generic": the kernel nm_linear_gemv runs for these arguments.
 std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m);
-bool cpu_has_avx2_fma_f16c();
+// The instruction-set level of the decode GEMV (nm_linear_isa.h): the detected one, or the one the
+// kernels run (the detected one capped by PYPRUNE_MAX_CPU_ISA / limit_cpu_isa).
+std::string cpu_isa_report(bool detected);
+// Caps the level at `name` (generic, avx2, avx512, avx512_bf16); returns the previous cap.
+std::string limit_cpu_isa(const std::string& name);
 
 // admm.cpp
 torch::Tensor admm_dual_update_(const torch::Tensor& v, const torch::Tensor& keep,

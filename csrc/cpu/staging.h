@@ -4,6 +4,7 @@
 // compiler vectorises whatever the tensors' dtypes.
 #pragma once
 
+#include "cpu_isa.h"
 #include "ops.h"
 #include "scores.h"
 
@@ -61,7 +62,7 @@ inline void store_span(void* base, Dt dt, int64_t start, int64_t n, const float*
     return;
   }
 #ifdef PYPRUNE_STAGING_X86
-  if (cpu_has_avx2_fma_f16c()) return store_half_f16c(in, out, n);
+  if (cpu_has_avx2()) return store_half_f16c(in, out, n);
 #endif
   for (int64_t i = 0; i < n; ++i) out[i] = c10::detail::fp16_ieee_from_fp32_value(in[i]);
 }
