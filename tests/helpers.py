@@ -179,21 +179,19 @@ def text_tokenizer(texts):
     return _word_level(sorted(set(words)), split)
 
 
-def kernel_dispatch_table(path, shapes, pattern="2:4"):
-    """Write to ``path`` a dispatch table that names the ``kernel`` backend on this machine for
-    layers of ``shapes`` ((out, in) pairs) at every token count and dtype, so that
-    SparseLinear(backend="auto") runs the sparse kernel here, as on a machine that measured it
-    faster (set ``PYPRUNE_DISPATCH_TABLE`` to ``path``); returns ``path``."""
-    import json
-
+def kernel_dispatch_cache(monkeypatch, root, shapes, pattern="2:4"):
+    """Point SparseLinear's per-user dispatch cache at the directory ``root`` and record there, as
+    this environment's own measurements, the ``kernel`` backend for layers of ``shapes`` ((out, in)
+    pairs) at every token count and dtype, so that SparseLinear(backend="auto") runs the sparse
+    kernel here, as on a machine that measured it faster (a shipped table's row would be measured
+    again first); returns ``root``."""
     from pyprune.nn import dispatch
-    device = dispatch.device_key(torch.device("cpu"))
-    entries = {dispatch.entry_key(device, dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"backend": "kernel"}
-               for dtype in DTYPES for shape in shapes
-               for tokens in [str(b) for b in dispatch.TOKEN_BUCKETS] + ["many"]}
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"entries": entries}, handle)
-    return path
+    root = str(root)
+    monkeypatch.setattr(dispatch, "cache_root", lambda: root)
+    dispatch.record(torch.device("cpu"), {
+        dispatch.entry_key(dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"backend": "kernel"}
+        for dtype in DTYPES for shape in shapes for tokens in [str(b) for b in dispatch.TOKEN_BUCKETS] + ["many"]})
+    return root
 
 
 def tiny_bos_tokenizer():

@@ -22,9 +22,9 @@ def register(sub, method) -> None:
                              "(auto: 2:4, else 4:8, per layer; default off: the model as loaded)")
     parser.add_argument("--sparse-where", default="faster", choices=WHERE,
                         help="faster (default): an N:M layer runs sparse only where sparse measured faster than "
-                             "dense at 1 token on this machine (cache, shipped table, or timed on first use: "
-                             "see pyprune tune), the others are (turned back into) nn.Linear; all: every N:M "
-                             "layer sparse")
+                             "dense at 1 token on this machine (its cache, or timed on first use, a shipped "
+                             "table's sparse row included: see pyprune tune), the others are (turned back "
+                             "into) nn.Linear; all: every N:M layer sparse")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     options.add_dtype_flag(parser)
     parser.set_defaults(run=run)

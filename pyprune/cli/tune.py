@@ -1,5 +1,6 @@
 """``pyprune tune``: measure, ahead of time, SparseLinear's kernel against dense for every N:M layer
-shape of a model on this CPU, print the table and keep it in the per-user cache that
+shape of a model on this CPU, print the machine, its environment and the table with where each
+answer came from, and keep the measurements in the per-user cache that
 ``SparseLinear(backend="auto")``, ``sparsify_(faster_at=...)`` and ``pyprune generate`` read
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
@@ -27,7 +28,8 @@ def register(sub, method) -> None:
 
 def run(args) -> int:
     """Measure every (dtype, pattern, weight-size bucket, token bucket) of --model's N:M layers
-    the cache lacks (all with --force), on the first layer of each, and print them all."""
+    this environment has no answer for (:func:`dispatch.answer`; all with --force), on the first
+    layer of each, and print them all with their source: cache, prior or measured."""
     import torch
 
     from ..files import ensure_cache_dir
@@ -53,6 +55,11 @@ def run(args) -> int:
         raise UsageError(f"--model {args.model} has no N:M sparse linear layers (prune it with --pattern 2:4 "
                          "or 4:8 first)")
     device, dtype = torch.device("cpu"), options.DTYPES[args.dtype]
+    env = dispatch.environment(device)
+    print(f"machine {dispatch.device_key(device)}")
+    print(f"environment: flags {' '.join(env['machine']['flags']) or 'none'}; last-level cache "
+          f"{env['machine']['llc_bytes']} bytes; {env['threads']} threads; torch {env['torch']}; "
+          f"pyprune {env['pyprune']}; native kernels {'built' if env['native_kernels'] else 'missing'}")
     cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]
     print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
           "backend | source |")
@@ -60,14 +67,13 @@ def run(args) -> int:
     for layer, pattern, count in groups.values():
         sparse = layer if isinstance(layer, SparseLinear) else SparseLinear.from_dense(layer, pattern)
         for count_tokens in tokens:
-            key = dispatch.case_key(device, dtype, str(pattern), sparse.out_features, sparse.in_features,
-                                    count_tokens)
-            entry, source = dispatch.cached_entries(device).get(key), "cache"
-            if entry is None or args.force:
-                entry, source = sparse.tune(count_tokens)[0], "measured"
+            found = None if args.force else dispatch.answer(device, dtype, str(pattern), sparse.out_features,
+                                                            sparse.in_features, count_tokens)
+            entry, source = found or (sparse.tune(count_tokens)[0], "measured")
+            speedup = entry.get("sparse_speedup_vs_dense", entry.get("sparse_geomean_speedup_vs_dense", ""))
             print(f"| {count} | {sparse.out_features}×{sparse.in_features} | {args.dtype} | {pattern} | "
                   f"{count_tokens} | {entry.get('kernel_ms', '')} | {entry.get('dense_ms', '')} | "
-                  f"{entry.get('sparse_speedup_vs_dense', '')} | {entry['backend']} | {source} |")
+                  f"{speedup} | {entry['backend']} | {source} |")
     print(f"[{tuning.COST['cases'] - cases} cases measured in {tuning.COST['seconds'] - seconds:.2f} s, "
           f"{torch.get_num_threads()} threads; cache {dispatch.cache_path(device)}]")
     return 0

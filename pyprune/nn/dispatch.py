@@ -1,21 +1,32 @@
-"""Which backend runs a :class:`~pyprune.nn.SparseLinear` forward, from measurements.
+"""Which backend runs a :class:`~pyprune.nn.SparseLinear` forward, from measurements of this very environment.
 
-The table (``dispatch_table.json`` next to this file, or the file named by
-``PYPRUNE_DISPATCH_TABLE``) is written by ``benchmarks/bench_sparse_linear.py --write-dispatch``.
-A row is keyed by the machine (on a CPU: the instruction set the native kernels use and the CPU
-model; on a GPU: its name), dtype, N:M pattern, weight-size bucket (out·in rounded up to a power
-of two) and token bucket (1, 2, 4, 8 — the CPU kernel's code paths — or ``many``), and names the
-sparse backend that measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear`` there,
-or ``dense``.
+Every measurement is keyed by its environment (:func:`environment`): the machine (:func:`machine`:
+on a CPU the model name, vendor, family, model and stepping, the instruction-set flags of
+:data:`ISA_FLAGS` it has and its last-level cache's size, as :func:`cpu_identity` reads them; on a
+GPU its name and compute capability), torch and pyprune versions, whether pyprune's native kernels
+are built, and torch's thread count. A hypervisor's ``AMD EPYC`` names every EPYC generation, so a
+name alone never keys: AVX2 Zen 3 and AVX-512-BF16 Zen 4 are other environments. Within one, a case
+(:func:`case_key`) is the dtype, N:M pattern, weight-size bucket (out·in rounded up to a power of
+two) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse backend that
+measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear``, or ``dense``.
 
-That table is a prior shipped with pyprune; measurements taken where pyprune runs override it. The
-per-user cache (``$PYPRUNE_CACHE/dispatch/<key>.json``, default cache root ``~/.cache/pyprune``)
-holds them, one file per environment (:func:`environment`: the machine key, torch and pyprune
-versions, thread count), so another CPU, torch, pyprune or thread count measures afresh. It is
-written by :func:`record` (under a file lock, atomically: concurrent tuners never leave a partial
-file and keep each other's answers) and filled by :mod:`pyprune.nn.tuning`. Where neither the cache
-nor the table has the case (and tuning is off or cannot run), the layer runs dense
-(:data:`FALLBACK_BACKEND`): sparse is never chosen without a measurement saying it pays here.
+Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries": {case: entry}}``.
+
+* The per-user cache, this environment's own measurements: one block per file,
+  ``$PYPRUNE_CACHE/dispatch/<hash of the environment>.json`` (default cache root
+  ``~/.cache/pyprune``), written by :func:`record` (under a file lock, atomically: concurrent tuners
+  never leave a partial file and keep each other's answers), filled by :mod:`pyprune.nn.tuning` on
+  first use and by ``pyprune tune``.
+* The shipped table, a prior: ``{"environments": [block, ...]}`` in ``dispatch_table.json`` next to
+  this file (or the file named by ``PYPRUNE_DISPATCH_TABLE``), written by
+  ``benchmarks/bench_sparse_linear.py --write-dispatch``. A block applies only where its
+  environment equals this process's exactly.
+
+:func:`answer` gives what may be used as is: the cache's entry (source ``cache``), else a prior
+``dense`` entry (``prior``). A prior naming a sparse backend is no answer: the caller measures the
+case first where :func:`pyprune.nn.tuning.can_tune` (``measured``, recorded in the cache), and runs
+dense where it cannot (:data:`FALLBACK_BACKEND`, ``fallback``): sparse never runs without a
+measurement of this environment, taken here, saying it pays.
 """
 from __future__ import annotations
 
@@ -25,63 +36,134 @@ import json
 import os
 import platform
 from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import __version__
 from ..files import cache_root, ensure_cache_dir, write_json
+from ..ops import backend
 
 #: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
 #: ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors; ``mma_sp``: pyprune's CUDA
 #: 2:4 sparse tensor-core GEMM.
 BACKENDS = ("kernel", "dense", "cusparselt", "cutlass", "mma_sp")
-#: The backend of graphs under torch.compile (the table lookup reads a file) and of gradients.
-DEFAULT_BACKEND = "kernel"
-#: The backend where the table has no row for the case: never slower than dense.
+#: The backend where this environment has no answer of its own: never slower than dense.
 FALLBACK_BACKEND = "dense"
-#: A sparse backend enters the table only where it measured at least this speedup over dense.
+#: A sparse backend is named only where it measured at least this speedup over dense.
 MIN_SPEEDUP = 1.05
 #: Token counts up to the last are rounded up to the next one; more are ``many``.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_table.json")
+#: The /proc/cpuinfo flags pyprune's kernels or oneDNN's GEMMs use, roughly from the least to the most
+#: capable (:func:`device_key` shows the last one a CPU has).
+ISA_FLAGS = ("fma", "f16c", "avx2", "avx_vnni", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vbmi2",
+             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+#: Where sysfs lists the first CPU's caches (one ``index<i>`` directory per cache).
+SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+#: Where a layer's backend came from: this environment's cache, the shipped table (a ``dense`` row
+#: of this very environment), a measurement taken here (a prior naming sparse is one, confirmed or
+#: overruled), or no usable answer at all (dense).
+SOURCES = ("cache", "prior", "measured", "fallback")
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def device_key(device: torch.device) -> str:
-    """``cpu/<isa>/<model>`` (e.g. ``cpu/avx2/AMD EPYC``), or the CUDA device's name."""
-    device = torch.device(device)
-    return _device_name(device.type, device.index)
+# -- the machine -------------------------------------------------------------------------------------
+
+def cpu_identity(cpuinfo: str, llc_bytes: int) -> Dict:
+    """The CPU that ``cpuinfo`` (/proc/cpuinfo's text; its first processor) describes, with a
+    last-level cache of ``llc_bytes`` (0: unknown): model name, vendor, family, model number,
+    stepping, the sorted :data:`ISA_FLAGS` it has and ``llc_bytes``."""
+    if not isinstance(cpuinfo, str):
+        raise ValueError(f"cpuinfo must be the text of /proc/cpuinfo; got {type(cpuinfo).__name__}")
+    if isinstance(llc_bytes, bool) or not isinstance(llc_bytes, int) or llc_bytes < 0:
+        raise ValueError(f"llc_bytes must be a size in bytes >= 0 (0: unknown); got {llc_bytes!r}")
+    fields: Dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep and fields:
+            break  # the blank line after the first processor
+        fields.setdefault(key.strip(), value.strip())
+    return {"model": fields.get("model name", ""), "vendor": fields.get("vendor_id", ""),
+            "family": fields.get("cpu family", ""), "model_number": fields.get("model", ""),
+            "stepping": fields.get("stepping", ""),
+            "flags": sorted(set(fields.get("flags", "").split()) & set(ISA_FLAGS)), "llc_bytes": llc_bytes}
 
 
-def cpu_isa() -> str:
-    """The instruction set pyprune's native CPU kernels run with here: ``avx2`` (AVX2+FMA+F16C,
-    detected at run time) or ``generic`` (``none`` without the native extension)."""
-    from ..ops import backend
-    native = backend.native_module("cpu")
-    if native is None:
-        return "none"
-    return "avx2" if native.cpu_has_avx2_fma_f16c() else "generic"
+def cpu_caches(root: str = SYSFS_CACHES) -> Dict[str, int]:
+    """{``L1d``, ``L1i``, ``L2u``, ``L3u`` ...: bytes} of the caches sysfs lists under ``root``
+    (level, then the first letter of the type; empty where it lists none)."""
+    caches = {}
+    for index in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            level, kind, size = (_read_text(os.path.join(root, index, name)) for name in ("level", "type", "size"))
+        except OSError:  # not a cache's directory
+            continue
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            caches[f"L{level}{kind[:1].lower()}"] = int(digits) * _SIZE_UNITS.get(size[len(digits):], 1)
+    return caches
 
 
-def cpu_model() -> str:
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+def _cpuinfo_text() -> str:
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return _read_text("/proc/cpuinfo")
+    except OSError:  # not Linux: the name the platform gives, nothing more
+        return f"model name: {platform.processor() or platform.machine()}"
 
 
 @lru_cache(maxsize=None)
-def _device_name(kind: str, index: Optional[int]) -> str:
-    if kind == "cuda":
-        return torch.cuda.get_device_name(index)
-    return f"cpu/{cpu_isa()}/{cpu_model()}" if kind == "cpu" else kind
+def this_cpu() -> Dict:
+    """:func:`cpu_identity` of this machine, its last-level cache the largest :func:`cpu_caches`
+    lists (read once per process; tests replace this function to present another CPU)."""
+    return cpu_identity(_cpuinfo_text(), max(cpu_caches().values(), default=0))
 
+
+@lru_cache(maxsize=None)
+def _cuda_identity(index: Optional[int]) -> Dict:
+    major, minor = torch.cuda.get_device_capability(index)
+    return {"device": "cuda", "name": torch.cuda.get_device_name(index), "capability": f"sm{major}{minor}"}
+
+
+def machine(device: torch.device) -> Dict:
+    """What sets a measurement's speed on ``device`` besides software: on a CPU ``device: cpu`` and
+    :func:`this_cpu`; on a CUDA device its name and compute capability."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_identity(device.index)
+    return dict(device=device.type, **this_cpu()) if device.type == "cpu" else {"device": device.type}
+
+
+def device_key(device: torch.device) -> str:
+    """:func:`machine` in short, for people (e.g. ``cpu/AMD EPYC/25.17.1/avx512_bf16/LLC 32 MiB``,
+    ``cuda/NVIDIA H200/sm90``); the stores key on the whole :func:`environment`."""
+    found = machine(device)
+    if found["device"] == "cuda":
+        return f"cuda/{found['name']}/{found['capability']}"
+    if found["device"] != "cpu":
+        return found["device"]
+    top = next((flag for flag in reversed(ISA_FLAGS) if flag in found["flags"]), "no-fma")
+    return (f"cpu/{found['model']}/{found['family']}.{found['model_number']}.{found['stepping']}/{top}/"
+            f"LLC {found['llc_bytes'] / (1 << 20):g} MiB")
+
+
+def environment(device: torch.device) -> Dict:
+    """What a measurement depends on besides the case: :func:`machine`, torch and pyprune versions,
+    whether pyprune's native kernels for the device are built, and torch's thread count (more
+    threads move the point where sparse pays)."""
+    device = torch.device(device)
+    return {"machine": machine(device), "torch": torch.__version__, "pyprune": __version__,
+            "native_kernels": device.type in ("cpu", "cuda") and backend.native_module(device.type) is not None,
+            "threads": torch.get_num_threads()}
+
+
+# -- cases ---------------------------------------------------------------------------------------------
 
 def token_bucket(tokens: int) -> str:
     return next((str(b) for b in TOKEN_BUCKETS if tokens <= b), "many")
@@ -91,70 +173,80 @@ def shape_bucket(out_features: int, in_features: int) -> str:
     return f"2^{max(out_features * in_features - 1, 0).bit_length()}"
 
 
-def entry_key(device: str, dtype: torch.dtype, pattern: str, shape: str, tokens: str) -> str:
-    return f"{device}|{str(dtype).replace('torch.', '')}|{pattern}|{shape}|{tokens}"
+def entry_key(dtype: torch.dtype, pattern: str, shape: str, tokens: str) -> str:
+    """``<dtype>|<pattern>|<shape bucket>|<token bucket>``, e.g. ``bfloat16|2:4|2^17|256``."""
+    return f"{str(dtype).replace('torch.', '')}|{pattern}|{shape}|{tokens}"
 
+
+def case_key(dtype: torch.dtype, pattern: str, out_features: int, in_features: int, tokens: int) -> str:
+    """The key, in the cache and the table, of a layer's forward of ``tokens`` tokens."""
+    return entry_key(dtype, pattern, shape_bucket(out_features, in_features), token_bucket(tokens))
+
+
+def answer(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
+           in_features: int, tokens: int) -> Optional[Tuple[Dict, str]]:
+    """(entry, source) that may be used as is for this case: this environment's cache entry
+    (``cache``), else the shipped table's ``dense`` entry for this very environment (``prior``);
+    else None (a prior naming a sparse backend included: it is measured before it is used)."""
+    key = case_key(dtype, pattern, out_features, in_features, tokens)
+    entry = cached_entries(device).get(key)
+    if entry is not None:
+        return entry, "cache"
+    entry = prior_entries(device).get(key)
+    return (entry, "prior") if entry is not None and entry["backend"] == "dense" else None
+
+
+# -- the shipped table (the prior) ---------------------------------------------------------------------
 
 def table_path() -> str:
     return os.environ.get("PYPRUNE_DISPATCH_TABLE") or TABLE_PATH
 
 
+def _stamp(path: str) -> Optional[tuple]:
+    """What changes when the file at ``path`` is replaced or rewritten; None where there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size, info.st_ino
+
+
+def table(path: Optional[str] = None) -> List[Dict]:
+    """The blocks of the shipped table at ``path`` (default :func:`table_path`; none where it is
+    absent), re-read when the file changes; ValueError naming the file where it is malformed."""
+    path = path or table_path()
+    stamp = _stamp(path)
+    return [] if stamp is None else _load_table(path, stamp)
+
+
 @lru_cache(maxsize=8)
-def _load(path: str) -> Dict:
-    if not os.path.isfile(path):
-        return {"entries": {}}
+def _load_table(path: str, stamp: tuple) -> List[Dict]:
     with open(path, encoding="utf-8") as handle:
-        table = json.load(handle)
-    for key, entry in table.get("entries", {}).items():
-        if entry.get("backend") not in BACKENDS:
-            raise ValueError(f"dispatch table {path}: entry {key!r} names backend "
-                             f"{entry.get('backend')!r}; allowed: {', '.join(BACKENDS)}")
-    return table
+        payload = json.load(handle)
+    blocks = payload.get("environments") if isinstance(payload, dict) else None
+    if not isinstance(blocks, list) or not all(
+            isinstance(b, dict) and isinstance(b.get("environment"), dict) and isinstance(b.get("entries"), dict)
+            for b in blocks):
+        raise ValueError(f"dispatch table {path} must be {{\"environments\": [{{\"environment\": {{...}}, "
+                         f"\"entries\": {{...}}}}, ...]}}: rows without the environment they were measured in "
+                         "cannot be attributed to a machine; write it with benchmarks/bench_sparse_linear.py "
+                         "--write-dispatch")
+    for block in blocks:
+        for key, entry in block["entries"].items():
+            if not isinstance(entry, dict) or entry.get("backend") not in BACKENDS:
+                raise ValueError(f"dispatch table {path}: entry {key!r} names backend "
+                                 f"{entry.get('backend') if isinstance(entry, dict) else entry!r}; "
+                                 f"allowed: {', '.join(BACKENDS)}")
+    return blocks
 
 
-def table() -> Dict:
-    return _load(table_path())
-
-
-def case_key(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int, in_features: int,
-             tokens: int) -> str:
-    """The table and cache key of a layer's forward of ``tokens`` tokens."""
-    return entry_key(device_key(device), dtype, pattern, shape_bucket(out_features, in_features),
-                     token_bucket(tokens))
-
-
-#: Where a layer's backend came from: the per-user cache, the shipped table (the prior), a
-#: measurement taken on first use, or no measurement at all (dense).
-SOURCES = ("cache", "prior", "measured", "fallback")
-
-
-def answer(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
-           in_features: int, tokens: int) -> Optional[Tuple[str, str]]:
-    """(backend, source) measured for this case: the per-user cache's answer (source ``cache``),
-    else the shipped table's (``prior``), else None."""
-    key = case_key(device, dtype, pattern, out_features, in_features, tokens)
-    entry = cached_entries(device).get(key)
-    if entry is not None:
-        return entry["backend"], "cache"
-    entry = table().get("entries", {}).get(key)
-    return None if entry is None else (entry["backend"], "prior")
-
-
-def lookup(device: torch.device, dtype: torch.dtype, pattern: str, out_features: int,
-           in_features: int, tokens: int) -> Optional[str]:
-    """The measured backend for this case (see :func:`answer`), else None."""
-    found = answer(device, dtype, pattern, out_features, in_features, tokens)
-    return None if found is None else found[0]
+def prior_entries(device: torch.device) -> Dict:
+    """{case key: entry} of the shipped table's block of this very environment (none of another)."""
+    env = environment(device)
+    return next((block["entries"] for block in table() if block["environment"] == env), {})
 
 
 # -- the per-user cache of measurements ------------------------------------------------------------
-
-def environment(device: torch.device) -> Dict:
-    """What a measurement depends on besides the case: the machine key, torch and pyprune versions
-    and torch's thread count (more threads move the point where sparse pays)."""
-    return {"device": device_key(device), "torch": torch.__version__, "pyprune": __version__,
-            "threads": torch.get_num_threads()}
-
 
 def cache_path(device: torch.device) -> str:
     """The cache file of this environment: a name derived from every part of :func:`environment`."""
@@ -184,12 +276,8 @@ def _read_cache_version(path: str, env_json: str, stamp: tuple) -> Dict:
 def cached_entries(device: torch.device) -> Dict:
     """{case key: entry} measured in this environment (re-read when the file changes)."""
     path = cache_path(device)
-    try:
-        info = os.stat(path)
-    except OSError:
-        return {}
-    return _read_cache_version(path, json.dumps(environment(device), sort_keys=True),
-                               (info.st_mtime_ns, info.st_size, info.st_ino))
+    stamp = _stamp(path)
+    return {} if stamp is None else _read_cache_version(path, json.dumps(environment(device), sort_keys=True), stamp)
 
 
 @contextlib.contextmanager

@@ -9,11 +9,13 @@ it, cached, and rebuilt when the values change in place or are replaced. Writes 
 ``values.data`` bypass the version counter: call :meth:`SparseLinear.invalidate` after them.
 
 Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` runs the sparse backend
-measured at least 1.05x dense on this machine for the dtype, pattern, weight size and token count:
-the per-user cache's answer, else the shipped table's (:mod:`pyprune.nn.dispatch`); a CPU case
-neither answers is timed on first use, kernel against dense on the layer's own weights
-(:mod:`pyprune.nn.tuning`; ``PYPRUNE_TUNE=0`` turns that off, and it never runs under
-torch.compile), and dense runs where no measurement says sparse pays:
+measured at least 1.05x dense in this environment (machine, torch, pyprune, threads) for the
+dtype, pattern, weight size and token count (:mod:`pyprune.nn.dispatch`): the per-user cache's
+answer, else a ``dense`` row of the shipped table for this very environment. A CPU case without
+either (a shipped row naming ``kernel`` included) is timed on first use, kernel against dense on
+the layer's own weights (:mod:`pyprune.nn.tuning`), and the measurement decides. Where no
+measurement can run (``PYPRUNE_TUNE=0``, a GPU) the layer runs dense; under torch.compile it runs
+the backend eager forwards chose for the same case, else dense:
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
   C++ kernel: a GEMV over kept weights for <= 256 tokens (8 per pass), block-wise decompression
@@ -94,7 +96,8 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
         self._cusparselt_algorithms: Dict[int, int] = {}
-        self._choices: Dict[tuple, str] = {}  # backend="auto": the table's answer per case
+        #: backend="auto": (backend, what else picked it) per (device, dtype, token bucket)
+        self._choices: Dict[tuple, Tuple[str, tuple]] = {}
         #: backend="auto": (backend, source in dispatch.SOURCES) per token bucket met so far
         self.decisions: Dict[str, Tuple[str, str]] = {}
 
@@ -190,22 +193,22 @@ class SparseLinear(nn.Module):
         if needs_grad:
             return "kernel"
         name = self.backend
-        if name == "auto" and torch.compiler.is_compiling():
-            return dispatch.DEFAULT_BACKEND  # the table lookup reads a file; graphs use the kernel op
-        if name == "auto":  # remembered per case: a decode step is short, the lookup is not free
-            case = (x.device, x.dtype, dispatch.token_bucket(tokens), dispatch.table_path(),
-                    dispatch.cache_root(), torch.get_num_threads())  # what else picks the cache file
-            name = self._choices.get(case)
-            if name is None:
-                found = dispatch.answer(x.device, x.dtype, str(self.pattern), self.out_features,
-                                        self.in_features, tokens)
-                if found is None and tuning.can_tune(x.device):
-                    found = self.tune(tokens)[0]["backend"], "measured"
-                name, source = found or (dispatch.FALLBACK_BACKEND, "fallback")
+        if name == "auto":
+            bucket = dispatch.token_bucket(tokens)
+            case = (x.device, x.dtype, bucket)
+            if torch.compiler.is_compiling():  # a graph reads no file: what eager chose, else dense
+                return self._choices.get(case, (dispatch.FALLBACK_BACKEND,))[0]
+            # remembered per case (a decode step is short, the lookup is not free) and context:
+            # what else picks the table, the cache file and the answers in it
+            context = (dispatch.table_path(), dispatch.cache_root(), torch.get_num_threads())
+            choice = self._choices.get(case)
+            if choice is None or choice[1] != context:
+                name, source = _decide(self, self.pattern, x.device, x.dtype, tokens)
                 if not self.supports(name, x):
                     name, source = dispatch.FALLBACK_BACKEND, "fallback"
-                self._choices[case] = name
-                self.decisions[dispatch.token_bucket(tokens)] = (name, source)
+                choice = self._choices[case] = (name, context)
+                self.decisions[bucket] = (name, source)
+            name = choice[0]
         elif not self.supports(name, x):
             raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
@@ -225,7 +228,7 @@ class SparseLinear(nn.Module):
                                tuning.timed_input(self.in_features, tokens, dtype, device))
         if entry["backend"] != "dense" and not kept:
             self._cache.pop("dense", None)
-        key = dispatch.case_key(device, dtype, str(self.pattern), self.out_features, self.in_features, tokens)
+        key = dispatch.case_key(dtype, str(self.pattern), self.out_features, self.in_features, tokens)
         return entry, dispatch.record(device, {key: entry})
 
     def supports(self, name: str, x: Tensor) -> bool:
@@ -373,18 +376,28 @@ def _check_tokens(faster_at: Optional[int], allow_none: bool = True) -> Optional
     return faster_at
 
 
+def _decide(module: nn.Module, pattern: NM, device: torch.device, dtype: torch.dtype,
+            tokens: int) -> Tuple[str, str]:
+    """(backend, source in :data:`dispatch.SOURCES`) of ``module`` (an nn.Linear or SparseLinear of
+    ``pattern``) at ``tokens`` tokens: :func:`dispatch.answer`, else a measurement taken now where
+    :func:`tuning.can_tune` (:meth:`SparseLinear.tune`; a shipped row naming sparse is confirmed or
+    overruled so), else dense."""
+    found = dispatch.answer(device, dtype, str(pattern), module.out_features, module.in_features, tokens)
+    if found is not None:
+        return found[0]["backend"], found[1]
+    if tuning.can_tune(device):
+        layer = module if isinstance(module, SparseLinear) else SparseLinear.from_dense(module, pattern)
+        return layer.tune(tokens)[0]["backend"], "measured"
+    return dispatch.FALLBACK_BACKEND, "fallback"
+
+
 def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
-    """An nn.Linear or SparseLinear: sparse measured faster here at ``faster_at`` tokens (or no count
-    given); a CPU case without a measurement is measured now (:meth:`SparseLinear.tune`)."""
+    """An nn.Linear or SparseLinear: sparse measured faster in this environment at ``faster_at``
+    tokens (or no count given), as :func:`_decide` finds."""
     if faster_at is None:
         return True
     tensor = module.values if isinstance(module, SparseLinear) else module.weight
-    found = dispatch.lookup(tensor.device, tensor.dtype, str(pattern), module.out_features, module.in_features,
-                            faster_at)
-    if found is None and tuning.can_tune(tensor.device):
-        layer = module if isinstance(module, SparseLinear) else SparseLinear.from_dense(module, pattern)
-        found = layer.tune(faster_at)[0]["backend"]
-    return found not in (None, "dense")
+    return _decide(module, pattern, tensor.device, tensor.dtype, faster_at)[0] != "dense"
 
 
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
@@ -398,9 +411,10 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
     exactly the layers that satisfy it. Layers named in ``skip`` (by the last part of their name)
     stay dense, as do layers that satisfy no pattern, and with ``faster_at=T`` those for which no
     sparse backend measured faster than dense at T tokens per forward (per expert call for experts)
-    on this machine, dtype and shape (cache, table, or a first-use measurement on a CPU; T = batch
-    size for decode): they would only run dense, at the memory of both forms. Routers are nn.Linear
-    layers no method prunes: they satisfy no pattern and stay dense.
+    in this environment, dtype and shape (its cache, or a measurement taken now on a CPU; a shipped
+    row naming sparse is measured first; T = batch size for decode): they would only run dense, at
+    the memory of both forms. Routers are nn.Linear layers no method prunes: they satisfy no
+    pattern and stay dense.
     Returns {qualified name: pattern} of the replaced layers (``...experts.3.down_proj`` for experts).
     """
     candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
@@ -447,7 +461,7 @@ def _dense(module: Union[SparseLinear, SparseExperts]) -> nn.Module:
 
 def densify_slower_(model: nn.Module, faster_at: int) -> Dict[str, str]:
     """Turn back into nn.Linear (fused experts), in place, every SparseLinear (SparseExperts) of
-    ``model`` that measured (cache, table or first use, as in :func:`sparsify_`) no faster than
+    ``model`` that measured (cache or first use, as in :func:`sparsify_`) no faster than
     dense at ``faster_at`` tokens per forward (a loaded sparse checkpoint on a machine where a
     layer does not pay). Returns {qualified name: pattern} of those layers."""
     _check_tokens(faster_at, allow_none=False)

@@ -1,13 +1,15 @@
-"""Tune on first use: time SparseLinear's ``kernel`` against ``dense`` where this CPU has no answer.
+"""Tune on first use: time SparseLinear's ``kernel`` against ``dense`` where this environment has no answer.
 
-A case (machine, dtype, pattern, weight-size bucket, token bucket) that neither the per-user cache
-nor the shipped table of :mod:`pyprune.nn.dispatch` answers is measured the first time a layer meets
-it, on that layer's own weights and a random input of its token count (at most
+A case (dtype, pattern, weight-size bucket, token bucket) that this environment's per-user cache
+does not answer (:func:`pyprune.nn.dispatch.answer`) is measured the first time a layer meets it,
+on that layer's own weights and a random input of its token count (at most
 :data:`MAX_TIMED_TOKENS`): a few interleaved rounds of kernel and dense, each call after the
 last-level cache was overwritten (a layer inside a model's forward reads its weight from memory),
-the median per-round ratio deciding. The answer goes to the cache, so it is measured once per
+the median per-round ratio deciding. So is a case the shipped table names a sparse backend for,
+even in this very environment: a prior ``kernel`` is confirmed (or overruled) here before it runs;
+a prior ``dense`` is used as is. The answer goes to the cache, so it is measured once per
 environment. Never under ``torch.compile`` (the caller checks), never with ``PYPRUNE_TUNE=0`` (CI,
-benchmarks: then cache, table or dense as before) and, for now, on CPUs only.
+benchmarks: then such a case runs dense) and, for now, on CPUs only.
 """
 from __future__ import annotations
 
@@ -49,18 +51,9 @@ def can_tune(device: torch.device) -> bool:
 
 
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
-    """The largest CPU cache's size in bytes from sysfs (``default`` where it does not say)."""
-    sizes, root = [], "/sys/devices/system/cpu/cpu0/cache"
-    for index in (os.listdir(root) if os.path.isdir(root) else []):
-        try:
-            with open(os.path.join(root, index, "size"), encoding="utf-8") as handle:
-                size = handle.read().strip()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        if size.rstrip("KM").isdigit():
-            sizes.append(int(size.rstrip("KM")) * unit)
-    return max(sizes, default=default)
+    """The last-level cache's size in bytes, as :func:`dispatch.this_cpu` read it (``default``
+    where sysfs does not say)."""
+    return dispatch.this_cpu()["llc_bytes"] or default
 
 
 def evict_cpu_cache() -> None:

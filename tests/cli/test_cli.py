@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pyprune import cli
-from tests.helpers import kernel_dispatch_table
+from tests.helpers import kernel_dispatch_cache
 
 EMMA = "emma"  # the embedded corpus
 
@@ -266,12 +266,12 @@ def test_a_method_is_registered_by_defining_it():
 
 
 def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """``pyprune generate`` on a model saved with SparseLinear layers, run on the sparse kernel (a
-    dispatch table naming it for every layer, so on every machine): the text the same weights give
-    as plain dense linears, and the speed line."""
+    """``pyprune generate`` on a model saved with SparseLinear layers, run on the sparse kernel (this
+    machine's dispatch cache naming it for every layer, so on every machine): the text the same
+    weights give as plain dense linears, and the speed line."""
     import pyprune
     from pyprune.runtime.decode import greedy_generate
-    from pyprune.nn import SparseLinear
+    from pyprune.nn import SparseLinear, dispatch
     model_dir, _ = tiny_model_dir
     output = tmp_path / "out"
     assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
@@ -279,13 +279,13 @@ def test_generate_with_sparse_layers_prints_the_dense_models_text(tiny_model_dir
     capsys.readouterr()
     model, tok = pyprune.load(str(output))
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, SparseLinear)}
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", kernel_dispatch_table(str(tmp_path / "kernel.json"), shapes))
+    kernel_dispatch_cache(monkeypatch, tmp_path / "kernel-cache", shapes)
     prompt = "the man was good"
     assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5",
                      "--sparse-where", "all"]) == 0
     text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
-    # by default a layer without a measured sparse speed-up (here: an empty dispatch table) runs dense
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "no-table.json"))
+    # by default a layer without a measured sparse speed-up (here: an empty cache) runs dense
+    monkeypatch.setattr(dispatch, "cache_root", lambda: str(tmp_path / "empty-cache"))
     assert cli.main(["generate", "--model", str(output), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
     default_text, default_speed = capsys.readouterr().out.strip().splitlines()[-2:]
     assert default_text == text and "; 0 SparseLinear layers, 14 N:M layers as nn.Linear," in default_speed
@@ -328,7 +328,8 @@ def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny
     capsys.readouterr()
     assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:-1]]
+    assert lines[0] == f"machine {dispatch.device_key(torch.device('cpu'))}"  # then the environment, the table
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[4:-1]]
     # q/o 64x64, k/v 32x64, gate/up/down 128x64 and 64x128 (one bucket): 3 buckets x 2 token counts
     assert sorted((r[0], r[1], r[4]) for r in rows) == sorted(
         (count, shape, tokens) for count, shape in (("4", "64×64"), ("4", "32×64"), ("6", "128×64"))
@@ -337,10 +338,10 @@ def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
     assert lines[-1].startswith("[6 cases measured in")
     entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
-    assert len(entries) == 6 and all(k.endswith(("|1", "|4")) and "|float32|2:4|" in k for k in entries)
+    assert len(entries) == 6 and all(k.endswith(("|1", "|4")) and k.startswith("float32|2:4|") for k in entries)
     assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
     again = capsys.readouterr().out.strip().splitlines()
-    assert all(line.endswith("| cache |") for line in again[2:-1]) and "[0 cases measured" in again[-1]
+    assert all(line.endswith("| cache |") for line in again[4:-1]) and "[0 cases measured" in again[-1]
 
     monkeypatch.setenv("PYPRUNE_TUNE", "1")
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "no-table.json"))
@@ -351,6 +352,45 @@ def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny
     assert tuned is not None, speed
     entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
     assert len(entries) == 6 + int(tuned[1]) and int(tuned[3]) <= int(tuned[2])
+
+
+def test_tune_prints_the_machine_its_environment_and_where_each_answer_came_from(tiny_model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """At the top the machine key and the environment the answers are kept for (ISA flags,
+    last-level cache, threads, torch); per case its source: this machine's cache, a shipped
+    ``dense`` row of this very environment (prior), or a measurement taken now (a shipped ``kernel``
+    row is measured, and so is a row of another CPU of the same name)."""
+    import json
+
+    import torch
+
+    from pyprune.nn import dispatch
+    model_dir, _ = tiny_model_dir
+    output = tmp_path / "out"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(output), "--sparse-layers", "--quiet"]) == 0
+    capsys.readouterr()
+    cpu = torch.device("cpu")
+    here = dispatch.environment(cpu)
+    another = dict(here, machine=dict(here["machine"], flags=["avx2", "f16c", "fma"], model_number="1"))
+    key = lambda out, tokens: dispatch.case_key(torch.float32, "2:4", out, 64, tokens)  # noqa: E731
+    table = tmp_path / "table.json"  # q/o 64x64, k/v 32x64; one token
+    table.write_text(json.dumps({"environments": [
+        {"environment": here, "entries": {key(64, 1): {"backend": "dense"}, key(32, 1): {"backend": "kernel"}}},
+        {"environment": another, "entries": {key(128, 1): {"backend": "dense"}}}]}))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
+    dispatch.record(cpu, {key(64, 3): {"backend": "dense", "kernel_ms": 0.5, "dense_ms": 0.4}})
+    assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    machine = here["machine"]
+    assert lines[0] == f"machine {dispatch.device_key(cpu)}" and lines[0].startswith(f"machine cpu/{machine['model']}/")
+    assert lines[1] == (f"environment: flags {' '.join(machine['flags']) or 'none'}; last-level cache "
+                        f"{machine['llc_bytes']} bytes; {here['threads']} threads; torch {torch.__version__}; "
+                        f"pyprune {here['pyprune']}; native kernels built")
+    sources = {(r[1], r[4]): r[9] for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[4:-1])}
+    assert sources == {("64×64", "1"): "prior", ("64×64", "3"): "cache", ("32×64", "1"): "measured",
+                       ("32×64", "3"): "measured", ("128×64", "1"): "measured", ("128×64", "3"): "measured"}
+    assert lines[-1].startswith("[4 cases measured in")
 
 
 def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):

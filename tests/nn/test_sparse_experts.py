@@ -12,7 +12,7 @@ import pyprune
 from pyprune.nn import SparseLinear, densify_, densify_slower_, dispatch, sparsify_
 from pyprune.nn.anatomy import decoder_blocks
 from pyprune.nn.sparse import SparseExperts, sparse_layers
-from tests.helpers import assert_close, kernel_dispatch_table, random_tokens, tiny_decoder
+from tests.helpers import assert_close, kernel_dispatch_cache, random_tokens, tiny_decoder
 
 MOE = ["mixtral", "qwen2_moe"]
 
@@ -97,19 +97,20 @@ def test_an_experts_module_that_is_not_n_m_stays_dense_and_is_not_reported():
 
 
 def test_faster_at_converts_experts_whose_matrices_all_pay_and_densify_slower_turns_them_back(tmp_path, monkeypatch):
-    """With ``faster_at=1`` experts become SparseExperts only where the dispatch table names the kernel
-    for both expert shapes; densify_slower_ gives the fused module back where one shape has no row."""
+    """With ``faster_at=1`` experts become SparseExperts only where this machine's measurements name
+    the kernel for both expert shapes; densify_slower_ gives the fused module back where one shape
+    has none."""
     model = _pruned("mixtral")
     expected = _logits(model)
     experts = model.model.layers[0].mlp.experts
     gate_up, down = (tuple(getattr(experts, matrix).shape[1:]) for matrix in ("gate_up_proj", "down_proj"))
     assert dispatch.shape_bucket(*gate_up) != dispatch.shape_bucket(*down)
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(kernel_dispatch_table(tmp_path / "gate-up.json", [gate_up])))
+    gate_up_only = kernel_dispatch_cache(monkeypatch, tmp_path / "gate-up", [gate_up])
     assert not any("experts" in name for name in sparsify_(model, faster_at=1))
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(kernel_dispatch_table(tmp_path / "both.json", [gate_up, down])))
+    kernel_dispatch_cache(monkeypatch, tmp_path / "both", [gate_up, down])
     converted = {name for name in sparsify_(model, faster_at=1) if "experts" in name}
     assert len(converted) == 2 * 4 * 2 and isinstance(model.model.layers[1].mlp.experts, SparseExperts)
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(tmp_path / "gate-up.json"))
+    monkeypatch.setattr(dispatch, "cache_root", lambda: gate_up_only)
     assert {name for name in densify_slower_(model, 1) if "experts" in name} == converted
     assert not any(isinstance(block.mlp.experts, SparseExperts) for block in decoder_blocks(model))
     assert not sparse_layers(model) and torch.equal(_logits(model), expected)  # every layer back, same weights

@@ -213,27 +213,31 @@ def test_gpu_only_backends_refuse_cpu_tensors_clearly():
 
 
 def _dispatch_key(layer, dtype, tokens):
-    return dispatch.entry_key(dispatch.device_key(torch.device("cpu")), dtype, str(layer.pattern),
-                              dispatch.shape_bucket(layer.out_features, layer.in_features),
-                              dispatch.token_bucket(tokens))
+    return dispatch.case_key(dtype, str(layer.pattern), layer.out_features, layer.in_features, tokens)
 
 
-def test_dispatch_table_picks_a_measured_backend(tmp_path, monkeypatch):
+def test_this_machines_measurements_pick_the_backend(tmp_path, monkeypatch):
     linear, _ = _pruned_linear(64, 16, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
-    table = {"entries": {_dispatch_key(layer, torch.float32, 1): {"backend": "kernel"},
-                         _dispatch_key(layer, torch.float32, 4): {"backend": "dense"},
-                         _dispatch_key(layer, torch.float32, 64): {"backend": "cutlass"}}}
+    cpu = torch.device("cpu")
+    dispatch.record(cpu, {_dispatch_key(layer, torch.float32, 1): {"backend": "kernel"},
+                          _dispatch_key(layer, torch.float32, 4): {"backend": "dense"},
+                          _dispatch_key(layer, torch.float32, 64): {"backend": "cutlass"}})
+    # the same rows shipped for another machine of the same name (other ISA flags): never read
+    other = dict(dispatch.environment(cpu), machine=dict(dispatch.machine(cpu), flags=["avx2", "f16c", "fma"]))
     path = tmp_path / "table.json"
-    path.write_text(json.dumps(table))
+    path.write_text(json.dumps({"environments": [{"environment": other, "entries": {
+        _dispatch_key(layer, torch.float32, t): {"backend": "kernel"} for t in (2, 8)}}]}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
     with torch.no_grad():
         assert layer.choose_backend(torch.zeros(1, 64)) == "kernel"
         assert layer.choose_backend(torch.zeros(3, 64)) == "dense"  # 3 tokens: the bucket of 4
         # the measured winner cannot run on CPU: dense, never slower than dense
-        assert layer.choose_backend(torch.zeros(9, 64)) == "dense"
-        # no row for 2 tokens, for bf16, for another weight size, or for another machine: dense
+        assert layer.choose_backend(torch.zeros(33, 64)) == "dense"
+        # no answer for 2 tokens (another machine's row only), for bf16, for another weight size: dense
         assert layer.choose_backend(torch.zeros(2, 64)) == "dense"
+        assert layer.decisions == {"1": ("kernel", "cache"), "4": ("dense", "cache"), "64": ("dense", "fallback"),
+                                   "2": ("dense", "fallback")}
         assert layer.choose_backend(torch.zeros(1, 64, dtype=torch.bfloat16)) == "dense"
         wide = SparseLinear.from_dense(_pruned_linear(128, 16, 2, 4)[0], "2:4")
         assert wide.choose_backend(torch.zeros(1, 128)) == "dense"
@@ -241,10 +245,14 @@ def test_dispatch_table_picks_a_measured_backend(tmp_path, monkeypatch):
     assert layer.choose_backend(x) == "kernel"  # gradients always go through the kernel
 
 
-def test_dispatch_key_names_the_cpu_isa_and_model():
-    isa, model = dispatch.cpu_isa(), dispatch.cpu_model()
-    assert isa in ("avx2", "generic", "none") and model
-    assert dispatch.device_key(torch.device("cpu")) == f"cpu/{isa}/{model}"
+def test_dispatch_keys_and_the_machine_key():
+    cpu = dispatch.this_cpu()
+    top = [flag for flag in dispatch.ISA_FLAGS if flag in cpu["flags"]]
+    assert dispatch.device_key(torch.device("cpu")) == (
+        f"cpu/{cpu['model']}/{cpu['family']}.{cpu['model_number']}.{cpu['stepping']}/"
+        f"{top[-1] if top else 'no-fma'}/LLC {cpu['llc_bytes'] / 2**20:g} MiB")
+    assert dispatch.machine(torch.device("cpu")) == dict(cpu, device="cpu")
+    assert dispatch.case_key(torch.bfloat16, "2:4", 4096, 4096, 200) == "bfloat16|2:4|2^24|256"
     assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 256, 257)] == \
         ["1", "2", "4", "4", "8", "8", "16", "64", "64", "128", "256", "many"]
     assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
@@ -297,23 +305,20 @@ def test_sparsify_leaves_dense_layers_alone():
     assert sparsify_(model, "4:8") == {}
 
 
-def test_sparsify_faster_at_converts_only_the_layers_the_table_says_pay(tmp_path, monkeypatch):
-    """``faster_at=T``: a layer becomes SparseLinear only where the dispatch table names a sparse
-    backend at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns back the
-    SparseLinear layers that have no such row. Logits are unchanged either way."""
+def test_sparsify_faster_at_converts_only_the_layers_measured_to_pay():
+    """``faster_at=T``: a layer becomes SparseLinear only where this machine's measurements name a
+    sparse backend at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns
+    back the SparseLinear layers that have no such answer. Logits are unchanged either way."""
     model = _nm_pruned_llama()
     tokens = random_tokens((2, 12), seed=7)
     with torch.no_grad():
         before = model(input_ids=tokens).logits
     k_proj = model.model.layers[0].self_attn.k_proj  # k and v: the only weights of 2^11 elements
-    key = dispatch.entry_key(dispatch.device_key(torch.device("cpu")), torch.float32, "2:4",
-                             dispatch.shape_bucket(k_proj.out_features, k_proj.in_features), "1")
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
+    dispatch.record(torch.device("cpu"), {dispatch.case_key(torch.float32, "2:4", k_proj.out_features,
+                                                            k_proj.in_features, 1): {"backend": "kernel"}})
     paying = {f"model.layers.{i}.self_attn.{kind}_proj" for i in (0, 1) for kind in "kv"}
     assert set(sparsify_(model, faster_at=1)) == paying
-    assert sparsify_(model, faster_at=4) == {}  # no row for 4 tokens
+    assert sparsify_(model, faster_at=4) == {}  # no answer for 4 tokens
     others = set(sparsify_(model))  # without faster_at: every remaining N:M layer
     assert len(others) == 10 and not others & paying
     assert set(densify_slower_(model, 1)) == others

@@ -1,7 +1,10 @@
-"""Tune on first use: SparseLinear(backend="auto") times kernel against dense where neither the
-per-user cache nor the shipped table answers, keeps the answer in a cache keyed by the machine,
-torch, pyprune and thread count (written atomically, safe with concurrent writers), never times
-with PYPRUNE_TUNE=0 or while torch.compile traces, and the cache overrides the shipped table."""
+"""Tune on first use: SparseLinear(backend="auto") times kernel against dense where this
+environment has no answer of its own, keeps the answer in a cache keyed by the whole environment
+(the CPU's model, family / model / stepping, ISA flags and last-level cache, torch, pyprune, thread
+count; written atomically, safe with concurrent writers), never times with PYPRUNE_TUNE=0 or while
+torch.compile traces (then such a case runs dense), and never uses another machine's answers: a
+shipped table's row applies only in its very environment, and there a ``kernel`` row is measured
+again before it runs."""
 import json
 import os
 import subprocess
@@ -12,6 +15,7 @@ import torch
 
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch, sparsify_, tuning
+from pyprune.nn import sparse as sparse_module
 
 CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,13 +55,35 @@ def _choose(layer, tokens=1, dtype=torch.float32):
         return layer.choose_backend(torch.zeros(tokens, layer.in_features, dtype=dtype))
 
 
+def _present_cpu(monkeypatch, cpu):
+    """Make ``cpu`` (a :func:`dispatch.cpu_identity`) the CPU this process runs on."""
+    monkeypatch.setattr(dispatch, "this_cpu", lambda: cpu)
+
+
+#: /proc/cpuinfo of the two machines of issue 50: a hypervisor names both "AMD EPYC"; the AVX2 Zen 3
+#: measured the shipped rows, the AVX-512-BF16 Zen 4 got them (two processors each, as on a VM).
+_PROCESSOR = ("processor\t: {index}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\n"
+              "model name\t: AMD EPYC\nstepping\t: 1\ncache size\t: 512 KB\nflags\t\t: {flags}\n"
+              "power management:\n")
+ZEN3_FLAGS = "fpu sse sse2 avx fma f16c avx2 bmi2 sha_ni vaes"
+ZEN4_FLAGS = ZEN3_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni avx512_vbmi2"
+ZEN3, ZEN4 = ("\n".join(_PROCESSOR.format(index=i, model=model, flags=flags) for i in range(2))
+              for model, flags in (("1", ZEN3_FLAGS), ("17", ZEN4_FLAGS)))
+
+
+def _table(path, env, entries):
+    """A shipped table at ``path`` holding one block: ``entries`` measured in ``env``."""
+    path.write_text(json.dumps({"environments": [{"environment": env, "entries": entries}]}))
+    return str(path)
+
+
 @pytest.mark.parametrize("speedup,expected", [(2.0, "kernel"), (1.0, "dense")])
 def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected, capsys):
     timings["speedup"] = speedup
     layer = _layer()
     assert _choose(layer) == expected and timings["calls"] == 1
     assert layer.decisions == {"1": (expected, "measured")}
-    key = dispatch.case_key(CPU, torch.float32, "2:4", 32, 64, 1)
+    key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
     entry = dispatch.cached_entries(CPU)[key]
     assert entry["backend"] == expected and entry["sparse_speedup_vs_dense"] == speedup
     assert entry["kernel_ms"] > 0 and entry["dense_ms"] > 0 and entry["tokens"] == 1
@@ -121,33 +147,92 @@ def test_two_processes_tuning_at_once_keep_a_valid_file_with_every_answer(timing
     finally:
         torch.set_num_threads(threads)
     entries = json.loads(open(path, encoding="utf-8").read())["entries"]
-    assert entries[dispatch.case_key(CPU, torch.float32, "2:4", 32, 64, 1)]["backend"] in ("kernel", "dense")
+    assert entries[dispatch.case_key(torch.float32, "2:4", 32, 64, 1)]["backend"] in ("kernel", "dense")
     assert {f"{name}|{i}" for name in "ab" for i in range(40)} <= set(entries)
 
 
-@pytest.mark.parametrize("part", ["cpu", "torch", "pyprune", "threads"])
+#: Each part of the environment changed alone: another CPU of the same name (ISA flags, model
+#: number, stepping, last-level cache), another torch, pyprune or thread count.
+OTHER = {"flags": {"flags": ["avx2", "f16c", "fma"]}, "model_number": {"model_number": "1"},
+         "stepping": {"stepping": "2"}, "llc": {"llc_bytes": 16 << 20}, "torch": None, "pyprune": None,
+         "threads": None}
+
+
+def _other_environment(monkeypatch, part):
+    """Change ``part`` (a key of OTHER) of this process's environment."""
+    if part == "torch":
+        monkeypatch.setattr(torch, "__version__", "0.0.1")
+    elif part == "pyprune":
+        monkeypatch.setattr(dispatch, "__version__", "0.0.1")
+    elif part == "threads":  # the caller restores the thread count
+        torch.set_num_threads(torch.get_num_threads() + 1)
+    else:
+        _present_cpu(monkeypatch, dict(dispatch.this_cpu(), **OTHER[part]))
+
+
+@pytest.mark.parametrize("part", sorted(OTHER))
 def test_changing_any_key_part_measures_again(timings, monkeypatch, part):
     assert _choose(_layer()) and timings["calls"] == 1
     assert _choose(_layer()) and timings["calls"] == 1
     old_path = dispatch.cache_path(CPU)
     threads = torch.get_num_threads()
-    if part == "cpu":
-        monkeypatch.setattr(dispatch, "device_key", lambda device: "cpu/avx2/Another CPU")
-    elif part == "torch":
-        monkeypatch.setattr(torch, "__version__", "0.0.1")
-    elif part == "pyprune":
-        monkeypatch.setattr(dispatch, "__version__", "0.0.1")
-    else:
-        torch.set_num_threads(threads + 1)
     try:
+        _other_environment(monkeypatch, part)
         assert dispatch.cache_path(CPU) != old_path and dispatch.cached_entries(CPU) == {}
-        assert _choose(_layer()) and timings["calls"] == 2
+        layer = _layer()
+        assert _choose(layer) and timings["calls"] == 2 and layer.decisions["1"][1] == "measured"
     finally:
         torch.set_num_threads(threads)
 
 
-def test_the_off_switch_never_times(timings, monkeypatch):
+def test_cpu_identity_tells_apart_cpus_a_hypervisor_names_alike():
+    zen3, zen4 = dispatch.cpu_identity(ZEN3, 32 << 20), dispatch.cpu_identity(ZEN4, 32 << 20)
+    assert zen4 == {"model": "AMD EPYC", "vendor": "AuthenticAMD", "family": "25", "model_number": "17",
+                    "stepping": "1", "llc_bytes": 32 << 20,
+                    "flags": ["avx2", "avx512_bf16", "avx512_vbmi2", "avx512_vnni", "avx512bw", "avx512dq",
+                              "avx512f", "avx512vl", "f16c", "fma"]}
+    assert zen3["model"] == zen4["model"] and zen3["flags"] == ["avx2", "f16c", "fma"] and zen3 != zen4
+    assert dispatch.cpu_identity(ZEN4, 16 << 20) != zen4  # the cache size is part of it
+    assert dispatch.cpu_identity("", 0)["flags"] == []
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="llc_bytes must be a size in bytes"):
+            dispatch.cpu_identity(ZEN4, bad)
+    with pytest.raises(ValueError, match="cpuinfo must be the text"):
+        dispatch.cpu_identity(None, 0)
+
+
+def test_the_machine_key_and_the_cache_follow_the_presented_cpu(monkeypatch):
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN4, 32 << 20))
+    assert dispatch.device_key(CPU) == "cpu/AMD EPYC/25.17.1/avx512_bf16/LLC 32 MiB"
+    zen4_env, zen4_path = dispatch.environment(CPU), dispatch.cache_path(CPU)
+    assert zen4_env["machine"] == dict(dispatch.cpu_identity(ZEN4, 32 << 20), device="cpu")
+    assert zen4_env["threads"] == torch.get_num_threads() and zen4_env["torch"] == torch.__version__
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN3, 32 << 20))
+    assert dispatch.device_key(CPU) == "cpu/AMD EPYC/25.1.1/avx2/LLC 32 MiB"
+    assert dispatch.cache_path(CPU) != zen4_path
+
+
+def test_cpu_caches_are_read_from_sysfs_and_size_the_eviction(tmp_path, monkeypatch):
+    for index, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
+                                                 ("2", "Unified", "2048K"), ("3", "Unified", "105M")]):
+        (tmp_path / f"index{index}").mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / f"index{index}" / name).write_text(value + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert dispatch.cpu_caches(str(tmp_path)) == {"L1d": 48 << 10, "L1i": 32 << 10, "L2u": 2 << 20, "L3u": 105 << 20}
+    assert dispatch.cpu_caches(str(tmp_path / "absent")) == {}
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN4, 16 << 20))
+    assert tuning.last_level_cache_bytes() == 16 << 20
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN4, 0))  # sysfs did not say
+    assert tuning.last_level_cache_bytes() == 32 << 20
+
+
+def test_the_off_switch_never_times(timings, monkeypatch, tmp_path):
     monkeypatch.setenv("PYPRUNE_TUNE", "0")
+    key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
+    # a shipped row of this very environment naming the kernel: unconfirmed, so not used
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
+                                                        {key: {"backend": "kernel"}}))
     layer = _layer()
     assert _choose(layer) == dispatch.FALLBACK_BACKEND and layer.decisions == {"1": ("dense", "fallback")}
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
@@ -155,8 +240,10 @@ def test_the_off_switch_never_times(timings, monkeypatch):
         model[0].weight.mul_(ops.score_nm_mask(model[0].weight, 2, 4))
     assert sparsify_(model, faster_at=1) == {}  # no measurement says sparse pays: left dense
     assert timings["calls"] == 0 and not os.path.exists(dispatch.cache_path(CPU))
-    dispatch.record(CPU, {dispatch.case_key(CPU, torch.float32, "2:4", 32, 64, 1): {"backend": "kernel"}})
-    assert _choose(_layer()) == "kernel" and timings["calls"] == 0  # switched off, the cache still answers
+    dispatch.record(CPU, {key: {"backend": "kernel"}})
+    layer = _layer()
+    assert _choose(layer) == "kernel" and timings["calls"] == 0  # switched off, this machine's cache answers
+    assert layer.decisions == {"1": ("kernel", "cache")} and set(sparsify_(model, faster_at=1)) == {"0"}
     monkeypatch.setenv("PYPRUNE_TUNE", "yes")
     with pytest.raises(ValueError, match="PYPRUNE_TUNE must be 0"):
         _choose(_layer(), tokens=2)
@@ -172,33 +259,118 @@ def test_sparsify_faster_at_measures_unanswered_shapes(timings):
     assert timings["calls"] == 1  # one weight-size bucket (2^11) for all three
 
 
-def test_no_timing_while_torch_compile_traces(timings):
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.sparse = _layer()
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sparse = _layer()
 
-        def forward(self, x):
-            return torch.relu(self.sparse(x))
-    module = Tiny()
+    def forward(self, x):
+        return torch.relu(self.sparse(x))
+
+
+def test_under_torch_compile_a_layer_never_times_and_runs_dense_unless_eager_decided(timings, monkeypatch):
+    """While torch.compile traces no file is read and nothing is timed: a case eager forwards
+    decided keeps that backend in the graph, any other runs dense, a cache's kernel answer too."""
+    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 32, 64, t): {"backend": "kernel"} for t in (1, 3)})
+    timings["speedup"] = 2.0  # what a measurement would say, were one taken
+    module = _Tiny()
     x = torch.randn(3, 64)
+    kernel_calls = []
+    real = sparse_module.nm_linear_prechecked
+    monkeypatch.setattr(sparse_module, "nm_linear_prechecked", lambda *a: kernel_calls.append(1) or real(*a))
     with torch.no_grad():
         out = torch.compile(module, backend="eager")(x)
-        assert timings["calls"] == 0 and not os.path.exists(dispatch.cache_path(CPU))
-        torch.testing.assert_close(out, torch.relu(module.sparse.forward_on("kernel", x)))
+        assert timings["calls"] == 0 and module.sparse.decisions == {} and module.sparse._choices == {}
+        assert kernel_calls == [] and "dense" in module.sparse._cache  # the dense weight, built in the graph
+        torch.testing.assert_close(out, torch.relu(module.sparse.forward_on("dense", x)))
+        decided = _Tiny()
+        assert _choose(decided.sparse, tokens=1) == "kernel"  # eager, one token: the cache answers
+        torch.compile(decided, backend="eager")(x[:1])
+        assert kernel_calls and "dense" not in decided.sparse._cache and timings["calls"] == 0
 
 
-def test_the_shipped_table_answers_where_the_cache_has_nothing_and_the_cache_overrides_it(
-        timings, tmp_path, monkeypatch):
-    key = dispatch.case_key(CPU, torch.float32, "2:4", 32, 64, 1)
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
+def test_a_shipped_row_applies_only_in_its_own_environment(timings, tmp_path, monkeypatch):
+    """Issue 50: rows measured on an AVX2 Zen 3 named ``AMD EPYC`` are no answer on an AVX-512-BF16
+    Zen 4 of the same name: this machine measures for itself (or runs dense with tuning off)."""
+    one, four = (dispatch.case_key(torch.float32, "2:4", 32, 64, t) for t in (1, 4))
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN3, 32 << 20))
+    zen3 = dispatch.environment(CPU)
+    _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN4, 32 << 20))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", zen3,
+                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+    monkeypatch.setenv("PYPRUNE_TUNE", "0")
     layer = _layer()
-    assert _choose(layer) == "kernel" and timings["calls"] == 0 and layer.decisions == {"1": ("kernel", "prior")}
-    dispatch.record(CPU, {key: {"backend": "dense"}})
+    assert _choose(layer, 1) == _choose(layer, 4) == "dense" and timings["calls"] == 0
+    assert layer.decisions == {"1": ("dense", "fallback"), "4": ("dense", "fallback")}  # never "prior"
+    monkeypatch.setenv("PYPRUNE_TUNE", "1")
+    timings["speedup"] = 0.2  # as oneDNN's native bf16 GEMM beat the kernel on Zen 4
     layer = _layer()
-    assert _choose(layer) == "dense" and timings["calls"] == 0 and layer.decisions == {"1": ("dense", "cache")}
+    assert _choose(layer, 1) == _choose(layer, 4) == "dense" and timings["calls"] == 2
+    assert layer.decisions == {"1": ("dense", "measured"), "4": ("dense", "measured")}
+
+
+@pytest.mark.parametrize("part", sorted(OTHER))
+def test_no_part_of_another_environment_lets_its_rows_apply(timings, tmp_path, monkeypatch, part):
+    one, four = (dispatch.case_key(torch.float32, "2:4", 32, 64, t) for t in (1, 4))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            _other_environment(patch, part)
+            other = dispatch.environment(CPU)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("PYPRUNE_TUNE", "0")
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", other,
+                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+    assert other != dispatch.environment(CPU) and dispatch.prior_entries(CPU) == {}
+    layer = _layer()
+    assert _choose(layer, 1) == _choose(layer, 4) == "dense"
+    assert layer.decisions == {"1": ("dense", "fallback"), "4": ("dense", "fallback")}
+
+
+@pytest.mark.parametrize("speedup,expected", [(2.0, "kernel"), (1.0, "dense")])
+def test_a_shipped_kernel_row_of_this_environment_is_measured_before_it_runs(timings, tmp_path, monkeypatch,
+                                                                             speedup, expected):
+    """A prior ``kernel`` row, even of this very environment, runs only once a measurement here
+    confirms it (the measurement wins and goes to the cache); a prior ``dense`` row runs as is."""
+    one, four = (dispatch.case_key(torch.float32, "2:4", 32, 64, t) for t in (1, 4))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
+                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+    timings["speedup"] = speedup
+    layer = _layer()
+    assert _choose(layer, 4) == "dense" and timings["calls"] == 0 and layer.decisions == {"4": ("dense", "prior")}
+    assert _choose(layer, 1) == expected and timings["calls"] == 1 and layer.decisions["1"] == (expected, "measured")
+    assert dispatch.cached_entries(CPU)[one]["backend"] == expected and four not in dispatch.cached_entries(CPU)
+    other = _layer(seed=1)
+    assert _choose(other, 1) == expected and timings["calls"] == 1 and other.decisions == {"1": (expected, "cache")}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        model[0].weight.mul_(ops.score_nm_mask(model[0].weight, 2, 4))
+    assert set(sparsify_(model, faster_at=1)) == ({"0"} if expected == "kernel" else set())
+    assert timings["calls"] == 1  # the cache answers now
+
+
+def test_the_cache_overrides_the_shipped_table(timings, tmp_path, monkeypatch):
+    key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
+                                                        {key: {"backend": "dense"}}))
+    dispatch.record(CPU, {key: {"backend": "kernel"}})
+    layer = _layer()
+    assert _choose(layer) == "kernel" and timings["calls"] == 0 and layer.decisions == {"1": ("kernel", "cache")}
+
+
+def test_a_table_without_environments_or_with_an_unknown_backend_is_refused(tmp_path, monkeypatch):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"entries": {"cpu/avx2/AMD EPYC|float32|2:4|2^11|1": {"backend": "kernel"}}}))
+    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(old))
+    with pytest.raises(ValueError, match=r"dispatch table .*old.json must be \{\"environments\""):
+        _choose(_layer())
+    with pytest.raises(ValueError, match=r"dispatch table .*bad.json: entry 'float32\|2:4\|2\^11\|1' names backend "
+                                         r"'fast'; allowed: kernel, dense"):
+        dispatch.table(_table(tmp_path / "bad.json", {}, {"float32|2:4|2^11|1": {"backend": "fast"}}))
+    assert dispatch.table(str(tmp_path / "absent.json")) == []
+    with open(dispatch.TABLE_PATH, encoding="utf-8") as handle:  # the shipped rows carried no machine
+        assert json.load(handle) == {"environments": []}
 
 
 def test_interleaved_rounds_alternate_and_respect_the_bounds():
