@@ -59,7 +59,7 @@ def run(args) -> int:
     print(f"machine {dispatch.device_key(device)}")
     print(f"environment: flags {' '.join(env['machine']['flags']) or 'none'}; last-level cache "
           f"{env['machine']['llc_bytes']} bytes; {env['threads']} threads; torch {env['torch']}; "
-          f"pyprune {env['pyprune']}; native kernels {'built' if env['native_kernels'] else 'missing'}")
+          f"pyprune {env['pyprune']}; native kernels {env['native_kernels']}")
     cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]
     print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
           "backend | source |")

@@ -3,8 +3,8 @@
 Every measurement is keyed by its environment (:func:`environment`): the machine (:func:`machine`:
 on a CPU the model name, vendor, family, model and stepping, the instruction-set flags of
 :data:`ISA_FLAGS` it has and its last-level cache's size, as :func:`cpu_identity` reads them; on a
-GPU its name and compute capability), torch and pyprune versions, whether pyprune's native kernels
-are built, and torch's thread count. A hypervisor's ``AMD EPYC`` names every EPYC generation, so a
+GPU its name and compute capability), torch and pyprune versions, the instruction-set level
+pyprune's native kernels run at (:func:`native_kernels`), and torch's thread count. A hypervisor's ``AMD EPYC`` names every EPYC generation, so a
 name alone never keys: AVX2 Zen 3 and AVX-512-BF16 Zen 4 are other environments. Within one, a case
 (:func:`case_key`) is the dtype, N:M pattern, weight-size bucket (out·in rounded up to a power of
 two) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse backend that
@@ -153,14 +153,22 @@ def device_key(device: torch.device) -> str:
             f"LLC {found['llc_bytes'] / (1 << 20):g} MiB")
 
 
+def native_kernels(device: torch.device) -> str:
+    """What pyprune's native kernels run on ``device``: on a CPU the instruction-set level of
+    ``pyprune._C`` (its ``cpu_isa()``: the CPU's, capped by ``PYPRUNE_MAX_CPU_ISA`` or
+    ``limit_cpu_isa``), on a GPU ``built``; ``missing`` where the extension is not built."""
+    kind = torch.device(device).type
+    native = backend.native_module(kind) if kind in ("cpu", "cuda") else None
+    if native is None:
+        return "missing"
+    return native.cpu_isa() if kind == "cpu" else "built"
+
+
 def environment(device: torch.device) -> Dict:
     """What a measurement depends on besides the case: :func:`machine`, torch and pyprune versions,
-    whether pyprune's native kernels for the device are built, and torch's thread count (more
-    threads move the point where sparse pays)."""
-    device = torch.device(device)
+    :func:`native_kernels` and torch's thread count (more threads move the point where sparse pays)."""
     return {"machine": machine(device), "torch": torch.__version__, "pyprune": __version__,
-            "native_kernels": device.type in ("cpu", "cuda") and backend.native_module(device.type) is not None,
-            "threads": torch.get_num_threads()}
+            "native_kernels": native_kernels(device), "threads": torch.get_num_threads()}
 
 
 # -- cases ---------------------------------------------------------------------------------------------

@@ -200,7 +200,8 @@ class SparseLinear(nn.Module):
                 return self._choices.get(case, (dispatch.FALLBACK_BACKEND,))[0]
             # remembered per case (a decode step is short, the lookup is not free) and context:
             # what else picks the table, the cache file and the answers in it
-            context = (dispatch.table_path(), dispatch.cache_root(), torch.get_num_threads())
+            context = (dispatch.table_path(), dispatch.cache_root(), torch.get_num_threads(),
+                       dispatch.native_kernels(x.device))
             choice = self._choices.get(case)
             if choice is None or choice[1] != context:
                 name, source = _decide(self, self.pattern, x.device, x.dtype, tokens)

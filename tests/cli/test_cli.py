@@ -386,7 +386,7 @@ def test_tune_prints_the_machine_its_environment_and_where_each_answer_came_from
     assert lines[0] == f"machine {dispatch.device_key(cpu)}" and lines[0].startswith(f"machine cpu/{machine['model']}/")
     assert lines[1] == (f"environment: flags {' '.join(machine['flags']) or 'none'}; last-level cache "
                         f"{machine['llc_bytes']} bytes; {here['threads']} threads; torch {torch.__version__}; "
-                        f"pyprune {here['pyprune']}; native kernels built")
+                        f"pyprune {here['pyprune']}; native kernels {dispatch.native_kernels(cpu)}")
     sources = {(r[1], r[4]): r[9] for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[4:-1])}
     assert sources == {("64×64", "1"): "prior", ("64×64", "3"): "cache", ("32×64", "1"): "measured",
                        ("32×64", "3"): "measured", ("128×64", "1"): "measured", ("128×64", "3"): "measured"}

@@ -5,6 +5,7 @@ count; written atomically, safe with concurrent writers), never times with PYPRU
 torch.compile traces (then such a case runs dense), and never uses another machine's answers: a
 shipped table's row applies only in its very environment, and there a ``kernel`` row is measured
 again before it runs."""
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch, sparsify_, tuning
 from pyprune.nn import sparse as sparse_module
+from pyprune.ops import backend
 
 CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,37 +154,45 @@ def test_two_processes_tuning_at_once_keep_a_valid_file_with_every_answer(timing
 
 
 #: Each part of the environment changed alone: another CPU of the same name (ISA flags, model
-#: number, stepping, last-level cache), another torch, pyprune or thread count.
+#: number, stepping, last-level cache), another torch, pyprune, native kernels' ISA level or thread
+#: count.
 OTHER = {"flags": {"flags": ["avx2", "f16c", "fma"]}, "model_number": {"model_number": "1"},
          "stepping": {"stepping": "2"}, "llc": {"llc_bytes": 16 << 20}, "torch": None, "pyprune": None,
-         "threads": None}
+         "kernels": None, "threads": None}
 
 
-def _other_environment(monkeypatch, part):
-    """Change ``part`` (a key of OTHER) of this process's environment."""
-    if part == "torch":
-        monkeypatch.setattr(torch, "__version__", "0.0.1")
-    elif part == "pyprune":
-        monkeypatch.setattr(dispatch, "__version__", "0.0.1")
-    elif part == "threads":  # the caller restores the thread count
-        torch.set_num_threads(torch.get_num_threads() + 1)
-    else:
-        _present_cpu(monkeypatch, dict(dispatch.this_cpu(), **OTHER[part]))
+@contextlib.contextmanager
+def _other_environment(part):
+    """This process's environment with ``part`` (a key of OTHER) changed, for the block."""
+    threads, native, cap = torch.get_num_threads(), backend.native_module("cpu"), None
+    with pytest.MonkeyPatch.context() as patch:
+        try:
+            if part == "torch":
+                patch.setattr(torch, "__version__", "0.0.1")
+            elif part == "pyprune":
+                patch.setattr(dispatch, "__version__", "0.0.1")
+            elif part == "kernels":  # the C++ kernels capped at another level (any x86-64 CI CPU has AVX2)
+                cap = native.limit_cpu_isa("generic" if native.cpu_isa() != "generic" else "avx2")
+            elif part == "threads":
+                torch.set_num_threads(threads + 1)
+            else:
+                _present_cpu(patch, dict(dispatch.this_cpu(), **OTHER[part]))
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            if cap is not None:
+                native.limit_cpu_isa(cap)
 
 
 @pytest.mark.parametrize("part", sorted(OTHER))
-def test_changing_any_key_part_measures_again(timings, monkeypatch, part):
+def test_changing_any_key_part_measures_again(timings, part):
     assert _choose(_layer()) and timings["calls"] == 1
     assert _choose(_layer()) and timings["calls"] == 1
     old_path = dispatch.cache_path(CPU)
-    threads = torch.get_num_threads()
-    try:
-        _other_environment(monkeypatch, part)
+    with _other_environment(part):
         assert dispatch.cache_path(CPU) != old_path and dispatch.cached_entries(CPU) == {}
         layer = _layer()
         assert _choose(layer) and timings["calls"] == 2 and layer.decisions["1"][1] == "measured"
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_cpu_identity_tells_apart_cpus_a_hypervisor_names_alike():
@@ -312,13 +322,8 @@ def test_a_shipped_row_applies_only_in_its_own_environment(timings, tmp_path, mo
 @pytest.mark.parametrize("part", sorted(OTHER))
 def test_no_part_of_another_environment_lets_its_rows_apply(timings, tmp_path, monkeypatch, part):
     one, four = (dispatch.case_key(torch.float32, "2:4", 32, 64, t) for t in (1, 4))
-    threads = torch.get_num_threads()
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            _other_environment(patch, part)
-            other = dispatch.environment(CPU)
-    finally:
-        torch.set_num_threads(threads)
+    with _other_environment(part):
+        other = dispatch.environment(CPU)
     monkeypatch.setenv("PYPRUNE_TUNE", "0")
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", other,
                                                         {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
