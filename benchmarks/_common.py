@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 import torch
 
 import pyprune
+from pyprune.nn import dispatch
 from pyprune.ops import backend
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
@@ -60,27 +61,10 @@ def timed(fn, device, repeat):
 
 
 def cpu_info():
-    """The CPU's model, ISA flags that matter to the kernels, cache sizes and the load average."""
-    info = {"model": platform.processor() or platform.machine(), "flags": [], "caches": {}}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    info["model"] = value.strip()
-                elif key.strip() == "flags":
-                    wanted = ("avx", "fma", "f16c", "amx")
-                    info["flags"] = sorted(f for f in value.split() if f.startswith(wanted))
-                    break
-    except OSError:
-        pass
-    for index in range(8):
-        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
-        try:
-            with open(f"{base}/level") as level, open(f"{base}/type") as kind, open(f"{base}/size") as size:
-                info["caches"][f"L{level.read().strip()}{kind.read().strip()[0].lower()}"] = size.read().strip()
-        except OSError:
-            break
+    """The CPU as SparseLinear's dispatch keys it (pyprune.nn.dispatch.this_cpu: model, vendor,
+    family / model number / stepping, ISA flags, last-level cache), the size of every cache level
+    in bytes and the load average."""
+    info = dict(dispatch.this_cpu(), caches=dispatch.cpu_caches())
     if hasattr(os, "getloadavg"):
         info["load_average"] = [round(v, 2) for v in os.getloadavg()]
     return info
@@ -99,7 +83,10 @@ def environment(device):
     """The machine and library versions a result was measured with."""
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"CPU ({platform.processor() or platform.machine()})",
+        else f"CPU ({dispatch.this_cpu()['model']})",
+        # what SparseLinear's dispatch keys measurements by here, in short and in full
+        "dispatch_device": dispatch.device_key(device),
+        "dispatch_environment": dispatch.environment(device),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -2,11 +2,15 @@
 
 Both models hold the same pruned weights (magnitude N:M on every decoder linear: the pattern, not
 the mask's quality, sets the speed); the sparse one has its pruned linears replaced by
-SparseLinear (``pyprune.nn.sparsify_``, backend from the dispatch table unless ``--backend``).
+SparseLinear (``pyprune.nn.sparsify_``, backend from this environment's measurements, see
+pyprune.nn.dispatch, unless ``--backend``).
 Prefill: one forward over ``--prefill`` tokens. Decode: ``--decode`` greedy new tokens with the KV
 cache after an 8-token prompt (pyprune.runtime.decode.greedy_generate, as ``pyprune generate``). Dense
 and sparse run in turn ``--repeat`` times in one process; medians are reported, with the weight
-memory of each model and whether both generated the same tokens.
+memory of each model and whether both generated the same tokens. Recorded with them: the machine as
+the dispatch keys it (CPU model, family / model / stepping, ISA flags, cache sizes), the load
+average, and where each layer's decode and prefill backends came from (cache, prior, measured,
+fallback).
 
     python benchmarks/bench_e2e.py                          # GPU: SmolLM2-135M and a LLaMA-7B-shaped model
     python benchmarks/bench_e2e.py --device cpu --models smollm2-135m
@@ -78,8 +82,8 @@ def measure(name, pattern, where, args, device, dtype):
     pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
     cost_before = dict(tuning.COST)
-    # "faster": as `pyprune generate` does by default, only the layers the dispatch table measured
-    # faster sparse at one token (greedy decode) become SparseLinear; "all": every N:M linear
+    # "faster": as `pyprune generate` does by default, only the layers measured faster sparse at one
+    # token in this environment (greedy decode) become SparseLinear; "all": every N:M linear
     replaced = sparsify_(sparse, pattern, backend=args.backend,
                          faster_at=1 if where == "faster" else None)
     vocab = dense.config.vocab_size
@@ -93,14 +97,18 @@ def measure(name, pattern, where, args, device, dtype):
                                    for m in layers})
                     for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
     # where each converted layer's decode and prefill backends came from (pyprune.nn.dispatch.SOURCES),
-    # and what tuning on first use measured in this row (those answers then read back as "cache")
+    # counted and per layer, and what tuning on first use measured in this row (those answers then
+    # read back as "cache")
+    buckets = ("1", dispatch.token_bucket(args.prefill))
     sources = {bucket: dict(Counter(m.decisions[bucket][1] for m in layers if bucket in m.decisions))
-               for bucket in ("1", dispatch.token_bucket(args.prefill))}
+               for bucket in buckets}
+    decisions = {name: {bucket: list(m.decisions[bucket]) for bucket in buckets if bucket in m.decisions}
+                 for name, m in sparse.named_modules() if isinstance(m, SparseLinear)}
     tuned = {"cases": tuning.COST["cases"] - cost_before["cases"],
              "seconds": round(tuning.COST["seconds"] - cost_before["seconds"], 3)}
     row = {"model": name, "dtype": str(dtype).replace("torch.", ""), "pattern": pattern,
            "sparse_where": where, "sparse_layers": len(replaced), "backends": backends,
-           "decision_sources": sources, "tuned_on_first_use": tuned,
+           "decision_sources": sources, "decisions": decisions, "tuned_on_first_use": tuned,
            "prefill_tokens": args.prefill, "new_tokens": args.decode, "repeats": args.repeat,
            "top1_agreement_sparse_vs_dense": round(float(agreement), 4)}
     models = {"dense": dense, "sparse": sparse}
@@ -135,8 +143,9 @@ def markdown(report):
     cpu = env.get("cpu")
     lines = [f"# End to end, N:M sparse vs dense, on {env['device']}", "",
              f"torch {env['torch']}, {env['cpu_threads']} CPU threads, {env['timestamp']}"
-             + (f"; CPU {cpu['model']} ({' '.join(cpu['flags'])}; {', '.join(f'{k} {v}' for k, v in cpu['caches'].items())})"
-                if cpu else "") + ". Medians of repeats that run dense and sparse in turn; decode "
+             + (f"; CPU {cpu['model']}, dispatch key `{env['dispatch_device']}` ({' '.join(cpu['flags'])}; "
+                f"{', '.join(f'{k} {v >> 10} KiB' for k, v in cpu['caches'].items())}; load average at the start "
+                f"{cpu.get('load_average')})" if cpu else "") + ". Medians of repeats that run dense and sparse in turn; decode "
              "tokens/s over the new tokens after the first; weight memory includes any dense copy a "
              "SparseLinear caches for its dense fallback.", "",
              "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
@@ -181,7 +190,7 @@ def main(argv=None):
     parser.add_argument("--patterns", nargs="*", default=["2:4", "4:8"])
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--sparse-where", nargs="*", default=["faster"], choices=["faster", "all"],
-                        help="faster (default, as pyprune generate): only the linears the dispatch table "
+                        help="faster (default, as pyprune generate): only the linears this environment "
                              "measured faster sparse at 1 token become SparseLinear; all: every N:M "
                              "linear; both: a row of each")
     parser.add_argument("--repeat", type=int, default=5)

@@ -16,10 +16,13 @@ cache and favour whichever side does more arithmetic per byte.
 
 Writes ``sparse-linear-<device>.json``, ``.md`` and one ``.svg`` plot per dtype (geometric-mean
 speedup over the shapes against M) under benchmarks/results/. ``--write-dispatch`` also stores,
-for this machine (CPU: ISA and model), per dtype, pattern, weight-size bucket and token bucket,
-the fastest correct sparse backend where it beat dense by at least 1.05x, else ``dense``, in
-pyprune/nn/dispatch_table.json, which SparseLinear(backend="auto") reads. The CPU environment
-records the CPU model, ISA flags, cache sizes and load averages.
+per dtype, pattern, weight-size bucket and token bucket, the fastest correct sparse backend where
+it beat dense by at least 1.05x, else ``dense``, in pyprune/nn/dispatch_table.json: in the block of
+this run's environment (pyprune.nn.dispatch.environment: the machine's identity, torch, pyprune,
+threads), the only one whose rows SparseLinear(backend="auto") applies, and there a ``dense`` row
+as is and a sparse one after measuring it again; other environments' blocks stay. The environment
+records the dispatch's identity of the machine (CPU: model, family / model / stepping, ISA flags,
+last-level cache), every cache level's size and the load average, at the start and per row.
 
     python benchmarks/bench_sparse_linear.py                 # GPU: LLaMA-7B/LLaMA-3-8B linears
     python benchmarks/bench_sparse_linear.py --device cpu    # CPU: LLaMA-7B linears, M 1-256 and 512
@@ -149,14 +152,13 @@ def dispatch_entries(report, source):
         cases[group].add((tuple(r["shape"]), r["M"]))
         if r["status"] == "ok":
             speedups[group + (r["backend"],)].append(r["speedup"])
-    device = report["environment"]["dispatch_device"]
     entries = {}
     for group, needed in cases.items():
         scores = {key[4]: geomean(v) for key, v in speedups.items()
                   if key[:4] == group and len(v) == len(needed) and key[4] != "dense"}
         best = max(scores, key=scores.get) if scores else None
         backend = best if best is not None and scores[best] >= dispatch.MIN_SPEEDUP else "dense"
-        entries[dispatch.entry_key(device, getattr(torch, group[0]), *group[1:])] = {
+        entries[dispatch.entry_key(getattr(torch, group[0]), *group[1:])] = {
             "backend": backend,
             "sparse_geomean_speedup_vs_dense": None if best is None else round(scores[best], 3),
             "source": source, "measured": report["environment"]["timestamp"]}
@@ -164,16 +166,16 @@ def dispatch_entries(report, source):
 
 
 def write_dispatch(report, path, source):
-    import json
-    table = {"entries": {}}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            table = json.load(handle)
-    table.pop("decode_max_tokens", None)  # the old format: two shape classes, no CPU model
-    table["entries"] = {k: v for k, v in table.get("entries", {}).items() if k.count("|") == 4}
-    table["entries"].update(dispatch_entries(report, source))  # other shapes' rows stay
-    table["entries"] = dict(sorted(table["entries"].items()))
-    write_json(path, table)
+    """Add this run's entries to the block of its environment in the table at ``path`` (the
+    block's other shapes stay; other environments' blocks are kept as they are)."""
+    env = report["environment"]["dispatch_environment"]
+    blocks = [dict(block) for block in dispatch.table(path)]  # checked as SparseLinear reads it
+    block = next((b for b in blocks if b["environment"] == env), None)
+    if block is None:
+        block = {"environment": env, "entries": {}}
+        blocks.append(block)
+    block["entries"] = dict(sorted(dict(block["entries"], **dispatch_entries(report, source)).items()))
+    write_json(path, {"environments": blocks})
 
 
 def summary(report):
@@ -207,7 +209,7 @@ def markdown(report):
     if cpu:
         lines += [f"CPU: {cpu['model']}, dispatch key `{env['dispatch_device']}`, flags "
                   f"{' '.join(cpu['flags'])}, caches "
-                  f"{', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}; load average at the "
+                  f"{', '.join(f'{k} {v >> 10} KiB' for k, v in cpu['caches'].items())}; load average at the "
                   f"start {cpu.get('load_average')}, per row in the last column.", ""]
     lines += summary(report) + ["", "Every case:", ""]
     lines += ["| shape (out×in) | M | dtype | pattern | backend | ms | dense ms | speedup | TFLOP/s | GB/s "
@@ -249,7 +251,6 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment(device)
-    env["dispatch_device"] = dispatch.device_key(device)
     fill_bytes = 2 * last_level_cache_bytes() if args.fill_bytes is None else args.fill_bytes
     env["weight_fill_bytes"] = fill_bytes
     rows = []
@@ -277,8 +278,11 @@ def main(argv=None):
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="file stem (default sparse-linear-<cpu|cuda>)")
     parser.add_argument("--write-dispatch", nargs="?", const=dispatch.TABLE_PATH, default=None,
-                        metavar="TABLE", help="store this device's fastest backends in the dispatch table")
+                        metavar="TABLE", help="store this environment's fastest backends in the dispatch "
+                                              "table (its block; other environments' stay)")
     args = parser.parse_args(argv)
+    if args.write_dispatch:
+        dispatch.table(args.write_dispatch)  # a table it cannot extend is refused before measuring
     report = run(args)
     stem = args.name or f"sparse-linear-{'cpu' if report['environment']['dispatch_device'].startswith('cpu') else 'cuda'}"
     path = os.path.join(args.output_dir, stem + ".json")

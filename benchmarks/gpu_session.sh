@@ -3,7 +3,7 @@
 # build pyprune with its CUDA extension against the machine's torch, run the GPU tests, then the
 # SparseLinear and end-to-end benchmarks. Everything lands in $OUT (default benchmarks/results):
 # gpu-tests.log, sparse-linear-cuda.{json,md,*-bfloat16.svg,*-float16.svg}, dispatch_table.json
-# (this device's rows; merge into pyprune/nn/dispatch_table.json), e2e-cuda.{json,md}.
+# (this environment's block; add it to the "environments" of pyprune/nn/dispatch_table.json), e2e-cuda.{json,md}.
 #
 #   device run:  bash benchmarks/gpu_session.sh            (about 10 minutes on an H100)
 #   faster:      TOKENS="1 16 256 4096" SHAPES="4096x4096 11008x4096" bash benchmarks/gpu_session.sh

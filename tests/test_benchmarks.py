@@ -33,10 +33,13 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
                                      "--dtypes", "float32", "--repeat", "1", "--fill-bytes", str(1 << 20), "--output-dir",
                                      str(tmp_path), "--name", "sl", "--write-dispatch", str(table)]) == 0
     report = json.loads((tmp_path / "sl.json").read_text())
-    device = dispatch.device_key(torch.device("cpu"))
-    assert report["environment"]["dispatch_device"] == device
-    cpu = report["environment"]["cpu"]
-    assert cpu["model"] == dispatch.cpu_model() and "L1d" in cpu["caches"] and len(cpu["load_average"]) == 3
+    cpu_device = torch.device("cpu")
+    env = report["environment"]
+    assert env["dispatch_device"] == dispatch.device_key(cpu_device)
+    assert env["dispatch_environment"] == dispatch.environment(cpu_device)
+    cpu = env["cpu"]  # the machine as the dispatch keys it, every cache level and the load
+    assert {k: cpu[k] for k in dispatch.this_cpu()} == dispatch.this_cpu() and cpu["model"]
+    assert cpu["caches"] == dispatch.cpu_caches() and len(cpu["load_average"]) == 3
     rows = report["results"]
     assert {r["backend"] for r in rows} == set(dispatch.BACKENDS)
     ran = [r for r in rows if r["status"] == "ok"]
@@ -48,27 +51,36 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
     assert all(r["status"].startswith("unavailable") for r in rows if r["backend"] not in ("kernel", "dense"))
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sl.md").read_text()
     assert (tmp_path / "sl-float32.svg").read_text().startswith("<svg")
-    entries = json.loads(table.read_text())["entries"]
-    assert set(entries) == {f"{device}|float32|{p}|2^13|{t}" for p in ("2:4", "4:8") for t in ("1", "many")}
+    [block] = json.loads(table.read_text())["environments"]  # this run's environment and its rows
+    assert block["environment"] == dispatch.environment(cpu_device)
+    entries = block["entries"]
+    assert set(entries) == {f"float32|{p}|2^13|{t}" for p in ("2:4", "4:8") for t in ("1", "many")}
     for key, entry in entries.items():  # sparse only where it measured >= 1.05x dense
         speedup = entry["sparse_geomean_speedup_vs_dense"]
         assert (entry["backend"] != "dense") == (speedup is not None and speedup >= dispatch.MIN_SPEEDUP)
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     layer = SparseLinear(128, 64)
-    with torch.no_grad():
-        assert layer.choose_backend(torch.zeros(1, 128)) == entries[f"{device}|float32|2:4|2^13|1"]["backend"]
+    with torch.no_grad():  # tuning off: a dense row runs as is, a kernel row is not taken unmeasured
+        assert layer.choose_backend(torch.zeros(1, 128)) == "dense"
+    assert layer.decisions["1"] == ("dense", "prior" if entries["float32|2:4|2^13|1"]["backend"] == "dense"
+                                    else "fallback")
+    # another environment's block stays when this one's is written again; an unattributable table is refused
+    other = dict(block, environment=dict(block["environment"], threads=block["environment"]["threads"] + 1))
+    table.write_text(json.dumps({"environments": [other, block]}))
+    bench_sparse_linear.write_dispatch({"environment": env, "results": report["results"][:1]}, str(table), "again")
+    assert json.loads(table.read_text())["environments"][0] == other
+    assert json.loads(table.read_text())["environments"][1]["entries"]["float32|2:4|2^13|1"]["source"] == "again"
+    table.write_text(json.dumps({"entries": {}}))
+    with pytest.raises(ValueError, match="must be {\"environments\""):
+        bench_sparse_linear.main(["--write-dispatch", str(table), "--shapes", "64x128"])
 
 
 def test_e2e_benchmark_runs_on_a_local_model(tmp_path, monkeypatch):
     model_dir = tmp_path / "tiny"
     tiny_llama(layers=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    # a table measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
-    table = tmp_path / "table.json"
-    key = dispatch.entry_key(dispatch.device_key(torch.device("cpu")), torch.float32, "2:4",
-                             dispatch.shape_bucket(128, 64), "1")
-    table.write_text(json.dumps({"entries": {key: {"backend": "kernel"}}}))
-    monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
+    # this machine measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
+    dispatch.record(torch.device("cpu"), {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"backend": "kernel"}})
     common = ["--device", "cpu", "--models", str(model_dir), "--patterns", "2:4", "--prefill", "16",
               "--decode", "2", "--repeat", "1", "--output-dir", str(tmp_path)]
     assert bench_e2e.main(common + ["--name", "e2e-default"]) == 0
@@ -83,6 +95,14 @@ def test_e2e_benchmark_runs_on_a_local_model(tmp_path, monkeypatch):
         assert row["dense_prefill_ms"] > 0 and row["sparse_decode_tok_s"] > 0
     assert faster["sparse_weight_bytes"] < every["sparse_weight_bytes"]  # nn.Linear keeps no second copy
     assert "prefill speedup" in (tmp_path / "e2e.md").read_text()
+    # the machine as the dispatch keys it, the load, and where each layer's backends came from
+    env = json.loads((tmp_path / "e2e.json").read_text())["environment"]
+    assert env["dispatch_environment"] == dispatch.environment(torch.device("cpu"))
+    assert env["cpu"]["flags"] == dispatch.this_cpu()["flags"] and len(every["load_average"]) == 3
+    assert every["decision_sources"] == {"1": {"cache": 3, "fallback": 4}, "16": {"fallback": 7}}
+    assert every["decisions"]["model.layers.0.mlp.down_proj"] == {"1": ["kernel", "cache"], "16": ["dense", "fallback"]}
+    assert every["decisions"]["model.layers.0.self_attn.q_proj"] == {"1": ["dense", "fallback"],
+                                                                     "16": ["dense", "fallback"]}
 
 
 def test_ops_benchmark_quick_run(tmp_path):
