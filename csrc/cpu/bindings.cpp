@@ -25,11 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nm_linear_gemv_path", &pyprune_cpu::nm_linear_gemv_path, py::arg("x"), py::arg("values"),
         py::arg("meta"), py::arg("n"), py::arg("m"),
         "Which kernel nm_linear_gemv runs for these arguments: 'avx512_bf16_dot' (bf16, "
-        "half-density pattern), 'avx512_permute', 'avx2_permute' (one token), 'avx2_expand' (more "
+        "half-density pattern), 'avx512_expand', 'avx2_permute' (one token), 'avx2_expand' (more "
         "tokens, 8 at a time) or 'generic'.");
   m.def("cpu_isa", &pyprune_cpu::cpu_isa_report, py::arg("detected") = false,
         "The instruction-set level nm_linear_gemv runs here: 'generic', 'avx2' (AVX2+FMA+F16C), "
-        "'avx512' (+AVX-512 F/BW/VL/DQ/VBMI2) or 'avx512_bf16' (+AVX512_BF16), detected at run time "
+        "'avx512' (+AVX512F) or 'avx512_bf16' (+AVX512 BW/VBMI2/BF16), detected at run time "
         "and capped by PYPRUNE_MAX_CPU_ISA / limit_cpu_isa; detected=True: the CPU's own level, uncapped.");
   m.def("limit_cpu_isa", &pyprune_cpu::limit_cpu_isa, py::arg("isa"),
         "Cap the level nm_linear_gemv runs at (generic, avx2, avx512, avx512_bf16; a cap above the CPU's "

@@ -18,11 +18,10 @@ CpuIsa detect() {
   __builtin_cpu_init();
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
     return CpuIsa::kGeneric;
-  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vbmi2")))
-    return CpuIsa::kAvx2;
-  return __builtin_cpu_supports("avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  if (!__builtin_cpu_supports("avx512f")) return CpuIsa::kAvx2;
+  const bool bf16 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2") &&
+                    __builtin_cpu_supports("avx512bf16");
+  return bf16 ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
 }
 #else
 CpuIsa detect() { return CpuIsa::kGeneric; }

@@ -12,8 +12,8 @@ namespace pyprune_cpu {
 enum class CpuIsa : int {
   kGeneric = 0,     // portable C++ (the compiler's own vectorisation)
   kAvx2 = 1,        // AVX2 + FMA + F16C
-  kAvx512 = 2,      // + AVX-512 F, BW, VL, DQ, VBMI2 (vpcompressb builds the permute indices)
-  kAvx512Bf16 = 3,  // + AVX512_BF16 (vdpbf16ps: bf16 pairs into fp32)
+  kAvx512 = 2,      // + AVX512F (vexpandps)
+  kAvx512Bf16 = 3,  // + AVX512BW, AVX512_VBMI2 (vpexpandw) and AVX512_BF16 (vdpbf16ps)
 };
 
 // The highest level this CPU has.

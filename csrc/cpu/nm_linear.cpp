@@ -291,14 +291,14 @@ void gemv_half_density(const float* x, const T* values, const uint8_t* meta, con
 
 // Half-density patterns (1:2, 2:4, 4:8: m divides 8, so every mask byte keeps exactly 4 columns;
 // 3:6 keeps 3 or 5 in some bytes) of fp32/fp16/bf16 weights take the best kernel cpu_isa() allows:
-// "avx512_bf16_dot" (bf16), "avx512_permute" (any token count in one pass over the weights), or
+// "avx512_bf16_dot" (bf16), "avx512_expand" (any token count in one pass over the weights), or
 // "avx2_permute" for one token and "avx2_expand" for more (chunks of kMaxTokens; a last chunk of one
 // token is permuted). Anything else takes the generic kernel.
 const char* gemv_path(int64_t tokens, int64_t n, int64_t m, at::ScalarType dtype) {
   const CpuIsa isa = cpu_isa();
   if (2 * n != m || 8 % m != 0 || dtype == at::kDouble || isa == CpuIsa::kGeneric) return "generic";
   if (isa == CpuIsa::kAvx512Bf16 && dtype == at::kBFloat16) return "avx512_bf16_dot";
-  if (isa >= CpuIsa::kAvx512) return "avx512_permute";
+  if (isa >= CpuIsa::kAvx512) return "avx512_expand";
   return tokens == 1 ? "avx2_permute" : "avx2_expand";
 }
 
@@ -362,7 +362,7 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
     const scalar_t* b = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
 #ifdef PYPRUNE_X86
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (path == "avx512_permute") {  // every token in one pass over the weights
+      if (path == "avx512_expand") {  // every token in one pass over the weights
         gemv_half_density_avx512<scalar_t>(x_float.data_ptr<float>(), values.data_ptr<scalar_t>(),
                                            meta.data_ptr<uint8_t>(), b, y.data_ptr<scalar_t>(), tokens, rows,
                                            cols, meta_bytes);

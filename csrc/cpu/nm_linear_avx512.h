@@ -10,7 +10,7 @@
 namespace pyprune_cpu {
 
 // The AVX-512 half-density kernels (nm_linear_avx512.cpp): y[tokens, rows] = x · (W ⊙ mask)ᵀ + bias
-// for 1:2, 2:4 and 4:8, any number of tokens. `x` is fp32 for the permute kernel (weights widened
+// for 1:2, 2:4 and 4:8, any number of tokens. `x` is fp32 for the expand kernel (weights widened
 // to fp32, FMAs) and bf16 for the dot kernel (vdpbf16ps on bf16 pairs). Accumulation is fp32.
 template <typename T>
 void gemv_half_density_avx512(const float* x, const T* values, const uint8_t* meta, const T* bias,

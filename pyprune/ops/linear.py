@@ -29,8 +29,9 @@ def _triton_nm_linear(x, values, meta, n, m, bias):
     return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
 
 
-#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp, 8
-#: tokens per pass over the weights; bf16 measured 3.3-3.6x torch's dense GEMM up to 256 tokens).
+#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp: AVX-512
+#: kernels read the weights once for all rows, AVX2 ones once per 8; which is faster than dense at a
+#: given count depends on the CPU, so SparseLinear measures it, pyprune.nn.tuning).
 CPU_GEMV_MAX_ROWS = 256
 #: Larger x: W is decompressed this many bytes at a time (a block the allocator reuses, warm in
 #: cache) and multiplied by BLAS, so no dense copy of W is ever allocated.

@@ -1,9 +1,13 @@
 """pyprune.ops linear (nm_linear, sliced_linear, sparse24_linear) on every backend that implements
 it: the kernels against the dense masked / sliced matmul within the fp32-accumulation bound, the
 gradients against autograd of the dense product, the C++ decode GEMV called directly (every token
-count and awkward shape of its AVX2 and generic kernels), and sparse24_linear's reference from the
+count and awkward shape of its generic, AVX2 and AVX-512 kernels, each level where the CPU has it), and sparse24_linear's reference from the
 mma.sp form, its CUDA kernel against it (gpu) and its argument checks. Without a GPU the Triton
 kernels run in the interpreter."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,32 +180,73 @@ def _cpu_flags():
     raise AssertionError("/proc/cpuinfo lists no CPU flags")
 
 
-AVX2_FLAGS = {"avx2", "fma", "f16c"}
+#: Each level of pyprune._C's kernels and the /proc/cpuinfo flags it adds to the one before.
+ISA_LEVELS = {"generic": set(), "avx2": {"avx2", "fma", "f16c"},
+              "avx512": {"avx512f"}, "avx512_bf16": {"avx512bw", "avx512_vbmi2", "avx512_bf16"}}
 
 
-def test_cpu_feature_detection_matches_proc_cpuinfo():
-    assert C.cpu_has_avx2_fma_f16c() == (AVX2_FLAGS <= _cpu_flags())
+def _missing_flags(isa):
+    """The flags this CPU lacks for ``isa`` and every level below it."""
+    levels = list(ISA_LEVELS)
+    needed = set().union(*(ISA_LEVELS[level] for level in levels[:levels.index(isa) + 1]))
+    return sorted(needed - _cpu_flags())
 
 
-# Rows: one pass of 4/2/1 rows plus leftovers (1, 5, 7, 9); columns: whole 16-column blocks, a
-# trailing byte (cols % 16 == 8) and, for 2:4 and 1:2, a trailing half byte (cols % 8 == 4).
-HALF_DENSITY_SHAPES = [(1, 16), (5, 24), (7, 52), (9, 4096), (3, 4104), (4, 36)]
+def test_cpu_isa_detection_matches_proc_cpuinfo():
+    detected = [isa for isa in ISA_LEVELS if not _missing_flags(isa)][-1]
+    assert C.cpu_isa(detected=True) == detected
 
 
+@pytest.fixture
+def cpu_isa(request):
+    """Cap pyprune._C at the level ``request.param`` for one test (skipped, naming the flags, where
+    this CPU lacks them), then restore the cap."""
+    missing = _missing_flags(request.param)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} for the {request.param} kernels")
+    previous = C.limit_cpu_isa(request.param)
+    assert C.cpu_isa() == request.param
+    yield request.param
+    C.limit_cpu_isa(previous)
+
+
+def test_cpu_isa_limit_names_the_allowed_levels_and_env_caps_it():
+    with pytest.raises(ValueError, match="generic, avx2, avx512, avx512_bf16; got 'sse'"):
+        C.limit_cpu_isa("sse")
+    code = "from pyprune.ops.backend import native_module as n; print(n('cpu').cpu_isa())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYPRUNE_MAX_CPU_ISA": "generic"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "generic"
+
+
+#: The kernel each level runs for one and for more tokens of a half-density pattern, per dtype.
+def _expected_path(isa, dtype, tokens):
+    if isa == "generic":
+        return "generic"
+    if isa == "avx2":
+        return "avx2_permute" if tokens == 1 else "avx2_expand"
+    return "avx512_bf16_dot" if isa == "avx512_bf16" and dtype == torch.bfloat16 else "avx512_expand"
+
+
+# Rows: passes of 8/6/4/3/2 rows plus leftovers, more than one 48-row panel (97); columns: whole
+# 16-, 32- and 64-column blocks, a trailing byte (cols % 16 == 8), a trailing half byte for 2:4 and
+# 1:2 (cols % 8 == 4), and more than one 2048-column x block (4104).
+HALF_DENSITY_SHAPES = [(1, 16), (5, 24), (7, 52), (9, 4096), (3, 4104), (4, 36), (97, 360)]
+
+
+@pytest.mark.parametrize("cpu_isa", list(ISA_LEVELS), indirect=True)
 @pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (4, 8)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", range(1, 9))  # every token count: each is its own template
-def test_half_density_kernels_every_token_count_and_awkward_shape(dtype, n, m, tokens):
-    # the AVX2 kernel on a CPU with AVX2/FMA/F16C (this project's machines have them), the
-    # generic one elsewhere; either must match the dense masked matmul
-    expected = ("avx2_permute" if tokens == 1 else "avx2_expand") if AVX2_FLAGS <= _cpu_flags() else "generic"
+# every register-blocked count (1-8) is its own template; then chunks of 8 with every remainder
+@pytest.mark.parametrize("tokens", [*range(1, 10), 16, 23, 64])
+def test_half_density_kernels_every_token_count_and_awkward_shape(cpu_isa, dtype, n, m, tokens):
     for shape in HALF_DENSITY_SHAPES:
-        if shape[1] % m:
+        if shape[1] % m or (tokens > 9 and shape[0] * shape[1] > 40000):  # the long rows: few counts
             continue
         w, mask, values, meta = compressed(shape, dtype, n, m, seed=7)
         x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
         bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
-        assert C.nm_linear_gemv_path(x, values, meta, n, m) == expected
+        assert C.nm_linear_gemv_path(x, values, meta, n, m) == _expected_path(cpu_isa, dtype, tokens)
         assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
         assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
 
