@@ -131,11 +131,19 @@ def measure(name, pattern, where, args, device, dtype):
         row[f"{label}_weight_bytes"] = weight_bytes(model)
         row[f"{label}_weight_mb"] = round(row[f"{label}_weight_bytes"] / 2**20, 1)
     row["same_generated_tokens"] = bool(torch.equal(generated["dense"], generated["sparse"]))
+    row["same_new_tokens_before_divergence"] = _agreeing_new_tokens(generated)
     row["prefill_speedup"] = round(row["dense_prefill_ms"] / row["sparse_prefill_ms"], 3)
     row["decode_speedup"] = round(row["sparse_decode_tok_s"] / row["dense_decode_tok_s"], 3)
     row["load_average"] = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    print(row, flush=True)
+    print({key: value for key, value in row.items() if key != "decisions"}, flush=True)
     return row
+
+
+def _agreeing_new_tokens(generated):
+    """How many new tokens the sparse model generated before its first departure from the dense one."""
+    dense, sparse = (generated[label][0] for label in ("dense", "sparse"))
+    differ = (dense != sparse).nonzero()
+    return int(differ[0, 0]) if len(differ) else int(dense.numel())
 
 
 def markdown(report):
@@ -150,7 +158,7 @@ def markdown(report):
              "SparseLinear caches for its dense fallback.", "",
              "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens | dense prefill ms "
              "| sparse prefill ms | prefill speedup | new tokens | dense decode tok/s | sparse decode tok/s "
-             "| decode speedup | same tokens | dense MB | sparse MB | backends from (decode; prefill) "
+             "| decode speedup | same tokens (new tokens before they part) | dense MB | sparse MB | backends from (decode; prefill) "
              "| tuned here | load (1/5/15 min) |",
              "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|"]
     for r in report["results"]:
@@ -159,7 +167,8 @@ def markdown(report):
                      f"{'+'.join(r['backends']['decode'])} / {'+'.join(r['backends']['prefill'])} | "
                      f"{r['prefill_tokens']} | {r['dense_prefill_ms']} | {r['sparse_prefill_ms']} | "
                      f"{r['prefill_speedup']}× | {r['new_tokens']} | {r['dense_decode_tok_s']} | "
-                     f"{r['sparse_decode_tok_s']} | {r['decode_speedup']}× | {r['same_generated_tokens']} | "
+                     f"{r['sparse_decode_tok_s']} | {r['decode_speedup']}× | {r['same_generated_tokens']} "
+                     f"({r.get('same_new_tokens_before_divergence', '–')}) | "
                      f"{r['dense_weight_mb']} | {r['sparse_weight_mb']} | {_sources(r)} | {_tuned(r)} | "
                      f"{' '.join(str(v) for v in r.get('load_average') or [])} |")
     return "\n".join(lines) + "\n"
