@@ -18,8 +18,8 @@ measurement can run (``PYPRUNE_TUNE=0``, a GPU) the layer runs dense; under torc
 the backend eager forwards chose for the same case, else dense:
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
-  C++ kernel: a GEMV over kept weights for <= 256 tokens (8 per pass), block-wise decompression
-  into BLAS above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
+  C++ kernel: a GEMV over kept weights for <= 256 tokens (AVX-512 or AVX2, chosen at run time),
+  block-wise decompression into BLAS above). Differentiable: gradients reach ``values`` at the kept positions only, so fine-tuning
   keeps the pattern.
 * ``dense``: ``F.linear`` (cuBLAS/MKL/oneDNN) on the weight decompressed once and cached: as fast
   as the layer left dense, at the memory of the compressed and the dense form together.

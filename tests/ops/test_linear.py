@@ -251,6 +251,21 @@ def test_half_density_kernels_every_token_count_and_awkward_shape(cpu_isa, dtype
         assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
 
 
+@pytest.mark.parametrize("cpu_isa", list(ISA_LEVELS), indirect=True)
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_bf16_gemv_is_as_close_to_the_exact_product_as_torchs_bf16_linear(cpu_isa, n, m, tokens):
+    # SmolLM2-135M's linear shapes: the kernel sums in fp32 and rounds once, as torch's bf16 GEMM
+    # does, so its largest error against the fp64 product is no larger (only the order differs)
+    for shape in [(576, 576), (1536, 576), (576, 1536)]:
+        w, mask, values, meta = compressed(shape, torch.bfloat16, n, m, seed=3)
+        x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+        exact = x.double() @ (w * mask).double().t()
+        kernel_error = (C.nm_linear_gemv(x, values, meta, n, m, None).double() - exact).abs().max()
+        torch_error = (F.linear(x, w * mask).double() - exact).abs().max()
+        assert kernel_error <= torch_error * 1.01, (shape, float(kernel_error), float(torch_error))
+
+
 @pytest.mark.parametrize("tokens,n,m,cols", [(1, 3, 6, 48), (2, 3, 6, 96), (1, 1, 4, 64), (8, 3, 8, 64), (19, 3, 8, 64)])
 def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
     # 3:6 is half density too, but its groups straddle mask bytes (the lane tables need 4 of 8)
