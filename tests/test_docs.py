@@ -1,5 +1,6 @@
 """The docs: the site builds strictly (every link, page and docstring resolves), it has one results
-page per results file, and the README stays short and quotes only results files that exist."""
+page per results file and an API entry per public module, and the README stays short and quotes only
+results files that exist."""
 import re
 import subprocess
 import sys
@@ -32,9 +33,22 @@ def test_docs_build_strictly_with_a_page_per_results_file(site):
         assert page.is_file(), f"no generated results page for benchmarks/results/{stem}.md"
         assert f"benchmarks/results/{stem}.md" in page.read_text(encoding="utf-8")
         assert f'href="{stem}/"' in index, f"results/index does not link {stem}"
-    for layer in ("ops", "nn", "io", "runtime", "inputs", "evaluation", "methods", "studies", "cli"):
-        api = (site / "api" / layer / "index.html").read_text(encoding="utf-8")
-        assert f'id="pyprune.{layer}"' in api, f"API page of pyprune.{layer} renders no module"
+
+
+def test_every_public_module_is_rendered_on_its_api_page(site):
+    """Each module of pyprune/ with no part of its name starting with ``_`` has its entry on the page
+    of its top-level package or module (``pyprune`` itself on the index)."""
+    modules = []
+    for path in sorted((ROOT / "pyprune").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if not any(part.startswith("_") for part in parts):
+            modules.append(parts)
+    assert ("pyprune", "methods", "sleb") in modules and ("pyprune", "files") in modules
+    for parts in modules:
+        page = site / "api" / (parts[1] if len(parts) > 1 else ".") / "index.html"
+        assert f'id="{".".join(parts)}"' in page.read_text(encoding="utf-8"), \
+            f"{'.'.join(parts)} is not rendered on {page.relative_to(site)}"
 
 
 def test_readme_is_short_and_links_only_files_that_exist():
