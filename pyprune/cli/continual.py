@@ -57,9 +57,7 @@ def run(args) -> int:
     from ..studies import continual
     pattern = options.pattern_from(args)
     runner = options.build_method(args)
-    if not isinstance(pattern, runner.patterns):
-        allowed = ", ".join(p.__name__ for p in runner.patterns)
-        raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
+    options.check_pattern(runner, pattern)
     if args.init == "cumulative" and (runner.keeps_state or not getattr(runner, "can_accumulate", False)):
         raise UsageError(f"--init cumulative needs a method whose statistics add up across datasets (wanda, "
                          f"sparsegpt); got --method {args.method!r}")

@@ -145,6 +145,22 @@ def pattern_from(args):
     return pattern
 
 
+def check_pattern(runner, pattern) -> None:
+    """``runner`` produces ``pattern`` (:meth:`pyprune.methods.base.Method.check_pattern`, its hint
+    written as flags); a UsageError otherwise."""
+    try:
+        runner.check_pattern(pattern, _pattern_flags)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _pattern_flags(kinds, like) -> str:
+    """The flags that give a pattern of ``kinds`` (with the amount of ``like``)."""
+    amount = f"{getattr(like, 'sparsity', getattr(like, 'ratio', 0.5)):g}"
+    flags = {Unstructured: f"--sparsity {amount}", NM: "--pattern 2:4", Structured: f"--ratio {amount}"}
+    return " or ".join(flags[kind] for kind in kinds)
+
+
 def structured_from(args) -> Structured:
     """--ratio R as a pattern; 0 (nothing removed) is refused: on the command line it is a mistake."""
     if args.ratio == 0:

@@ -37,9 +37,7 @@ def run(args) -> int:
     pattern = options.pattern_from(args)
     runner = options.build_method(args)
     options.apply_calibration_defaults(args, runner)
-    if not isinstance(pattern, runner.patterns):
-        allowed = ", ".join(p.__name__ for p in runner.patterns)
-        raise UsageError(f"method {args.method!r} supports {allowed} patterns; got {pattern}")
+    options.check_pattern(runner, pattern)
     if runner.needs_calibration and args.calib is None:
         raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
     checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))

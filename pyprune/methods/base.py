@@ -3,7 +3,7 @@ and how it runs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
 from torch import Tensor, nn
@@ -79,16 +79,26 @@ class Method(ABC):
             return Unstructured(pattern.sparsity, self.default_scope)
         return pattern
 
+    def check_pattern(self, pattern: Pattern,
+                      write: Optional[Callable[[Tuple[Type, ...], Pattern], str]] = None) -> None:
+        """Reject a pattern this method cannot produce: a ValueError naming the ones it supports and
+        how to write one, ``write(self.patterns, pattern)`` (default: the ``pyprune.prune`` call)."""
+        if not isinstance(pattern, self.patterns):
+            allowed = ", ".join(p.__name__ for p in self.patterns)
+            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}: write "
+                             + (write or self._prune_call)(self.patterns, pattern))
+
+    def _prune_call(self, kinds: Tuple[Type, ...], like: Pattern) -> str:
+        """The ``pyprune.prune`` call with a pattern of ``kinds`` (the amount of ``like``)."""
+        spelled = " or ".join(written_as(kind, like) for kind in kinds)
+        imported = ", ".join(p.__name__ for p in kinds if p is Structured)
+        return (f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
+                + (f" with from pyprune.patterns import {imported}" if imported else ""))
+
     def check(self, model: nn.Module, pattern: Pattern) -> None:
         """Reject a pattern this method cannot produce, or one the model's layers cannot take,
         before anything is modified. Changes nothing, on the model or on this object."""
-        if not isinstance(pattern, self.patterns):
-            allowed = ", ".join(p.__name__ for p in self.patterns)
-            spelled = " or ".join(written_as(kind, pattern) for kind in self.patterns)
-            imported = ", ".join(p.__name__ for p in self.patterns if p is Structured)
-            raise ValueError(f"method {self.name!r} supports patterns {allowed}; got {pattern}: write "
-                             f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
-                             + (f" with from pyprune.patterns import {imported}" if imported else ""))
+        self.check_pattern(pattern)
         check_plain_linears(model, f"method {self.name!r} prunes nn.Linear weights")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
             raise ValueError(f"method {self.name!r} cannot prune an offloaded model: {self.offload_refusal}; "

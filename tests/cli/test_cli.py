@@ -17,7 +17,9 @@ EMMA = "emma"  # the embedded corpus
     (["--method", "wanda", "--pattern", "0.5"], "--pattern takes N:M"),
     (["--method", "wanda", "--sparsity", "1.2"], r"sparsity must be a number in \[0, 1\)"),
     (["--method", "wanda", "--sparsity", "0.5", "--pattern", "2:4"], "exactly one of"),
-    (["--method", "wanda", "--ratio", "0.2"], "method 'wanda' supports Unstructured, NM patterns"),
+    (["--method", "wanda", "--ratio", "0.2"],
+     "method 'wanda' supports patterns Unstructured, NM; got structured 0.2: write --sparsity 0.2 or --pattern 2:4$"),
+    (["--method", "taylor", "--pattern", "2:4"], "method 'taylor' supports patterns Structured; got 2:4: write --ratio 0.5$"),
     (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
@@ -123,7 +125,7 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "safe", "--pattern", "2:4", "--lr", "0"], "lr of method 'safe' must be > 0"),
     (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
     (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
-    (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports Unstructured, NM patterns"),
+    (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports patterns Unstructured, NM; got structured 0.2"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
     argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
