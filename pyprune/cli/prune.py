@@ -6,6 +6,7 @@ import shutil
 from .commands import SUMMARIES
 from . import checks, options, steps
 from .checks import UsageError
+from ..files import make_temp_dir
 from ..patterns import NM
 
 COMMAND = "prune"
@@ -61,8 +62,7 @@ def run(args) -> int:
                                  "--eval-seqlen")
     tasks = steps.zero_shot_tasks(args)
 
-    from ..io import storage
-    offload_dir = storage.make_temp_dir(args.output) if args.offload else None
+    offload_dir = make_temp_dir(args.output) if args.offload else None
     try:
         _prune(args, pattern, calib, streams, tasks, offload_dir)
     finally:

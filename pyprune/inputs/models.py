@@ -33,8 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root, ensure_cache_dir
-from ..io import storage
+from ..files import cache_root, ensure_cache_dir, make_temp_dir, write_json
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
 
@@ -174,7 +173,7 @@ def _remove_tree(path: str) -> None:
     if not os.path.lexists(path):
         return
     base = os.path.basename(path)
-    trash = storage.make_temp_dir(path)
+    trash = make_temp_dir(path)
     try:
         os.replace(path, os.path.join(trash, base))
     except OSError:
@@ -388,7 +387,7 @@ def _build_from_gguf(alias: str, work: str, out_dir: str, target: str) -> dict[s
     saved_cfg.pop("quantization_config", None)
     if gguf_theta is not None:
         saved_cfg["rope_theta"] = gguf_theta
-    storage.write_json(cfg_path, saved_cfg, sort_keys=True)
+    write_json(cfg_path, saved_cfg, sort_keys=True)
 
     # Verify what was written reloads with the same configuration and weights.
     reloaded_cfg = AutoConfig.from_pretrained(out_dir, local_files_only=True)
@@ -425,7 +424,7 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
             return target
         _log(f"building cache entry for {alias!r} in {target} (one-off)")
         t0 = time.perf_counter()
-        work = storage.make_temp_dir(target)  # temp dirs of killed builds are removed first
+        work = make_temp_dir(target)  # temp dirs of killed builds are removed first
         try:
             out_dir = os.path.join(work, alias)
             os.makedirs(out_dir)

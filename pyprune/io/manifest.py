@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import storage
+from ..files import write_json
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
@@ -96,9 +96,9 @@ def write_report(report: Optional[Dict], *, model_dir: Optional[str] = None,
         manifest = read_manifest(model_dir)
         if not manifest:
             raise FileNotFoundError(f"{model_dir} holds no {MANIFEST}: it was not written by pyprune.save")
-        storage.write_json(os.path.join(model_dir, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+        write_json(os.path.join(model_dir, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
     if report_file is not None:
-        storage.write_json(report_file, report)
+        write_json(report_file, report)
 
 
 def read_tokenizer(directory: str):

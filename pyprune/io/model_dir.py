@@ -39,9 +39,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..files import check_destination
+from ..files import check_destination, make_temp_dir, write_json
 from ..nn import anatomy, compact, rotation, sparse
-from . import offload, storage
+from . import offload
 from .names import model_names
 from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
@@ -137,7 +137,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
     sparse_layers = sparse.sparse_layers(model)
     sparse_experts = sparse.sparse_experts(model)
     rotations = rotation.residual_rotations(model)
-    tmp = storage.make_temp_dir(directory)
+    tmp = make_temp_dir(directory)
     try:
         if anatomy.block_store(model) is not None:
             offload.write_weights(model, tmp)  # one shard per block, as the offloaded blocks are stored
@@ -153,7 +153,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
         if rotations is not None:  # the dense width: from_pretrained's shapes disagree, only load() rebuilds it
             config["hidden_size"] = rotations["dense_hidden_size"]
         compatible = layout["config_compatible"] and not sparse_layers and rotations is None
-        storage.write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
+        write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
             "architecture": type(model).__name__,
@@ -163,7 +163,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "sparse_experts": sparse_experts,
             "residual_rotations": rotations,
         }
-        storage.write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+        write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
         _move_into_place(tmp, directory, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

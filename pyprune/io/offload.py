@@ -24,8 +24,8 @@ from typing import Dict
 import torch
 from torch import nn
 
+from ..files import atomic_path, write_json
 from ..nn import anatomy
-from . import storage
 from .names import model_names
 from .manifest import read_config, read_manifest
 
@@ -117,7 +117,7 @@ class OffloadedBlocks:
 
         path = os.path.join(self.directory, f"block-{index:05d}.safetensors")
         state = {self._names(index) + k: v.detach().contiguous() for k, v in block.state_dict().items()}
-        with storage.atomic_path(path) as tmp:
+        with atomic_path(path) as tmp:
             save_file(state, tmp, metadata={"format": "pt"})
         self.stored[index] = path
         self.sizes[index] = {k: v.numel() * v.element_size() for k, v in state.items()}
@@ -187,8 +187,8 @@ def write_weights(model: nn.Module, directory: str) -> None:
     save_file(rest, os.path.join(directory, name), metadata={"format": "pt"})
     weight_files.update({key: name for key in rest})
     total += sum(t.numel() * t.element_size() for t in rest.values())
-    storage.write_json(os.path.join(directory, _INDEX), {"metadata": {"total_size": total},
-                                                         "weight_map": dict(sorted(weight_files.items()))})
+    write_json(os.path.join(directory, _INDEX), {"metadata": {"total_size": total},
+                                                 "weight_map": dict(sorted(weight_files.items()))})
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)

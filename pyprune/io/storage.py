@@ -1,12 +1,8 @@
-"""How pyprune writes and reads the files it owns.
-
-* Atomic writes (:func:`atomic_path`, :func:`write_json`, :func:`make_temp_dir`) come from
-  :mod:`pyprune.files`, at the bottom of the package, and are re-exported here.
-* States and checkpoints are safetensors files whose JSON metadata holds the rest
-  (:func:`save_state`, :func:`read_state_meta`, :func:`load_state`): nothing pyprune reads from a
-  user path is unpickled. Each records the ``key`` of the run that made it (settings, model,
-  calibration); :func:`check_key` refuses another run's, naming what differs. Resumable runs are
-  built on them in :mod:`pyprune.runtime.checkpoint`.
+"""States and checkpoints: safetensors files whose JSON metadata holds the rest
+(:func:`save_state`, :func:`read_state_meta`, :func:`load_state`), written atomically
+(:mod:`pyprune.files`); nothing pyprune reads from a user path is unpickled. Each records the
+``key`` of the run that made it (settings, model, calibration); :func:`check_key` refuses another
+run's, naming what differs. Resumable runs are built on them in :mod:`pyprune.runtime.checkpoint`.
 """
 from __future__ import annotations
 
@@ -17,10 +13,9 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..files import atomic_path, make_temp_dir, remove_stale, temp_path, write_json
+from ..files import atomic_path
 
-__all__ = ["atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path", "save_state",
-           "read_state_meta", "load_state", "check_key", "StateError"]
+__all__ = ["save_state", "read_state_meta", "load_state", "check_key", "StateError"]
 
 _META = "pyprune"
 

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
+from ..files import write_json
 from ..io import storage
 
 __all__ = ["Checkpoint", "model_fingerprint", "tokens_digest"]
@@ -93,4 +94,4 @@ class Checkpoint:
     def write_index(self, name: str, progress: dict) -> None:
         """Write the JSON index ``name`` atomically: this checkpoint's key and ``progress``."""
         os.makedirs(self.directory, exist_ok=True)
-        storage.write_json(self.path(name), dict({"key": self.key}, **progress))
+        write_json(self.path(name), dict({"key": self.key}, **progress))

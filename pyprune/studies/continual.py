@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import methods
-from ..io import storage
+from ..files import write_json
 from ..evaluation.perplexity import perplexity
 from ..patterns import parse
 from ..methods.pruning import prune
@@ -154,7 +154,7 @@ def resume(path: str, settings: Dict, label: str = "continual report") -> Dict[t
 
 def write_partial(path: str, settings: Dict, done: Dict[tuple, list]) -> None:
     """The report of an unfinished run: its settings and the orders done so far (see :func:`resume`)."""
-    storage.write_json(path, {"settings": settings, "partial": True,
+    write_json(path, {"settings": settings, "partial": True,
                               "matrix": [{"order": list(order), "steps": steps} for order, steps in done.items()]})
 
 

@@ -16,7 +16,7 @@ import pyprune.methods
 from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
-from pyprune.files import TEMP_TAG
+from pyprune.files import TEMP_TAG, write_json
 from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
 
 
@@ -59,7 +59,7 @@ def files(tmp_path_factory):
     dress.mkdir()
     (dress / "dress-regularise.safetensors").write_bytes(b"\x80\x04K\x01.")  # a pickle, not a state
     (base / "block-checkpoint").mkdir()
-    storage.write_json(str(base / "block-checkpoint" / "blockwise.json"), {
+    write_json(str(base / "block-checkpoint" / "blockwise.json"), {
         "key": {"method": "sparsegpt", "settings": {}, "pattern": "2:4", "scope": None, "model": "m",
                 "calibration": "c"}, "finished": 1, "details": [None]})
     (base / "broken-checkpoint").mkdir()

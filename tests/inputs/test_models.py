@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyprune.inputs import models
-from pyprune.io import storage
+from pyprune.files import temp_path
 from pyprune.inputs.models import MODEL_ALIASES, load_model, resolve_model_dir
 from tests.helpers import tiny_tokenizer
 
@@ -154,7 +154,7 @@ def test_incomplete_cache_entry_is_rebuilt(tmp_path, fake_build):
     # a half-written entry (no marker) and a leftover temp dir from a killed run
     target.mkdir(parents=True)
     (target / "config.json").write_text("{")
-    dead = os.path.basename(storage.temp_path(str(target))).replace(f"-{os.getpid()}-", "-4194305-")  # > pid_max
+    dead = os.path.basename(temp_path(str(target))).replace(f"-{os.getpid()}-", "-4194305-")  # > pid_max
     (parent / dead).mkdir()
     assert resolve_model_dir("smollm2-135m", cache_dir=tmp_path) == str(target)
     assert fake_build == ["smollm2-135m"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pyprune
+from pyprune.files import temp_path, write_json
 from pyprune.io import storage
 from pyprune.patterns import Structured
 from tests.helpers import random_tokens, tiny_llama
@@ -116,7 +117,7 @@ def _dead_pid() -> int:
 
 
 def _temp_name(target, pid):
-    return os.path.basename(storage.temp_path(str(target))).replace(f"-{os.getpid()}-", f"-{pid}-")
+    return os.path.basename(temp_path(str(target))).replace(f"-{os.getpid()}-", f"-{pid}-")
 
 
 def test_the_next_write_removes_temporaries_of_dead_runs_only(tmp_path):
@@ -132,7 +133,7 @@ def test_the_next_write_removes_temporaries_of_dead_runs_only(tmp_path):
     mine.mkdir()
     other = tmp_path / ".model.tmp-12345"  # not a name pyprune gives: never touched
     other.mkdir()
-    storage.write_json(str(tmp_path / "report.json"), {"a": 1})
+    write_json(str(tmp_path / "report.json"), {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [running.name, mine.name, other.name, "report.json"])
 
@@ -141,7 +142,7 @@ def test_a_failed_atomic_write_leaves_the_target_and_no_temporary(tmp_path):
     target = tmp_path / "report.json"
     target.write_text("old")
     with pytest.raises(TypeError):
-        storage.write_json(str(target), {"not json": object()})
+        write_json(str(target), {"not json": object()})
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["report.json"]
 
 
