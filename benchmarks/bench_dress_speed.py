@@ -33,7 +33,7 @@ from bench_e2e import SHAPES as E2E_SHAPES
 from bench_e2e import prefill
 
 from pyprune.runtime.decode import greedy_generate
-from pyprune.evaluation.perplexity import model_cost
+from pyprune.nn.measure import model_cost
 from pyprune.inputs.models import load_model
 from pyprune.nn import keep_hidden_channels_
 

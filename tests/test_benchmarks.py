@@ -219,7 +219,7 @@ def test_crosscheck_without_a_transformers_4_36_python_exits_2_at_once(tmp_path,
 
 
 def test_dress_speed_benchmark_on_a_local_and_a_random_tiny_model(tmp_path, monkeypatch):
-    from pyprune.evaluation.perplexity import model_cost
+    from pyprune.nn.measure import model_cost
     from pyprune.nn import keep_hidden_channels_
     model_dir = tmp_path / "tiny"
     tiny_llama(layers=1).save_pretrained(model_dir)

@@ -1,5 +1,5 @@
 """pyprune.evaluation: how good and how big a pruned model is.
 
-* :mod:`pyprune.evaluation.perplexity` — perplexity, the sparsity report, parameter count and cost.
+* :mod:`pyprune.evaluation.perplexity` — perplexity.
 * :mod:`pyprune.evaluation.zeroshot` — zero-shot accuracy through lm-evaluation-harness.
 """

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops.conventions import kept_count, round_half_up
-from ..evaluation.perplexity import model_cost
+from ..nn.measure import model_cost
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import hidden_slices, hidden_stream, rescaled_norm_weight
 from ..patterns import Structured

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .. import methods
 from .base import Method
-from ..evaluation.perplexity import parameter_count, sparsity_report
+from ..nn.measure import parameter_count, sparsity_report
 from ..patterns import NM, Pattern, Structured, parse
 
 

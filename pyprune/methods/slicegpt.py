@@ -35,7 +35,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..evaluation.perplexity import model_cost
+from ..nn.measure import model_cost
 from ..nn.anatomy import decoder_blocks
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import block_family, config_accepts, hidden_stream

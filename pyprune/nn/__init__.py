@@ -13,6 +13,8 @@
   to turn back all (to prune or fine-tune a sparse checkpoint).
 * :mod:`pyprune.nn.sliced` — :class:`SlicedLinear`, a layer evaluated on kept channels only, and
   the same for a whole model's hidden channels (:func:`slice_hidden_channels_`).
+* :mod:`pyprune.nn.measure` — a model's sparsity report (N:M fit per layer), parameter count and
+  forward cost, before and after pruning.
 * :mod:`pyprune.nn.dispatch` — the measured table and per-user cache that pick SparseLinear's backend;
   :mod:`pyprune.nn.tuning` — measures a case on first use.
 """

@@ -294,7 +294,7 @@ def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, mo
                      "--quiet"]) == 2
     assert "evaluation failed" in capsys.readouterr().err
     model, _ = pyprune.load(output)
-    assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"]["2:4"]
+    assert pyprune.nn.measure.sparsity_report(model)["nm_valid"]["2:4"]
 
 
 @pytest.mark.parametrize("change,message", [

@@ -94,7 +94,7 @@ def test_prune_writes_a_loadable_model_and_a_report(tiny_model_dir, tmp_path, me
     assert report["eval"][0]["tokens"] > 0 and report["eval"][0]["perplexity"] > 1
     model, _ = pyprune.load(str(output))
     if check == "2:4":
-        assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"]["2:4"]
+        assert pyprune.nn.measure.sparsity_report(model)["nm_valid"]["2:4"]
     assert cli.main(["eval", "--model", str(output), "--data", str(text), "--seqlen", "16", "--quiet"]) == 0
 
 

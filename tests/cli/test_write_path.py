@@ -144,7 +144,7 @@ def test_a_report_that_cannot_be_written_says_where_the_model_is(tiny_model_dir,
     assert err == (f"pyprune prune: error: the pruned model is saved in {output}, but the report could not be "
                    f"written ([Errno 28] No space left on device: '{tmp_path / 'r.json'}')")
     model, _ = pyprune.load(output)
-    assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"]["2:4"]
+    assert pyprune.nn.measure.sparsity_report(model)["nm_valid"]["2:4"]
 
 
 def test_two_prunes_to_one_output_get_a_cli_message(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -105,7 +105,7 @@ def test_every_tool_takes_every_format(saved, name, tmp_path, capsys):
                       tmp_path / "pruned", "--quiet"], capsys)
     assert code == 0, out.err
     pruned, _ = pyprune.load(tmp_path / "pruned")
-    assert pyprune.evaluation.perplexity.sparsity_report(pruned)["nm_valid"]["2:4"]
+    assert pyprune.nn.measure.sparsity_report(pruned)["nm_valid"]["2:4"]
     code, out = _run(["eval", "--model", model, "--data", text, "--seqlen", "16", "--max-tokens", "64", "--quiet"],
                      capsys)
     assert code == 0 and "perplexity" in out.out, out.err

@@ -230,7 +230,7 @@ def test_a_pruned_moe_round_trips_through_load_and_from_pretrained(tmp_path, fam
     the experts keep their 2:4 pattern."""
     from safetensors import safe_open
 
-    from pyprune.evaluation.perplexity import sparsity_report
+    from pyprune.nn.measure import sparsity_report
     from tests.helpers import tiny_decoder
     model = tiny_decoder(family)
     pyprune.prune(model, "wanda", "2:4", _calib(), progress=False)

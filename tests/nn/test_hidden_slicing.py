@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pyprune
-from pyprune.evaluation.perplexity import model_cost, parameter_count
+from pyprune.nn.measure import model_cost, parameter_count
 from pyprune.nn import keep_hidden_channels_, slice_mlp_channels_, sparsify_
 from tests.helpers import random_tokens, tiny_llama
 

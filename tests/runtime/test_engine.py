@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from pyprune.runtime import engine
-from pyprune.evaluation.perplexity import perplexity, sparsity_report
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.nn.measure import sparsity_report
 from tests.helpers import FAMILIES, random_tokens, tiny_decoder, tiny_llama
 
 

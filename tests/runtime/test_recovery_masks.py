@@ -30,7 +30,7 @@ def test_recovery_keeps_the_mask_and_trains_the_kept_weights(pattern):
         assert torch.equal(after[name] == 0, weight == 0), name  # the same zeros, no new ones
         assert not torch.equal(after[name], weight), name  # and the kept weights moved
     if isinstance(pattern, str):
-        assert pyprune.evaluation.perplexity.sparsity_report(model)["nm_valid"][pattern]
+        assert pyprune.nn.measure.sparsity_report(model)["nm_valid"][pattern]
 
 
 def test_the_merge_is_the_masked_lora_update(monkeypatch):
@@ -66,7 +66,7 @@ def test_pyprune_recover_on_a_2_4_model_stays_exactly_2_4(tiny_model_dir, tmp_pa
                      "--quiet"]) == 0
     before, _ = pyprune.load(pruned)
     after, _ = pyprune.load(recovered)
-    stats = pyprune.evaluation.perplexity.sparsity_report(after)
+    stats = pyprune.nn.measure.sparsity_report(after)
     assert stats["nm_valid"]["2:4"]
     old, new = _block_weights(before), _block_weights(after)
     assert all(torch.equal(new[name] == 0, old[name] == 0) for name in old)
