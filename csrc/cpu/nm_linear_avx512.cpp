@@ -9,7 +9,7 @@
 //   bf16 dot (bf16 x and weights, AVX512_BF16): vdpbf16ps on 32 columns, pairs summed into fp32.
 // Blocking: 8 tokens' accumulators stay in registers; x is repacked so a block's tokens lie side by
 // side; a panel of 48 rows shares each x block of 2048 columns before the next, and the panels go
-// to the threads.
+// to the threads. Each pass prefetches what the next pass over the panel's rows will read.
 #include "nm_linear_avx512.h"
 #include "parallel.h"
 
@@ -53,6 +53,16 @@ PYPRUNE_AVX512 inline __m512 widen8(const c10::BFloat16* p) {  // bf16 is the to
   return _mm512_zextps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
 }
 
+// The values (one cache line) and, every 8th block, the mask bytes that the next pass over the rows
+// reads at this block, `rows_ahead` rows on: a pass streams a few rows' short segments, too short
+// for the hardware prefetcher to reach ahead of (it pays most at 8 tokens, where a pass holds 2 rows).
+template <typename T>
+inline void prefetch_next_pass(const T* v, const uint8_t* mask, int rows_ahead, int64_t kv, int64_t meta_bytes,
+                               int64_t j) {
+  _mm_prefetch(reinterpret_cast<const char*>(v + rows_ahead * kv), _MM_HINT_T0);
+  if ((j & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(mask + rows_ahead * meta_bytes), _MM_HINT_T0);
+}
+
 // The kernels' shared frame: one chunk of kTokens tokens over the rows, their fp32 sums (kTokens
 // per row) grown block by block.
 template <typename T, typename X>
@@ -77,6 +87,7 @@ PYPRUNE_AVX512 void expand_rows(const Pass<T, float>& p, int64_t r0, int64_t j0,
       const uint32_t bits = mask_bits<uint32_t>(p.meta + (r0 + i) * p.meta_bytes + 4 * j);
       lo_w[i] = _mm512_maskz_expand_ps(static_cast<__mmask16>(bits), widen8(v));
       hi_w[i] = _mm512_maskz_expand_ps(static_cast<__mmask16>(bits >> 16), widen8(v + 8));
+      prefetch_next_pass(v, p.meta + (r0 + i) * p.meta_bytes + 4 * j, kRows, p.kv, p.meta_bytes, j);
     }
     for (int t = 0; t < kTokens; ++t) {
       const float* xt = p.packed + (j * kTokens + t) * 32;
@@ -105,6 +116,7 @@ PYPRUNE_AVX512_BF16 void dot_rows(const Pass<c10::BFloat16, c10::BFloat16>& p, i
                                           _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v))));
       hi_w[i] = _mm512_maskz_expand_epi16(static_cast<__mmask32>(bits >> 32),
                                           _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16))));
+      prefetch_next_pass(v, p.meta + (r0 + i) * p.meta_bytes + 8 * j, kRows, p.kv, p.meta_bytes, j);
     }
     for (int t = 0; t < kTokens; ++t) {
       const c10::BFloat16* xt = p.packed + (j * kTokens + t) * 64;
