@@ -495,7 +495,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     at a time by the block-wise methods, which write them to ``offload_dir`` (see
     :mod:`pyprune.io.offload`; CPU only; save the result with :func:`pyprune.save`). Without it a
     model whose weights exceed the available memory is refused before loading
-    (:class:`pyprune.runtime.memory.NotEnoughMemory`).
+    (:class:`pyprune.io.memory.NotEnoughMemory`).
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32, torch.bfloat16), "
@@ -519,8 +519,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .. import io
-    from ..runtime import memory
-    from ..io import offload
+    from ..io import memory, offload
     if offload_dir is None and dev.type == "cpu":
         try:
             memory.check_load(model_dir, dtype)
