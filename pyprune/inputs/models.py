@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root, ensure_cache_dir, make_temp_dir, write_json
+from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
 
@@ -441,6 +441,7 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
             if os.path.lexists(target) and not _is_complete(target):
                 _log(f"removing incomplete cache entry {target}")
                 _remove_tree(target)
+            standard_modes(out_dir)
             try:
                 os.rename(out_dir, target)
             except OSError:
