@@ -47,6 +47,8 @@ def run(args) -> int:
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
+    if runner.needs_calibration:
+        runner.check_samples(args.nsamples)
     checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     if args.offload:

@@ -21,6 +21,11 @@ from .options import Option, collect, nonnegative, option, positive, resolve
 REGISTRY: Dict[str, Type["Method"]] = {}
 
 
+class RunWarning(UserWarning):
+    """A run that will do less than its options ask for (e.g. SAFE with fewer steps a block than its
+    dual interval), said once before it starts."""
+
+
 class Method(ABC):
     """A pruning method. ``prune`` changes the model in place and returns report details.
 
@@ -126,6 +131,11 @@ class Method(ABC):
                 raise ValueError(f"method {self.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
             return
         tokens.check_token_ids(calib, model, "calib")
+        self.check_samples(calib.shape[0])
+
+    def check_samples(self, nsamples: int) -> None:
+        """Warn (:class:`RunWarning`) when ``nsamples`` calibration samples are too few for the run
+        the options ask for (the CLI asks before the model loads); nothing by default."""
 
     def check_grad_mode(self) -> None:
         """A method that computes gradients turns them on itself (it runs under ``torch.no_grad()``

@@ -402,3 +402,22 @@ def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"pyprune tune: error: --model {model_dir} has no N:M sparse linear layers (prune it "
                        "with --pattern 2:4 or 4:8 first)"), err
+
+
+def test_safe_with_fewer_steps_than_its_dual_interval_warns_once_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """4 samples in batches of 2 for 1 epoch are 2 steps a block, under the dual interval of 8: no
+    ADMM dual update runs. Said in one line before the model loads (and not again), --quiet or not;
+    the run still does what was asked and its report shows 0 dual updates."""
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), "--method", "safe", "--pattern", "2:4", "--epochs", "1",
+            "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["pyprune prune: warning: method 'safe': 4 calibration samples, 1 epochs of batches of 2 give "
+                      "2 steps a block, fewer than dual_interval=8, so no dual update will run; raise nsamples or "
+                      "epochs, or lower dual_interval"]
+    assert json.loads(report_path.read_text())["dual_updates_per_block"] == 0
+    assert cli.main(argv[:-1] + ["--dual-interval", "2"]) == 0  # two steps, one dual update: nothing to say
+    assert "warning" not in capsys.readouterr().err
