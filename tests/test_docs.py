@@ -1,6 +1,7 @@
 """The docs: the site builds strictly (every link, page and docstring resolves), it has one results
 page per results file and an API entry per public module, and the README stays short and quotes only
 results files that exist."""
+import importlib.util
 import re
 import subprocess
 import sys
@@ -60,14 +61,56 @@ def test_readme_is_short_and_links_only_files_that_exist():
     assert not missing, f"README links paths that do not exist: {missing}"
 
 
-def test_readme_table_numbers_come_from_the_linked_results_file():
-    """Every decimal in a README table row that links a results file appears in that file."""
-    rows = [line for line in README.read_text(encoding="utf-8").splitlines()
-            if line.startswith("|") and "](benchmarks/results/" in line]
-    assert rows, "README has no table row linking a results file"
-    for row in rows:
-        files = re.findall(r"\]\((benchmarks/results/[^)]+)\)", row)
-        text = "".join((ROOT / f).read_text(encoding="utf-8") for f in files)
-        cells = re.sub(r"\[[^\]]*\]\([^)]*\)", "", row)
-        for number in re.findall(r"\d+\.\d+", cells):
-            assert number in text, f"README number {number} is not in {files}: {row}"
+def _numbers_hook():
+    spec = importlib.util.spec_from_file_location("pyprune_docs_numbers", ROOT / "docs" / "hooks" / "numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+numbers = _numbers_hook()
+
+
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in numbers.pages()])
+def test_every_number_is_in_the_results_file_it_cites(page):
+    """README.md and every docs page: each number (docs/hooks/numbers.py says which) is in the results
+    file its block cites; a page in PENDING has exactly the misses counted there."""
+    misses = numbers.check((ROOT / page).read_text(encoding="utf-8"), page)
+    expected = numbers.PENDING.get(page, 0)
+    assert len(misses) == expected, (f"{len(misses)} numbers not in their cited files (PENDING: {expected}):\n"
+                                     + "\n".join(map(str, misses)))
+
+
+def test_a_number_not_in_its_file_fails():
+    """The check on the README as it is, and with one number changed, one citation dropped."""
+    text = README.read_text(encoding="utf-8")
+    assert "55.72 ± 0.29" in text and not numbers.check(text, "README.md")
+    wrong = numbers.check(text.replace("55.72 ± 0.29", "55.82 ± 0.29"), "README.md")
+    assert [m.number for m in wrong] == ["55.82"] and wrong[0].files == ("safe-controls-smollm2-135m",)
+    flipped = numbers.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"), "README.md")
+    assert [m.number for m in flipped] == ["+1.19"]
+    uncited = numbers.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""), "README.md")
+    # the Gemma paragraph now continues the citation of the paragraph before it, whose files lack its numbers
+    assert {m.number for m in uncited} == {"38744160.95", "265.24", "106.49", "100.52", "983.58"}
+    assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m") for m in uncited)
+
+
+def test_what_counts_as_a_cited_number():
+    cite = "[r](../results/safe-controls-smollm2-135m.md)"
+    ok = [f"{cite} SAFE⁺ reaches 55.723, 55.72, 55.7 and −1.19 ± 1.22 (mask moved 0.0023%).",
+          f"## A section\n\n{cite} cited here.\n\n| arm | ppl |\n|---|---:|\n| safe+ | 56.04 |\n\n"
+          "The next paragraph continues it: 5.7·10⁻⁷.",
+          "No citation, no numbers but integers: 16 × 128 tokens, 3 seeds, 2:4, block 15.",
+          "Settings and code are not results: lr 5e-3, `--rho 0.0002`\n\n```bash\npip install torch==2.13.0\n```"]
+    for text in ok:
+        assert numbers.check(text, "page") == [], text
+    bad = {f"{cite} 55.73": "55.73",                         # rounds to no value in the file
+           f"{cite} −55.72": "−55.72",                       # the file has it positive
+           f"{cite} 4.2·10⁻⁹ of the norm": "4.2·10⁻⁹",
+           f"{cite}\n\n## Next section\n\n55.72": "55.72",  # a citation ends with its section
+           "Uncited: 1.5× faster": "1.5"}
+    for text, number in bad.items():
+        assert [m.number for m in numbers.check(text, "page")] == [number], text
+    with pytest.raises(FileNotFoundError):
+        numbers.check("[r](../results/no-such-file.md) 1.0", "page")

@@ -36,8 +36,8 @@ class Verdict:
     reason: str
 
     def __str__(self) -> str:
-        spread = f" ± {self.std:.2f}" if self.seeds > 1 else ""
-        return f"{self.word} ({self.mean:+.2f}{spread} over {self.seeds} seed{'s' * (self.seeds != 1)}: {self.reason})"
+        spread = f" ± {self.std:.3g}" if self.seeds > 1 else ""
+        return f"{self.word} ({self.mean:+.3g}{spread} over {self.seeds} seed{'s' * (self.seeds != 1)}: {self.reason})"
 
 
 def verdict(differences: Sequence[float], lower_is_better: bool = True) -> Verdict:

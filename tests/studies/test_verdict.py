@@ -56,6 +56,6 @@ def test_paired_verdict_uses_the_seeds_both_arms_ran():
     result = paired_verdict(ours, theirs)
     assert result.word == AHEAD and result.seeds == 3
     assert math.isclose(result.mean, (-2.0 - 2.5 - 2.2) / 3)
-    assert str(result).startswith("ahead (-2.23 ± 0.25 over 3 seeds")
+    assert str(result).startswith("ahead (-2.23 ± 0.252 over 3 seeds")
     with pytest.raises(ValueError):
         paired_verdict({0: 1.0}, {1: 1.0})
