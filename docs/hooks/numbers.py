@@ -14,7 +14,9 @@ power of ten (``5.7·10⁻⁷``), in prose, tables and link text. Excluded, and 
   ``--lr 5e-3``);
 * settings in ``e`` notation (``lr 5e-3``, ``ρ = 2e-4``, ``λ 1e-3``, a tolerance ``1e-6``): the
   results files write measurements in decimals or ``·10⁻ⁿ``, the docs write settings this way;
-* integers (counts and sizes: 16 × 256 tokens, 3 seeds, block 15, 2:4, SmolLM2-135M).
+* integers (counts and sizes: 16 × 256 tokens, 3 seeds, block 15, 2:4, SmolLM2-135M);
+* quotations: text in double quotes is a paper's or its code's (the paper: "perplexity
+  95.8 in bf16"), not this project's measurement.
 
 **Present in a file** means: the file (its ``.md`` or its ``.json``) holds a number that, rounded
 to the digits typed, is the number typed; a signed number must match the sign, an unsigned one
@@ -47,6 +49,7 @@ _NUMBER = re.compile(r"(?P<sign>(?<![\w.])[+\-−])?(?<![\w.])(?P<digits>\d+(?:\
 _FILE_NUMBER = re.compile(r"[+\-]?\d+(?:\.\d+)?(?:[eE][+\-]?\d+)?")
 _LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"``.*?``|`[^`]*`")
+_QUOTE = re.compile(r'"[^"\n]*"|“[^”\n]*”')
 _ITEM = re.compile(r"\s*(?:[-*]|\d+\.) ")
 
 
@@ -107,8 +110,9 @@ def cited(block: str) -> tuple[str, ...]:
 
 
 def typed_numbers(block: str):
-    """The numbers a block types (``re.Match`` objects on the block without code and link targets)."""
-    prose = _CODE_SPAN.sub("", block)
+    """The numbers a block types (``re.Match`` objects on the block without code, quotations and link
+    targets)."""
+    prose = _QUOTE.sub("", _CODE_SPAN.sub("", block))
     prose = _LINK.sub(lambda m: m.group(1), prose)
     for match in _NUMBER.finditer(prose):
         if match.group("exp"):
