@@ -75,11 +75,9 @@ numbers = _numbers_hook()
 @pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in numbers.pages()])
 def test_every_number_is_in_the_results_file_it_cites(page):
     """README.md and every docs page: each number (docs/hooks/numbers.py says which) is in the results
-    file its block cites; a page in PENDING has exactly the misses counted there."""
+    file its block cites."""
     misses = numbers.check((ROOT / page).read_text(encoding="utf-8"), page)
-    expected = numbers.PENDING.get(page, 0)
-    assert len(misses) == expected, (f"{len(misses)} numbers not in their cited files (PENDING: {expected}):\n"
-                                     + "\n".join(map(str, misses)))
+    assert not misses, f"{len(misses)} numbers not in their cited files:\n" + "\n".join(map(str, misses))
 
 
 def test_a_number_not_in_its_file_fails():

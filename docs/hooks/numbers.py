@@ -21,9 +21,6 @@ power of ten (``5.7·10⁻⁷``), in prose, tables and link text. Excluded, and 
 **Present in a file** means: the file (its ``.md`` or its ``.json``) holds a number that, rounded
 to the digits typed, is the number typed; a signed number must match the sign, an unsigned one
 matches either; a percentage also matches the file's fraction (98.4% and 0.984).
-
-Pages still being brought to this rule are listed in :data:`PENDING` with the count of their
-numbers not found; the count must match exactly, so it can only go down as pages are fixed.
 """
 from __future__ import annotations
 
@@ -37,9 +34,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 log = logging.getLogger("mkdocs.plugins.pyprune_numbers")
-
-#: page (relative to the repository root) -> numbers not (yet) found in its cited files
-PENDING: dict[str, int] = {}
 
 _SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 #: a typed number: optional sign (a minus or plus not glued to a word), digits, an optional
@@ -182,16 +176,10 @@ def pages() -> list[Path]:
 
 
 def on_page_markdown(markdown, page, config, files):
-    """A docs page whose numbers are not in the files it cites warns, and ``--strict`` fails."""
+    """A docs page with a number not in the results file it cites warns, so ``--strict`` fails."""
     source = page.file.abs_src_path
     if source is None:
-        return markdown  # generated pages (the results files themselves)
-    name = Path(source).resolve().relative_to(ROOT).as_posix()
-    misses = check(markdown, name)
-    if len(misses) != PENDING.get(name, 0):
-        for miss in misses:
-            log.warning(str(miss))
-        if name in PENDING:
-            log.warning(f"{name}: {len(misses)} numbers not in their cited files; "
-                        f"docs/hooks/numbers.py's PENDING says {PENDING[name]}")
+        return markdown  # generated pages: the results files themselves
+    for miss in check(markdown, Path(source).resolve().relative_to(ROOT).as_posix()):
+        log.warning(str(miss))
     return markdown
