@@ -93,10 +93,10 @@ def blocks(text: str) -> list[tuple[int, str]]:
 
 
 def cited(block: str) -> tuple[str, ...]:
-    """The results files a block links, by name (``safe-controls-smollm2-135m``; the results index
-    is no results file)."""
+    """The results files a block links outside code, by name (``safe-controls-smollm2-135m``; the
+    results index is no results file)."""
     names = []
-    for _, target in _LINK.findall(block):
+    for _, target in _LINK.findall(_CODE_SPAN.sub("", block)):
         path = target.split("#")[0]
         if "results/" in path and path.endswith((".md", ".json")) and Path(path).stem != "index":
             names.append(Path(path).stem)
