@@ -99,7 +99,8 @@ def test_what_counts_as_a_cited_number():
     ok = [f"{cite} SAFE⁺ reaches 55.723, 55.72, 55.7 and −1.19 ± 1.22 (mask moved 0.0023%).",
           f"## A section\n\n{cite} cited here.\n\n| arm | ppl |\n|---|---:|\n| safe+ | 56.04 |\n\n"
           "The next paragraph continues it: 5.7·10⁻⁷.",
-          "No citation, no numbers but integers: 16 × 128 tokens, 3 seeds, 2:4, block 15.",
+          "No citation, no numbers but counts and sizes: 16 × 128 tokens, 3 seeds, 2:4, block 15, 93 MB.",
+          f"{cite} Times and factors: 790 s, an Adam step 6236× as far.",
           "Settings and code are not results: lr 5e-3, `--rho 0.0002`\n\n```bash\npip install torch==2.13.0\n```"]
     for text in ok:
         assert numbers.check(text, "page") == [], text
@@ -107,7 +108,9 @@ def test_what_counts_as_a_cited_number():
            f"{cite} −55.72": "−55.72",                       # the file has it positive
            f"{cite} 4.2·10⁻⁹ of the norm": "4.2·10⁻⁹",
            f"{cite}\n\n## Next section\n\n55.72": "55.72",  # a citation ends with its section
-           "Uncited: 1.5× faster": "1.5"}
+           "Uncited: 1.5× faster": "1.5",
+           f"{cite} it took 791 s": "791",                   # an integer time is a measurement
+           "Uncited: 12× slower": "12"}
     for text, number in bad.items():
         assert [m.number for m in numbers.check(text, "page")] == [number], text
     with pytest.raises(FileNotFoundError):

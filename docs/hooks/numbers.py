@@ -7,14 +7,16 @@ page); a block that links none cites what the last citing block of its section c
 a paragraph continues the citation of the paragraph that introduced it. A number in a block that
 cites nothing is an error, as is a number its files do not hold.
 
-**What a number is.** A decimal (``55.72``, ``+1.76``, ``−1.19``, ``2.22×``, ``0.0023%``) or a
-power of ten (``5.7·10⁻⁷``), in prose, tables and link text. Excluded, and only these:
+**What a number is.** A decimal (``55.72``, ``+1.76``, ``−1.19``, ``2.22×``, ``0.0023%``), a
+power of ten (``5.7·10⁻⁷``), or an integer that is a time or a factor (``618 s``, ``34 minutes``,
+``6236×``), in prose, tables and link text. Excluded, and only these:
 
 * code: fenced blocks and inline code spans (commands, options, versions, settings such as
   ``--lr 5e-3``);
 * settings in ``e`` notation (``lr 5e-3``, ``ρ = 2e-4``, ``λ 1e-3``, a tolerance ``1e-6``): the
   results files write measurements in decimals or ``·10⁻ⁿ``, the docs write settings this way;
-* integers (counts and sizes: 16 × 256 tokens, 3 seeds, block 15, 2:4, SmolLM2-135M);
+* other integers: counts, sizes and shapes (16 × 256 tokens, 3 seeds, block 15, 2:4, 93 MB,
+  SmolLM2-135M);
 * quotations: text in double quotes is a paper's or its code's (the paper: "perplexity
   95.8 in bf16"), not this project's measurement.
 
@@ -45,6 +47,8 @@ _LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"``.*?``|`[^`]*`")
 _QUOTE = re.compile(r'"[^"\n]*"|“[^”\n]*”')
 _ITEM = re.compile(r"\s*(?:[-*]|\d+\.) ")
+#: what makes an integer a measurement: a unit of time after it, or a factor (× not starting a shape)
+_MEASURED = re.compile(r"\s?(?:s|ms|µs|min|minutes|hours?)\b|×(?!\s?\d)")
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def typed_numbers(block: str):
     for match in _NUMBER.finditer(prose):
         if match.group("exp"):
             continue  # a setting in e notation
-        if "." in match.group("digits") or match.group("sup"):
+        if "." in match.group("digits") or match.group("sup") or _MEASURED.match(prose, match.end()):
             yield match
 
 
