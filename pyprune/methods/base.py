@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from ..nn.experts import expert_linears, fused_experts
 from ..nn.sliced import check_plain_linears
-from ..runtime import engine, memory, tokens
+from ..io import memory
+from ..runtime import engine, tokens
 from ..patterns import NM, Pattern, Structured, Unstructured, written_as
 from . import owl
 from .options import Option, collect, nonnegative, option, positive, resolve
@@ -136,7 +137,7 @@ class Method(ABC):
               batch_size: int = 8, progress: bool = True) -> Dict:
         """Prune ``model`` in place; return details for the report. Checks everything first
         (:meth:`check`, :meth:`check_calibration`, the memory it needs:
-        :func:`pyprune.runtime.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
+        :func:`pyprune.io.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
         self.check_grad_mode()
         self.check(model, pattern)
         self.check_calibration(model, calib)
@@ -147,7 +148,7 @@ class Method(ABC):
 
     def working_bytes(self, block: nn.Module) -> int:
         """Estimated memory this method needs for ``block`` beyond its weights and the calibration
-        activations (:func:`pyprune.runtime.memory.prune_need`): an fp32 score and a mask of its largest
+        activations (:func:`pyprune.io.memory.prune_need`): an fp32 score and a mask of its largest
         linear layer (an MoE's expert matrices among them)."""
         with expert_linears(block, strict=False):
             return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())
