@@ -1,6 +1,7 @@
 """The docs: the site builds strictly (every link, page and docstring resolves), it has one results
-page per results file and an API entry per public module, and the README stays short and quotes only
-results files that exist."""
+page per results file and an API entry per public module, the README stays short and quotes only
+results files that exist, and every number in the README and the docs pages is in the results file it
+cites (docs/hooks/numbers.py)."""
 import importlib.util
 import re
 import subprocess
@@ -69,26 +70,26 @@ def _numbers_hook():
     return module
 
 
-numbers = _numbers_hook()
+numbers_hook = _numbers_hook()
 
 
-@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in numbers.pages()])
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in numbers_hook.pages()])
 def test_every_number_is_in_the_results_file_it_cites(page):
     """README.md and every docs page: each number (docs/hooks/numbers.py says which) is in the results
     file its block cites."""
-    misses = numbers.check((ROOT / page).read_text(encoding="utf-8"), page)
+    misses = numbers_hook.check((ROOT / page).read_text(encoding="utf-8"), page)
     assert not misses, f"{len(misses)} numbers not in their cited files:\n" + "\n".join(map(str, misses))
 
 
 def test_a_number_not_in_its_file_fails():
     """The check on the README as it is, and with one number changed, one citation dropped."""
     text = README.read_text(encoding="utf-8")
-    assert "55.72 ± 0.29" in text and not numbers.check(text, "README.md")
-    wrong = numbers.check(text.replace("55.72 ± 0.29", "55.82 ± 0.29"), "README.md")
+    assert "55.72 ± 0.29" in text and not numbers_hook.check(text, "README.md")
+    wrong = numbers_hook.check(text.replace("55.72 ± 0.29", "55.82 ± 0.29"), "README.md")
     assert [m.number for m in wrong] == ["55.82"] and wrong[0].files == ("safe-controls-smollm2-135m",)
-    flipped = numbers.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"), "README.md")
+    flipped = numbers_hook.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"), "README.md")
     assert [m.number for m in flipped] == ["+1.19"]
-    uncited = numbers.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""), "README.md")
+    uncited = numbers_hook.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""), "README.md")
     # the Gemma paragraph now continues the citation of the paragraph before it, whose files lack its numbers
     assert {m.number for m in uncited} == {"38744160.95", "265.24", "106.49", "100.52", "983.58"}
     assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m") for m in uncited)
@@ -103,7 +104,7 @@ def test_what_counts_as_a_cited_number():
           f"{cite} Times and factors: 790 s, an Adam step 6236× as far.",
           "Settings and code are not results: lr 5e-3, `--rho 0.0002`\n\n```bash\npip install torch==2.13.0\n```"]
     for text in ok:
-        assert numbers.check(text, "page") == [], text
+        assert numbers_hook.check(text, "page") == [], text
     bad = {f"{cite} 55.73": "55.73",                         # rounds to no value in the file
            f"{cite} −55.72": "−55.72",                       # the file has it positive
            f"{cite} 4.2·10⁻⁹ of the norm": "4.2·10⁻⁹",
@@ -112,6 +113,6 @@ def test_what_counts_as_a_cited_number():
            f"{cite} it took 791 s": "791",                   # an integer time is a measurement
            "Uncited: 12× slower": "12"}
     for text, number in bad.items():
-        assert [m.number for m in numbers.check(text, "page")] == [number], text
+        assert [m.number for m in numbers_hook.check(text, "page")] == [number], text
     with pytest.raises(FileNotFoundError):
-        numbers.check("[r](../results/no-such-file.md) 1.0", "page")
+        numbers_hook.check("[r](../results/no-such-file.md) 1.0", "page")

@@ -159,12 +159,12 @@ def present(match, values: tuple[float, ...]) -> bool:
 def check(text: str, page: str) -> list[Miss]:
     """The numbers of a page (``text``, named ``page`` in messages) not found in the files it cites."""
     misses: list[Miss] = []
-    running: dict[int, tuple[str, ...]] = {}
+    current_section, running = 0, ()
     for section, block in blocks(text):
-        own = cited(block)
-        if own:
-            running[section] = own
-        files = own or running.get(section, ())
+        if section != current_section:
+            current_section, running = section, ()  # a citation ends with its section
+        running = cited(block) or running
+        files = running
         values = tuple(v for name in files for v in file_numbers(name))
         for match in typed_numbers(block):
             if not files or not present(match, values):
