@@ -3,12 +3,15 @@ page per results file and an API entry per public module, the README stays short
 results files that exist, and every number in the README and the docs pages is in the results file it
 cites (docs/hooks/numbers.py)."""
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pyprune.studies.verdict import paired_verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -116,3 +119,85 @@ def test_what_counts_as_a_cited_number():
         assert [m.number for m in numbers_hook.check(text, "page")] == [number], text
     with pytest.raises(FileNotFoundError):
         numbers_hook.check("[r](../results/no-such-file.md) 1.0", "page")
+
+
+def _rows(name: str, key: str = "rows") -> list[dict]:
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))[key]
+
+
+def _safe_controls(pattern: str, arm: str, against: str) -> str:
+    rows = [r for r in _rows("safe-controls-smollm2-135m") if r["pattern"] == pattern]
+    side = lambda name: {r["seed"]: r["perplexity"] for r in rows if r["arm"] == name}  # noqa: E731
+    return paired_verdict(side(arm), side(against)).word
+
+
+def _robustness(arithmetic: str, against: str, metric: str) -> str:
+    """MoreauPruner against ``against``, 20% of every layer; agreement: higher is better."""
+    runs = [r for r in _rows("robustness-smollm2-135m", "runs")
+            if r["arithmetic"] == arithmetic and r["layers"] == "all" and r["overall_ratio"] == 0.2]
+    side = lambda name: {r["seed"]: r[metric] for r in runs if r["method"] == name}  # noqa: E731
+    return paired_verdict(side("moreau"), side(against), lower_is_better=metric != "agreement").word
+
+
+def _copal(metric: str) -> str:
+    """COPAL gaussian per row against cumulative Wanda over calibration seeds (A-BWT: less forgetting is better)."""
+    rows = _rows("continual-smollm2-135m-unstructured50-seeds")
+    side = lambda method: {p["seed"]: p[metric] for r in rows if r["method"].startswith(method)  # noqa: E731
+                           for p in r["per_seed"]}
+    return paired_verdict(side("copal"), side("wanda")).word
+
+
+def _dress(name: str, arm: str, text: str) -> str:
+    """A DReSS arm against slice-then-train (N&P&R), quiet channels, lr 1e-3, over training seeds."""
+    rows = [r for r in _rows(name) if r.get("channels", "quiet") == "quiet" and r["lr"] == 0.001]
+    side = lambda label: {r.get("train_seed") or 0: r["ppl_sliced"][text] for r in rows  # noqa: E731
+                          if r["label"] == label}
+    return paired_verdict(side(arm), side("slice, then train (N&P&R)")).word
+
+
+#: (words in the README, the verdict they state, the verdict the rule gives on the results file)
+README_VERDICTS = [
+    ("against that control ADMM is unsettled at 50%", "unsettled",
+     lambda: _safe_controls("unstructured 0.5", "safe+", "masked-recon wanda")),
+    ("and behind at 2:4 and 4:8", "behind", lambda: _safe_controls("2:4", "safe+", "masked-recon wanda")),
+    ("and behind at 2:4 and 4:8", "behind", lambda: _safe_controls("4:8", "safe+", "masked-recon wanda")),
+    ("Plain SAFE is behind its control", "behind",
+     lambda: _safe_controls("unstructured 0.5", "safe", "masked-recon magnitude")),
+    ("(SAFE⁺ − box −0.56 ± 0.72: unsettled)", "unsettled",
+     lambda: _safe_controls("unstructured 0.5", "safe+", "safe+ dual_init=box")),
+    ("it is ahead of Taylor in agreement", "ahead", lambda: _robustness("fp32-accumulate", "taylor", "agreement")),
+    ("ahead of Taylor and of SmoothGrad", "ahead", lambda: _robustness("fp32-accumulate", "taylor", "ppl_diff")),
+    ("ahead of Taylor and of SmoothGrad", "ahead",
+     lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "ppl_diff")),
+    ("against SmoothGrad's agreement (0.9887 ± 0.0027) it is unsettled", "unsettled",
+     lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "agreement")),
+    ("With rounded weights both metrics are unsettled", "unsettled",
+     lambda: _robustness("rounding", "taylor", "agreement")),
+    ("With rounded weights both metrics are unsettled", "unsettled",
+     lambda: _robustness("rounding", "taylor", "ppl_diff")),
+    ("COPAL behind on every seed", "behind", lambda: _copal("a_ppl")),
+    ("more on seed 1, unsettled", "unsettled", lambda: _copal("a_bwt")),
+    ("the two are unsettled on Pride and Prejudice", "unsettled",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2 proximal", "pride_and_prejudice")),
+    ("unsettled on Pride and Prejudice (58.50 ± 1.69 against 59.12 ± 1.98 for slice-then-train; lower on two seeds "
+     "of three) and on Moby Dick", "unsettled",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2 proximal", "moby_dick")),
+    ("both texts are unsettled again", "unsettled",
+     lambda: _dress("dress-smollm2-135m-mixed", "DReSS-l2 proximal", "pride_and_prejudice")),
+    ("both texts are unsettled again", "unsettled",
+     lambda: _dress("dress-smollm2-135m-mixed", "DReSS-l2 proximal", "moby_dick")),
+    ("is behind slice-then-train on both texts", "behind",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2", "pride_and_prejudice")),
+    ("is behind slice-then-train on both texts", "behind",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2", "moby_dick")),
+]
+
+
+@pytest.mark.parametrize("words, stated, computed", README_VERDICTS)
+def test_the_readme_compares_arms_over_seeds_in_the_verdict_rule_s_words(words, stated, computed):
+    """Each README sentence that calls an arm ahead, behind or unsettled over seeds says what
+    pyprune.studies.verdict gives on the paired rows of its results file."""
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert words in readme, f"the README no longer says {words!r}: update README_VERDICTS with it"
+    assert stated in words
+    assert computed() == stated, f"the README says {stated!r} ({words!r}); the rule gives {computed()!r}"
