@@ -90,9 +90,11 @@ def test_a_number_not_in_its_file_fails():
     assert "55.72 ± 0.29" in text and not numbers_hook.check(text, "README.md")
     wrong = numbers_hook.check(text.replace("55.72 ± 0.29", "55.82 ± 0.29"), "README.md")
     assert [m.number for m in wrong] == ["55.82"] and wrong[0].files == ("safe-controls-smollm2-135m",)
-    flipped = numbers_hook.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"), "README.md")
+    flipped = numbers_hook.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"),
+                                 "README.md")
     assert [m.number for m in flipped] == ["+1.19"]
-    uncited = numbers_hook.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""), "README.md")
+    uncited = numbers_hook.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""),
+                                 "README.md")
     # the Gemma paragraph now continues the citation of the paragraph before it, whose files lack its numbers
     assert {m.number for m in uncited} == {"38744160.95", "265.24", "106.49", "100.52", "983.58"}
     assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m") for m in uncited)

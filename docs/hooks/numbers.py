@@ -39,7 +39,8 @@ log = logging.getLogger("mkdocs.plugins.pyprune_numbers")
 
 _SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 #: a typed number: optional sign (a minus or plus not glued to a word), digits, an optional
-#: exponent (``e-3`` or ``·10⁻⁷``), not part of a word (``fp32``, ``135M``, ``x₀``) or of a version (``0.4.13``)
+#: exponent (``e-3`` or ``·10⁻⁷``), not part of a word (``fp32``, ``135M``, ``x₀``) or of a version
+#: (``0.4.13``)
 _NUMBER = re.compile(r"(?P<sign>(?<![\w.])[+\-−])?(?<![\w.])(?P<digits>\d+(?:\.\d+)?)"
                      r"(?:e(?P<exp>[+\-−]?\d+)|·10(?P<sup>⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+))?(?P<percent>%)?(?!\w|\.\d)")
 _FILE_NUMBER = re.compile(r"[+\-]?\d+(?:\.\d+)?(?:[eE][+\-]?\d+)?")
