@@ -133,6 +133,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
         raise TypeError(f"save needs a transformers model with a config and save_pretrained; "
                         f"got {type(model).__name__}")
     directory = os.fspath(directory)
+    anatomy.check_materialised(model, f"saving to {directory}")
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
+from ..nn import anatomy
 from ..nn.experts import expert_linears, fused_experts
 from ..nn.sliced import check_plain_linears
 from ..io import memory
@@ -139,6 +140,7 @@ class Method(ABC):
         (:meth:`check`, :meth:`check_calibration`, the memory it needs:
         :func:`pyprune.io.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
         self.check_grad_mode()
+        anatomy.check_materialised(model, f"pruning with {self.name}")
         self.check(model, pattern)
         self.check_calibration(model, calib)
         nsamples, seqlen = calib.shape if calib is not None else (0, 0)
