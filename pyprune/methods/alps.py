@@ -48,6 +48,12 @@ class Alps(LayerwiseMaskMethod):
         super().__init__(**values)
         self._layer_reports = []
 
+    def check_options(self, settings):
+        if settings["min_iterations"] > settings["admm_iterations"]:
+            raise ValueError(f"options of method 'alps' must have min_iterations <= admm_iterations (the stop on a "
+                             f"stable support is checked from min_iterations on); got min_iterations="
+                             f"{settings['min_iterations']}, admm_iterations={settings['admm_iterations']}")
+
     def working_bytes(self, block):
         """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
         largest layer the float64 temporaries of its normalisation, its normalised copy, eigenvectors
