@@ -149,6 +149,7 @@ def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
                      "--report", str(report_path), "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+    assert not {"nsamples", "seqlen", "seed"} & set(report), "settings of a calibration that never ran"
 
 
 def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
@@ -421,3 +422,14 @@ def test_safe_with_fewer_steps_than_its_dual_interval_warns_once_in_one_line(tin
     assert json.loads(report_path.read_text())["dual_updates_per_block"] == 0
     assert cli.main(argv[:-1] + ["--dual-interval", "2"]) == 0  # two steps, one dual update: nothing to say
     assert "warning" not in capsys.readouterr().err
+
+
+def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, capsys):
+    """SliceGPT on a dense Llama leaves its shortcut rotations dense: the line names one of them and
+    no longer calls them MoE routers."""
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "slicegpt", "--ratio", "0.25", "--calib",
+                     str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(tmp_path / "r.json"),
+                     "--quiet"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
+    assert "MoE" not in line and ", e.g. model.layers." in line, line
