@@ -132,6 +132,9 @@ def pattern_from(args):
     given = [name for name in ("sparsity", "pattern", "ratio") if getattr(args, name) is not None]
     if len(given) != 1:
         raise UsageError("give exactly one of --sparsity S, --pattern N:M, --ratio R")
+    for flag, serves in (("scope", "sparsity"), ("uniform", "ratio")):  # never silently ignored
+        if getattr(args, flag, None) and given[0] != serves:
+            raise UsageError(f"--{flag} applies to --{serves} only; got it with --{given[0]}")
     try:
         if args.sparsity is not None:
             return Unstructured(args.sparsity, args.scope)

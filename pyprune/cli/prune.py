@@ -49,6 +49,9 @@ def run(args) -> int:
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     if runner.needs_calibration:
         runner.check_samples(args.nsamples)
+    if not (args.output or args.report or args.eval or args.tasks):
+        raise UsageError("nothing would keep the pruned model or say how it did: give --output, --report, --eval "
+                         "or --tasks")
     checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     if args.offload:

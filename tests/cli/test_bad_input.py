@@ -253,6 +253,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(files, case, capsys,
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     argv = [re.sub(r"\{([^}]+)\}", lambda m: str(files / m.group(1)), arg) for arg in argv]
+    if argv[0] == "prune" and not {"--output", "--report", "--eval", "--tasks"} & set(argv):
+        argv += ["--report", str(tmp_path / "report.json")]  # a prune must keep its result somewhere
     before = _snapshot(files)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()

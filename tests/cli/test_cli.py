@@ -126,6 +126,11 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
     (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
     (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports patterns Unstructured, NM; got structured 0.2"),
+    (["--method", "wanda", "--pattern", "2:4", "--scope", "tensor"], "--scope applies to --sparsity only; got it with "
+                                                                      "--pattern"),
+    (["--method", "wanda", "--sparsity", "0.5", "--uniform"], "--uniform applies to --ratio only; got it with --sparsity"),
+    (["--method", "alps", "--pattern", "2:4", "--admm-iterations", "5"], "must have min_iterations <= admm_iterations"),
+    (["--method", "wanda", "--pattern", "2:4"], "nothing would keep the pruned model or say how it did: give --output"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
     argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
@@ -219,7 +224,7 @@ def test_calibration_defaults_are_listed_per_method():
 
 def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path, capsys):
     """--channels true|false of the structured methods is no longer taken by DReSS's choices."""
-    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA]
+    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA, "--report", str(tmp_path / "r.json")]
     assert cli.main(base + ["--method", "taylor", "--ratio", "0.2", "--channels", "false"]) == 2
     assert "never-loaded" in capsys.readouterr().err  # got past parsing, to the model check
     assert cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "last"]) == 2
