@@ -2,7 +2,7 @@
 
 Both sides prune the same model with the same calibration token ids and are scored on the same
 evaluation windows. The authors' code targets transformers 4.3x, so it runs in a separate
-virtual environment (``python``, with transformers 4.36.x) through :mod:`pyprune.studies.wanda_driver`,
+virtual environment (``python``, with transformers 4.36.x) through :mod:`pyprune.studies._wanda_driver`,
 which imports their ``lib`` read-only from ``wanda_repo``; the token ids and the model are
 prepared here with pyprune and handed over with torch.save / save_pretrained. Runs: Wanda 2:4,
 Wanda 50% unstructured (per row), SparseGPT 2:4, and the dense model. Results: perplexities, the
@@ -33,9 +33,9 @@ from ..nn.dispatch import environment_record
 from ..patterns import NM, Unstructured
 from ..runtime.engine import block_linears, block_prefix, decoder_blocks
 from .study import Arm, Study
-from .wanda_driver import AUTHORS_FILES
+from ._wanda_driver import AUTHORS_FILES
 
-DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wanda_driver.py")
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_wanda_driver.py")
 DEFAULT_MODEL = "smollm2-135m"
 #: The authors' prepare_calibration_input holds 128 calibration rows whatever nsamples is.
 MAX_NSAMPLES = 128
@@ -163,7 +163,7 @@ def markdown(result):
         f"Written by `{result['command']}` ({ours['timestamp']}).", "",
         f"The authors' code (locuslab/wanda {commit}) ran unmodified and read-only in its own virtual "
         f"environment (torch {theirs['torch']}, transformers {theirs['transformers']}, "
-        f"{theirs['attention']} attention) through `pyprune/studies/wanda_driver.py`, fed the same "
+        f"{theirs['attention']} attention) through `pyprune/studies/_wanda_driver.py`, fed the same "
         f"calibration token ids and model as pyprune (torch {ours['torch']}, transformers "
         f"{ours['transformers']}); {ours['device']}, {ours['cpu_threads']} threads. Nothing of their code "
         f"is in this repository.", "",

@@ -4,7 +4,7 @@ Started by that study with the python of a separate virtual environment (transfo
 which the authors' code targets); pyprune imports it only for AUTHORS_FILES. It imports only torch,
 transformers and the authors' ``lib`` from the checkout named in the job, read-only.
 
-    python wanda_driver.py JOB.pt OUT.pt
+    python _wanda_driver.py JOB.pt OUT.pt
 
 JOB.pt (written by the study with torch.save) holds the checkout path, a model
 directory, the expected ``rope_theta``, the calibration token ids [nsamples, seqlen], the
