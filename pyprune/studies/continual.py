@@ -538,6 +538,11 @@ class ContinualSeeds(Study):
 
     inputs: Tuple[str, ...] = option(None, "results files of the continual study, one per calibration seed")
 
+    def check_options(self) -> None:
+        missing = [name for name in self.inputs if not os.path.isfile(name)]
+        if missing:
+            raise ValueError(f"option inputs of study 'continual-seeds': {', '.join(missing)} is not a file")
+
     def prepare(self, path):
         loaded = []
         for name in self.inputs:
