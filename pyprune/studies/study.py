@@ -186,7 +186,7 @@ def run(study: Study, output: Optional[str] = None) -> dict:
             checkpoint(row)
             print(f"{study.name}: {arm.label}: done", flush=True)
     if not written:
-        if stored is not None and study.resumes:
+        if stored is not None:
             return stored  # every arm had run: the file stays as it is
         write()  # a study without arms (a summary) writes its result once
     return written[0]

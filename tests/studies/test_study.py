@@ -79,6 +79,21 @@ def test_the_runner_writes_after_every_arm_resumes_and_refuses_a_file_of_other_s
     assert path.read_text() == before and Squares.ran == [1, 2, 3]
 
 
+def test_the_runner_keeps_the_rows_a_concurrent_run_of_the_same_settings_wrote(tmp_path):
+    path = tmp_path / "squares.json"
+
+    class Concurrent(Squares):
+        def run_arm(self, context, arm, row, checkpoint):
+            if arm.key == 2:  # meanwhile another run of the same settings wrote its row for 9
+                stored = json.loads(path.read_text())
+                path.write_text(json.dumps({**stored, "rows": stored["rows"] + [{"n": 9, "square": 81}]}))
+            return super().run_arm(context, arm, row, checkpoint)
+
+    result = run(Concurrent(numbers=[1, 2]), str(path))
+    assert [row["n"] for row in result["rows"]] == [1, 2, 9] == [row["n"] for row in json.loads(path.read_text())["rows"]]
+    assert run(Concurrent(numbers=[1, 2]), str(path)) == result  # nothing left to run: the file as it is
+
+
 def test_read_results_is_none_without_a_file_and_refuses_one_that_is_not_json(tmp_path):
     assert read_results(str(tmp_path / "none.json"), {}) is None
     (tmp_path / "bad.json").write_text("{")
@@ -86,9 +101,10 @@ def test_read_results_is_none_without_a_file_and_refuses_one_that_is_not_json(tm
         read_results(str(tmp_path / "bad.json"), {})
 
 
-def test_a_study_without_a_default_results_file_asks_for_one():
+def test_a_study_without_a_default_results_file_asks_for_one(tmp_path):
+    (tmp_path / "a.json").write_text("{}")
     with pytest.raises(ValueError, match="study 'continual-seeds' has no default results file; give output"):
-        studies.get("continual-seeds", inputs=["a.json"]).output_path(None)
+        studies.get("continual-seeds", inputs=[str(tmp_path / "a.json")]).output_path(None)
 
 
 def test_study_help_lists_every_study_and_each_study_its_options(capsys):
