@@ -447,6 +447,10 @@ class Continual(Study):
             "a_ppl", "a_ppl_std", "m_ppl", "a_ppl_steps", "m_ppl_steps", "a_bwt", "a_bwt_std", "m_bwt",
             "per_dataset", "matrix", "time_s")})
 
+    def describe(self, row):
+        return (f"A-BWT {_fmt(row['a_bwt'])} M-BWT {_fmt(row['m_bwt'])} A-PPL {row['a_ppl']:.3f} (over every step "
+                f"{row['a_ppl_steps']:.3f}) M-PPL {row['m_ppl']:.3f} ({row['time_s']} s)")
+
     def complete(self, result, context):
         result["rows"] = [_current(row) for row in result["rows"]]
         result["environment"] = environment_record(torch.device("cpu"))

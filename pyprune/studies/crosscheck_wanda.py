@@ -331,6 +331,11 @@ class CrosscheckWanda(Study):
                             "time_s": round(authors["runs"][arm.key]["time_s"], 3),
                             "sparsity": 1.0 - sum(int(m.sum()) for m in theirs.values()) / masks["total"]}}
 
+    def describe(self, row):
+        masks = row.get("masks")
+        return f"perplexity {row['pyprune']['perplexity']:.3f}" + (
+            f", masks identical {masks['fraction']:.6f}" if masks else "")
+
     def complete(self, result, context):
         for row in result["results"]:
             row["relative_difference"] = row["pyprune"]["perplexity"] / row["authors"]["perplexity"] - 1.0

@@ -564,6 +564,14 @@ class Robustness(Study):
         run.update(report, wall_s=round(time.perf_counter() - start, 1))
         return run
 
+    def describe(self, row):
+        if "rows" in row:  # the η sweep
+            return "agreement with η = 0: " + ", ".join(f"{r['eta']:g} {r['agreement']:.4f}" for r in row["rows"])
+        floor = row["noise_floor"]
+        return (f"agreement {row['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
+                + f", rho {_rho_channels(row['spearman']):.4f}, ppl {row['ppl_bf16']:.2f} / {row['ppl_fp16']:.2f} "
+                f"({row['wall_s']} s)")
+
     def complete(self, result, context):
         runs = result["runs"]
         runs.sort(key=lambda run: run["seed"])  # stable: each seed's runs in the order they were made

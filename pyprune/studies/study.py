@@ -133,6 +133,10 @@ class Study:
     def markdown(self, result: dict) -> str:
         raise NotImplementedError
 
+    def describe(self, row: dict) -> str:
+        """One line of an arm's row for the progress output ("" for none)."""
+        return ""
+
     # -- shared --------------------------------------------------------------------------------
 
     def find(self, result: dict, key: Hashable) -> Optional[dict]:
@@ -184,7 +188,7 @@ def run(study: Study, output: Optional[str] = None) -> dict:
         row = study.run_arm(context, arm, study.find(result, arm.key), checkpoint)
         if row is not None:
             checkpoint(row)
-            print(f"{study.name}: {arm.label}: done", flush=True)
+            print(f"{study.name}: {arm.label}: {study.describe(row) or 'done'}", flush=True)
     if not written:
         if stored is not None:
             return stored  # every arm had run: the file stays as it is

@@ -1,5 +1,6 @@
 """The ``crosscheck-wanda`` study: its inputs are checked before any heavy work (one line, status 2
 on the command line), and its mask comparison says what its table shows."""
+import json
 import sys
 
 import pytest
@@ -61,3 +62,47 @@ def test_tied_differences_find_the_entries_whose_wanda_score_equals_another_of_t
     found = crosscheck_wanda.tied_differences(weight, norms, ours, theirs, NM(2, 4))
     assert found == {"differing": 2, "tied": 2, "largest_relative_gap": 0.0}
     assert torch.equal(ops.wanda_score(weight, norms), weight.abs())
+
+
+def test_the_table_compares_each_run_with_the_authors_side(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The authors' side replaced by pyprune itself, one mask entry flipped in Wanda 2:4's first
+    layer: every other run matches in full; the flipped one is named, with its tie count."""
+    import copy
+    import pyprune
+    from pyprune.evaluation.perplexity import perplexity
+
+    def authors(study, model, calib, windows, workdir):
+        runs = {}
+        for name, method, pattern in crosscheck_wanda.RUNS:
+            pruned = copy.deepcopy(model)
+            pyprune.prune(pruned, method, pattern, calib, progress=False)
+            masks = crosscheck_wanda.nonzero_masks(pruned)
+            runs[name] = {"perplexity": 2.0, "time_s": 0.5, "masks": masks}
+        first = next(iter(runs["wanda 2:4"]["masks"].values()))
+        first[0, :4] = ~first[0, :4]  # one 2:4 group kept the other way round
+        return {"dense_perplexity": perplexity(model, windows.reshape(-1), study.seqlen, progress=False),
+                "runs": runs, "authors_files": {"lib/prune.py": "0" * 64},
+                "environment": {"torch": "t", "transformers": "4.36.2", "attention": "sdpa"}}
+
+    monkeypatch.setattr(crosscheck_wanda, "run_authors", authors)
+    monkeypatch.setattr(crosscheck_wanda.CrosscheckWanda, "check_options", lambda self: None)
+    output = tmp_path / "crosscheck.json"
+    result = studies.run("crosscheck-wanda", str(output), wanda_repo="/repo", python="/venv/python",
+                         model=str(tiny_model_dir[0]), nsamples=2, seqlen=16, eval_tokens=64)
+    assert result == json.loads(output.read_text())
+    assert result["command"] == ("pyprune study crosscheck-wanda --wanda-repo /repo --python /venv/python --model "
+                                 f"{tiny_model_dir[0]} --nsamples 2 --seqlen 16 --eval-tokens 64")
+    dense, two_four, unstructured, sparsegpt = result["results"]
+    assert [row["run"] for row in result["results"]] == ["dense"] + [name for name, _, _ in crosscheck_wanda.RUNS]
+    assert dense["relative_difference"] == 0.0 and "masks" not in dense
+    for row in (unstructured, sparsegpt):
+        assert row["masks"]["fraction"] == 1.0 and row["masks"]["first_differing"] is None
+        assert row["pyprune"]["sparsity"] == row["authors"]["sparsity"] == 0.5
+        assert row["relative_difference"] == row["pyprune"]["perplexity"] / 2.0 - 1.0
+    first = two_four["masks"]["first_differing"]
+    assert first["layer"] == "model.layers.0.self_attn.q_proj" and first["differing"] == 4
+    assert first["tied"] <= 4 and two_four["masks"]["identical"] == two_four["masks"]["total"] - 4
+    text = output.with_suffix(".md").read_text()
+    assert text == crosscheck_wanda.markdown(result) and "`model.layers.0.self_attn.q_proj`: 4 entries" in text
+    assert "| sparsegpt 2:4 | " in text and "| 100% (" in text
+    assert "crosscheck-wanda: wanda 2:4: perplexity " in capsys.readouterr().out
