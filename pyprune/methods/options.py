@@ -49,7 +49,8 @@ class Option:
         return self if instance is None else instance.settings[self.name]
 
     def __set__(self, instance, value) -> None:
-        raise AttributeError(f"option {self.name} of method {instance.name!r} is set when the method is built")
+        kind = getattr(instance, "kind", "method")  # a study says so
+        raise AttributeError(f"option {self.name} of {kind} {instance.name!r} is set when the {kind} is built")
 
     def bind(self, annotation: Any) -> None:
         """Take this option's type from its class attribute's (evaluated) annotation."""

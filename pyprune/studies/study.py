@@ -59,6 +59,8 @@ class Study:
     row_list: ClassVar[str] = "rows"
     #: False: the result is rebuilt and replaced by every run (nothing to resume)
     resumes: ClassVar[bool] = True
+    #: what the option errors call it
+    kind: ClassVar[str] = "study"
     #: the declared options, collected from the class body (as a method's)
     options: ClassVar[Tuple[Option, ...]] = ()
 
@@ -67,7 +69,7 @@ class Study:
         cls.options = collect(cls, cls.options)
 
     def __init__(self, **settings: Any):
-        self.settings: Dict[str, Any] = resolve(self.options, settings, self.name, "study")
+        self.settings: Dict[str, Any] = resolve(self.options, settings, self.name, self.kind)
         self.check_options()
 
     # -- what a study may refine ---------------------------------------------------------------

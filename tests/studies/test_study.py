@@ -15,6 +15,8 @@ from pyprune.methods.options import option
 def test_settings_are_typed_and_a_bad_one_names_the_option_and_what_it_allows():
     study = studies.get("robustness", seeds=[3, 4], ratios=[0.1], noise_floor="false")
     assert (study.seeds, study.ratios, study.noise_floor) == ((3, 4), (0.1,), False)
+    with pytest.raises(AttributeError, match="option seeds of study 'robustness' is set when the study is built"):
+        study.seeds = (0,)
     assert study.methods == ("taylor", "moreau")  # the default
     with pytest.raises(ValueError, match="option methods of study 'robustness' must be one of taylor, smoothgrad, "
                                          "smoothgrad-gradients, moreau, moreau-gs, moreau-gs-released; got 'x'"):
