@@ -147,17 +147,6 @@ def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(
     assert path.read_text() == before
 
 
-def test_results_lock_admits_one_writer_at_a_time(tmp_path):
-    import fcntl
-    from _common import locked
-    path = str(tmp_path / "rows.json")
-    with locked(path):
-        with open(f"{path}.lock", "w") as other, pytest.raises(BlockingIOError):
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(f"{path}.lock", "w") as other:  # released on leaving the block
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
 def test_dress_benchmark_tells_trained_rows_apart_by_learning_rate_and_seed():
     def options(*argv):
         args = argparse.Namespace(lam=1.0, lr=1e-3, norm="l2", train_batch=4, train_seed=0, steps=150)
