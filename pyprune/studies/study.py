@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Dict, Hashable, Iterable, Optional, 
 from ..files import check_destination, locked
 from ..methods.options import Option, collect, resolve
 from ..runtime.checkpoint import read_results
-from . import results
+from .results import write as write_results
 
 #: where the results files of the studies live, relative to the repository root
 RESULTS_DIR = os.path.join("benchmarks", "results")
@@ -177,7 +177,7 @@ def run(study: Study, output: Optional[str] = None) -> dict:
                 result[study.row_list].extend(row for row in (on_disk or {}).get(study.row_list, [])
                                           if study.row_key(row) not in have)
             written[:] = [study.complete(result, context)]
-            results.write(path, written[0], study.markdown)
+            write_results(path, written[0], study.markdown)
 
     for arm in study.arms(context):
         if study.done(result, arm):
