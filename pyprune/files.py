@@ -8,7 +8,9 @@ through these.
   renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`write_text`, :func:`make_temp_dir`);
   :func:`locked` serialises the runs that re-read, merge and rewrite one file. A temporary
   name is ``.<target>.pyprune-tmp-<host>-<pid>-<random>``: the next write into the same directory
-  removes those whose process is gone (:func:`remove_stale`), never a live run's.
+  removes those whose process is gone (:func:`remove_stale`), never a live run's. What is renamed into
+  place gets the modes a plain ``open`` would give under the umask (:func:`standard_modes`): some
+  writers (safetensors) create their files 0600.
 * What may be replaced (:func:`check_destination`): a destination is written only when it is
   absent, a regular file (a file target) or a directory (a directory target). A device, fifo or
   socket, and a symbolic link, are refused: the rename would replace the node or the link itself
@@ -36,7 +38,8 @@ import uuid
 from functools import lru_cache
 from typing import Iterator, Optional
 
-__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "write_text", "locked", "make_temp_dir", "remove_stale", "temp_path",
+__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "write_text", "locked",
+           "make_temp_dir", "remove_stale", "temp_path", "standard_modes",
            "check_destination", "DestinationError", "CacheError", "TEMP_TAG"]
 
 #: what every temporary name pyprune writes contains
@@ -216,10 +219,35 @@ def atomic_path(target: str) -> Iterator[str]:
     try:
         yield tmp
         _refuse_node(target)
+        standard_modes(tmp)
         os.replace(tmp, target)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def standard_modes(path: str) -> None:
+    """Give ``path`` (a file, or a directory and everything in it) the modes ``open`` and ``mkdir``
+    give under the process's umask (0644 and 0755 under the usual 022), before it is renamed into
+    place."""
+    mask = _umask()
+    if not os.path.isdir(path) or os.path.islink(path):
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for root, dirs, names in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in names:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def _refuse_node(target: str) -> None:

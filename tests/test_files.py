@@ -150,3 +150,28 @@ def test_write_text_creates_the_directory_and_replaces_the_file_whole(tmp_path):
     assert path.read_text() == "| b |\n" and os.listdir(tmp_path / "new") == ["table.md"]
     with pytest.raises(DestinationError):
         write_text(str(tmp_path / "new"), "x")  # a directory is never replaced
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_written_files_get_the_modes_of_the_umask(tmp_path):
+    """safetensors creates its files 0600; what pyprune renames into place reads as any other file
+    would under the umask (0644 / 0755 under 022, 0640 / 0750 under 027)."""
+    from safetensors.torch import save_file
+    import torch
+    previous = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "state.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp)
+        tree = tmp_path / "tree"
+        (tree / "sub").mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(tree / "sub" / "model.safetensors"))
+        os.chmod(tree / "sub", 0o700)
+        assert _mode(tree / "sub" / "model.safetensors") == 0o600  # what the writer left
+        files.standard_modes(str(tree))
+    finally:
+        os.umask(previous)
+    assert _mode(tmp_path / "state.safetensors") == 0o640
+    assert (_mode(tree), _mode(tree / "sub"), _mode(tree / "sub" / "model.safetensors")) == (0o750, 0o750, 0o640)

@@ -8,6 +8,7 @@
   study ``robustness``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
 * :mod:`pyprune.studies.compare` — tables and figures across reports.
+* :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
 
 Run a study with ``pyprune study NAME [options]`` or :func:`run`::
 

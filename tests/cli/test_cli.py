@@ -149,6 +149,7 @@ def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
                      "--report", str(report_path), "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+    assert not {"nsamples", "seqlen", "seed"} & set(report), "settings of a calibration that never ran"
 
 
 def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
@@ -402,3 +403,33 @@ def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"pyprune tune: error: --model {model_dir} has no N:M sparse linear layers (prune it "
                        "with --pattern 2:4 or 4:8 first)"), err
+
+
+def test_safe_with_fewer_steps_than_its_dual_interval_warns_once_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """4 samples in batches of 2 for 1 epoch are 2 steps a block, under the dual interval of 8: no
+    ADMM dual update runs. Said in one line before the model loads (and not again), --quiet or not;
+    the run still does what was asked and its report shows 0 dual updates."""
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), "--method", "safe", "--pattern", "2:4", "--epochs", "1",
+            "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["pyprune prune: warning: method 'safe': 4 calibration samples, 1 epochs of batches of 2 give "
+                      "2 steps a block, fewer than dual_interval=8, so no dual update will run; raise nsamples or "
+                      "epochs, or lower dual_interval"]
+    assert json.loads(report_path.read_text())["dual_updates_per_block"] == 0
+    assert cli.main(argv[:-1] + ["--dual-interval", "2"]) == 0  # two steps, one dual update: nothing to say
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, capsys):
+    """SliceGPT on a dense Llama leaves its shortcut rotations dense: the line names one of them and
+    no longer calls them MoE routers."""
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "slicegpt", "--ratio", "0.25", "--calib",
+                     str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(tmp_path / "r.json"),
+                     "--quiet"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
+    assert "MoE" not in line and ", e.g. model.layers." in line, line
