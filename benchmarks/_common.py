@@ -1,21 +1,20 @@
-"""What every benchmark script shares: timing, the machine record, atomic writes, an SVG plot."""
+"""What the benchmark scripts share: timing, rooflines, an SVG plot, and (for the scripts not yet
+declared as studies in :mod:`pyprune.studies`) resume-by-settings and a NAME=VALUE option. The
+machine record, atomic writes, the lock and ``mean ± std`` are the package's."""
 import argparse
-import contextlib
-import fcntl
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import time
-from datetime import datetime, timezone
 
 import torch
 
-import pyprune
-from pyprune.nn import dispatch
-from pyprune.ops import backend
+from pyprune.files import locked, write_json  # noqa: F401  (the benchmarks' writers)
+from pyprune.files import write_text as write_atomic  # noqa: F401
+from pyprune.nn.dispatch import cpu_record as cpu_info  # noqa: F401
+from pyprune.nn.dispatch import environment_record as environment  # noqa: F401
+from pyprune.studies.results import mean_std  # noqa: F401
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
 #: torch.cuda.get_device_name, most specific first; other devices get no roofline.
@@ -60,73 +59,12 @@ def timed(fn, device, repeat):
     return min(times)
 
 
-def cpu_info():
-    """The CPU as SparseLinear's dispatch keys it (pyprune.nn.dispatch.this_cpu: model, vendor,
-    family / model number / stepping, ISA flags, last-level cache), the size of every cache level
-    in bytes and the load average."""
-    info = dict(dispatch.this_cpu(), caches=dispatch.cpu_caches())
-    if hasattr(os, "getloadavg"):
-        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
-    return info
-
-
-def _nvidia_driver():
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
-def environment(device):
-    """The machine and library versions a result was measured with."""
-    info = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"CPU ({dispatch.this_cpu()['model']})",
-        # what SparseLinear's dispatch keys measurements by here, in short and in full
-        "dispatch_device": dispatch.device_key(device),
-        "dispatch_environment": dispatch.environment(device),
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "pyprune": pyprune.__version__,
-        "native_cpu_kernels": backend.native_module("cpu") is not None,
-        "native_cuda_kernels": backend.native_module("cuda") is not None,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cpu":
-        info["cpu"] = cpu_info()
-    if device.type == "cuda":
-        info["cuda"] = torch.version.cuda
-        info["driver"] = _nvidia_driver()
-        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(device)
-        try:
-            info["cusparselt"] = torch.backends.cusparselt.version()
-        except (AttributeError, RuntimeError):
-            info["cusparselt"] = None
-    return info
-
-
 def roofline(device):
     """{"flops", "bytes"} peaks of ``device`` when known (NVIDIA H100/H200), else None."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return next((peaks for key, peaks in ROOFLINES if key in name), None)
-
-
-def write_atomic(path, text):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def previous_result(path, settings):
@@ -146,40 +84,12 @@ def previous_result(path, settings):
     return result
 
 
-@contextlib.contextmanager
-def locked(path):
-    """Hold an exclusive lock on ``path`` (through ``path``.lock) for the block: concurrent runs that
-    re-read a results file, merge their rows and rewrite it do so one at a time."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def merge_rows(rows, stored, key):
     """Extend ``rows`` (in place) by the ``stored`` rows whose ``key`` none of them has: the rows a
     concurrent run with the same settings wrote to the results file meanwhile. Returns ``rows``."""
     have = {key(row) for row in rows}
     rows.extend(row for row in stored if key(row) not in have)
     return rows
-
-
-def mean_std(values, spec=".4f"):
-    """"mean ± std" (sample standard deviation) of the values that are not None, formatted by
-    ``spec``; one value alone, or "–" for none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return format(values[0], spec)
-    return f"{format(statistics.fmean(values), spec)} ± {format(statistics.stdev(values), spec)}"
-
-
-def write_json(path, report):
-    write_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 def svg_line_plot(series, title, x_label, y_label, log2_x=True, reference_y=1.0,

@@ -5,7 +5,8 @@ through these.
 
 * :func:`cache_root`: ``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune``.
 * Atomic writes: every file or directory is written under a temporary name next to its target and
-  renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`make_temp_dir`). A temporary
+  renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`write_text`, :func:`make_temp_dir`);
+  :func:`locked` serialises the runs that re-read, merge and rewrite one file. A temporary
   name is ``.<target>.pyprune-tmp-<host>-<pid>-<random>``: the next write into the same directory
   removes those whose process is gone (:func:`remove_stale`), never a live run's. What is renamed into
   place gets the modes a plain ``open`` would give under the umask (:func:`standard_modes`): some
@@ -25,6 +26,7 @@ through these.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -36,8 +38,8 @@ import uuid
 from functools import lru_cache
 from typing import Iterator, Optional
 
-__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path",
-           "standard_modes",
+__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "write_text", "locked",
+           "make_temp_dir", "remove_stale", "temp_path", "standard_modes",
            "check_destination", "DestinationError", "CacheError", "TEMP_TAG"]
 
 #: what every temporary name pyprune writes contains
@@ -259,6 +261,26 @@ def write_json(path: str, payload, **dump_options) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, **({"indent": 2} | dump_options))
         handle.write("\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (through ``path``.lock) for the block: concurrent runs that
+    re-read a file, merge their part and rewrite it do so one at a time."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def make_temp_dir(target: str) -> str:

@@ -7,7 +7,8 @@ import stat
 import pytest
 
 from pyprune import files
-from pyprune.files import CacheError, DestinationError, atomic_path, cache_dir, check_destination, write_json
+from pyprune.files import (CacheError, DestinationError, atomic_path, cache_dir, check_destination, locked, write_json,
+                           write_text)
 
 ROOT = os.geteuid() == 0
 
@@ -130,6 +131,25 @@ def test_the_cache_directory_is_created(tmp_path, monkeypatch):
     monkeypatch.setenv("PYPRUNE_CACHE", str(tmp_path / "cache"))
     assert cache_dir("models") == str(tmp_path / "cache" / "models")
     assert os.listdir(tmp_path / "cache" / "models") == []
+
+
+def test_the_lock_admits_one_writer_at_a_time(tmp_path):
+    import fcntl
+    path = str(tmp_path / "rows.json")
+    with locked(path):
+        with open(f"{path}.lock", "w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(f"{path}.lock", "w") as other:  # released on leaving the block
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_write_text_creates_the_directory_and_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "new" / "table.md"
+    write_text(str(path), "| a |\n")
+    write_text(str(path), "| b |\n")
+    assert path.read_text() == "| b |\n" and os.listdir(tmp_path / "new") == ["table.md"]
+    with pytest.raises(DestinationError):
+        write_text(str(tmp_path / "new"), "x")  # a directory is never replaced
 
 
 def _mode(path):

@@ -1,4 +1,4 @@
-"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, generate, tune, demo.
+"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, study, generate, tune, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
@@ -10,6 +10,7 @@
                        --eval pride_and_prejudice --report robust.json
     pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
                       --datasets austen moby_dick python --report continual.json
+    pyprune study robustness --methods moreau-gs --seeds 0 --layers middle   # `pyprune study --help` lists them
     pyprune generate --model pruned/ --prompt "It is a truth" --max-new-tokens 64
     pyprune tune --model pruned/ --tokens 1 8 256
     pyprune demo

@@ -228,6 +228,18 @@ CASES = [
     ("generate-threads-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--threads", "0"],
      r"--threads must be >= 1; got 0", {}),
     ("compare-threads-negative", ["compare", "{report.json}", "--threads", "-2"], r"--threads must be >= 1; got -2", {}),
+    # A study's settings are its declared options: checked, with the allowed values, before anything loads.
+    ("study-ratio-out-of-range", ["study", "robustness", "--model", "{tiny}", "--ratios", "0.2", "2"],
+     r"option ratios of study 'robustness' must be in \(0, 1\]; got 2.0$", {}),
+    ("study-hidden-middle", ["study", "robustness", "--structure", "hidden", "--layers", "middle"],
+     r"option structure of study 'robustness': hidden .* takes layers 'all' and no eta_sweep$", {}),
+    ("study-output-a-directory", ["study", "robustness", "--model", "{tiny}", "--output", "{a-directory}"],
+     r"the results file .*a-directory is a directory; give the path of a file$", {}),
+    ("study-continual-order-outside-the-protocol", ["study", "continual", "--orders", "austen,python"],
+     r"option orders of study 'continual': austen,python is not an order of datasets austen moby_dick python "
+     r"with permutations all; allowed: ", {}),
+    ("study-seeds-missing-input", ["study", "continual-seeds", "--inputs", "{nowhere.json}", "--output", "{new}.json"],
+     r"option inputs of study 'continual-seeds': .*nowhere.json is not a file$", {}),
 ]
 
 
