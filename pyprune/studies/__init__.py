@@ -6,6 +6,9 @@
   studies ``continual`` and ``continual-seeds``.
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
+* :mod:`pyprune.studies.safe`, :mod:`~pyprune.studies.safe_sweep`, :mod:`~pyprune.studies.safe_controls` —
+  SAFE / SAFE⁺ on the whole model, its settings on single blocks, its controls; studies ``safe``,
+  ``safe-sweep``, ``safe-controls``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
 * :mod:`pyprune.studies.compare` — tables and figures across reports.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
@@ -21,10 +24,14 @@ from typing import Any, Dict, Optional, Type
 from .continual import Continual, ContinualSeeds
 from .crosscheck_wanda import CrosscheckWanda
 from .robustness import Robustness
+from .safe import SafeTable
+from .safe_controls import SafeControls
+from .safe_sweep import SafeSweep
 from .study import Study, run as _run
 
 #: every declared study by name
-STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda)}
+STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
+                                                              SafeTable, SafeSweep, SafeControls)}
 
 
 def get(name: str, **settings: Any) -> Study:
