@@ -185,11 +185,9 @@ class SafeTable(Study):
     def check_options(self) -> None:
         for spec in self.patterns:
             try:
-                pattern = patterns.parse(spec)
+                patterns.parse(spec)
             except ValueError as error:
                 raise ValueError(f"option patterns of study 'safe': {error}") from None
-            if isinstance(pattern, patterns.Structured):
-                raise ValueError(f"option patterns of study 'safe' must be unstructured sparsities or N:M; got {spec!r}")
         for method in ("safe", "safe+"):  # the constraints between SAFE's options (a ValueError naming them)
             methods.get(method, **self.safe_options)
 

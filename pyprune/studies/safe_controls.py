@@ -257,12 +257,9 @@ class SafeControls(Study):
     def check_options(self) -> None:
         for spec in self.patterns:
             try:
-                pattern = patterns.parse(spec)
+                patterns.parse(spec)
             except ValueError as error:
                 raise ValueError(f"option patterns of study 'safe-controls': {error}") from None
-            if isinstance(pattern, patterns.Structured):
-                raise ValueError("option patterns of study 'safe-controls' must be unstructured sparsities or N:M; "
-                                 f"got {spec!r}")
         for arm in self.variants:  # the constraints between the methods' options, before anything loads
             method, options = self.arm_options(arm)
             methods.get(method, **options)
