@@ -8,7 +8,7 @@ first n of ``nsamples`` random 256-token windows of the first half of Emma), onc
 ‖x − z‖/‖x‖ at the initial projection and at every dual update, the first and last calibration
 loss, and the block's relative output error ‖B(X) − Y‖² / ‖Y‖² against the dense block on the
 calibration inputs and on validation inputs (the first ``heldout_tokens`` tokens of the second
-half of Emma in 256-token windows: disjoint from the calibration windows, and a text no reported
+half of Emma in ``seqlen``-token windows: disjoint from the calibration windows, and a text no reported
 table uses, so choosing settings on it does not tune on a test set). A reference per block and
 calibration size is the one-shot projection of the dense weights by the same metric (for SAFE⁺:
 Wanda's |W|·‖X_j‖; for SAFE: magnitude), i.e. the run's z₀; it is an arm of its own, stored in the
@@ -38,7 +38,6 @@ from ..runtime import engine
 from .safe import DEFAULT_MODEL
 from .study import Arm, Study
 
-SEQLEN = 256
 #: the sweep calibrates on the first half of Emma and chooses on the first tokens of its second
 #: half, a text no reported table uses (the tables calibrate on Emma's first half or whole Emma and
 #: report on Pride and Prejudice); its runs before this split chose the defaults on the first 4096
@@ -154,6 +153,7 @@ class SafeSweep(Study):
                                              "order): " + "; ".join(f"{name} = {n} windows, {options}"
                                                                     for name, n, options in GRID), choices=SETTINGS)
     nsamples: int = option(64, "calibration windows drawn (a setting uses the first n)", at_least_one)
+    seqlen: int = option(256, "calibration and validation window length", at_least_one)
     heldout_tokens: int = option(4096, "validation tokens (of emma's second half)", at_least_one)
 
     def grid(self):
@@ -183,26 +183,26 @@ class SafeSweep(Study):
         if max(self.blocks) >= len(layers):
             raise ValueError(f"option blocks of study 'safe-sweep': the model has blocks 0..{len(layers) - 1}; "
                              f"got {max(self.blocks)}")
-        calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=self.nsamples, seqlen=SEQLEN, seed=0)
+        calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=self.nsamples, seqlen=self.seqlen, seed=0)
         stream = data.eval_tokens(tokenizer, VALIDATION_TEXT, max_tokens=self.heldout_tokens)
-        heldout = stream[:stream.numel() // SEQLEN * SEQLEN].reshape(-1, SEQLEN)
-        calib_inputs, kwargs = engine.capture_block_inputs(model, calib, 4)
+        heldout = stream[:stream.numel() // self.seqlen * self.seqlen].reshape(-1, self.seqlen)
+        calib_inputs, kwargs = engine.capture_block_inputs(model, calib, 4)  # kwargs: each block's arguments
         held_inputs, held_kwargs = engine.capture_block_inputs(model, heldout, 4)
-        dense = {}  # block index -> (dense block, its calibration inputs, its held-out inputs)
+        dense = {}  # block index -> (dense block, its calibration inputs and arguments, its held-out ones)
         for index, block in enumerate(layers[:max(self.blocks) + 1]):
             if index in self.blocks:
-                dense[index] = (block, calib_inputs, held_inputs)
+                dense[index] = (block, calib_inputs, kwargs[index], held_inputs, held_kwargs[index])
             with torch.no_grad():
-                calib_inputs = torch.cat([engine.first_tensor(block(calib_inputs[s:s + 4], **kwargs))
+                calib_inputs = torch.cat([engine.first_tensor(block(calib_inputs[s:s + 4], **kwargs[index]))
                                           for s in range(0, calib_inputs.shape[0], 4)])
-                held_inputs = torch.cat([engine.first_tensor(block(held_inputs[s:s + 4], **held_kwargs))
+                held_inputs = torch.cat([engine.first_tensor(block(held_inputs[s:s + 4], **held_kwargs[index]))
                                          for s in range(0, held_inputs.shape[0], 4)])
-        return {"dense": dense, "kwargs": kwargs, "held_kwargs": held_kwargs, "heldout_windows": heldout.shape[0]}
+        return {"dense": dense, "heldout_windows": heldout.shape[0]}
 
     def protocol(self, context):
         settings = {"method": self.method, "pattern": str(self.resolved), "blocks": list(self.blocks),
-                    "calibration": f"the first n of {self.nsamples} x {SEQLEN} windows of {CALIBRATION_TEXT} (seed 0)",
-                    "heldout": f"{context['heldout_windows']} x {SEQLEN} tokens of {VALIDATION_TEXT} (validation: no "
+                    "calibration": f"the first n of {self.nsamples} x {self.seqlen} windows of {CALIBRATION_TEXT} (seed 0)",
+                    "heldout": f"{context['heldout_windows']} x {self.seqlen} tokens of {VALIDATION_TEXT} (validation: no "
                                "reported table uses it)"}
         if self.model != DEFAULT_MODEL:
             settings["model"] = self.model
@@ -239,8 +239,8 @@ class SafeSweep(Study):
 
     def run_arm(self, context, arm, row, checkpoint):
         method, index, nsamples = arm.spec
-        dense_block, all_inputs, held = context["dense"][index]
-        inputs, kwargs, held_kwargs = all_inputs[:nsamples], context["kwargs"], context["held_kwargs"]
+        dense_block, all_inputs, kwargs, held, held_kwargs = context["dense"][index]
+        inputs = all_inputs[:nsamples]
         if arm.key[0] == "one-shot":
             reference = one_shot(method, dense_block, self.resolved, inputs, kwargs)
             return {"heldout_error": relative_error(reference, dense_block, held, held_kwargs),
