@@ -17,7 +17,7 @@ A scale-free penalty. Under Adam only the per-coordinate ratio of the penalty λ
 block's hidden-state scale (SmolLM2's grows with depth and carries massive-activation channels),
 so one λ is strong in one block and negligible in another; and once the penalty dominates, Adam
 moves each weight by about the learning rate per step whatever λ is, so x reaches z only if
-K·lr is of the order of the weights (measured in benchmarks/safe_sweep_smollm2.py). The default,
+K·lr is of the order of the weights (measured by the ``safe-sweep`` study). The default,
 ``penalty="decoupled"``, is Algorithm 1's lines 12–13 with Adam in line 12 only: after Adam's step
 on ∇f(x + ε), x ← x − ηλ(x − z + u), which closes the fraction ηλ of the distance to z − u every
 step whatever the scale of f or of the weights, so λ (with the learning rate) means the same in

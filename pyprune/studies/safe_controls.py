@@ -30,7 +30,7 @@ entries (power iteration, :mod:`pyprune.runtime.flatness`).
 Perplexity is reported as mean ± std over the calibration seeds run, and as paired differences
 between arms on the seeds both ran (:data:`PAIRED`) with the verdict of
 :func:`pyprune.studies.verdict.paired_verdict`; ``skip_flatness`` spares extra seeds the flatness
-measure.
+measure. The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
 """
 from __future__ import annotations
 
@@ -233,7 +233,6 @@ class SafeControls(Study):
     flat_iterations: int = option(6, "flatness: power iterations for the top Hessian eigenvalue", at_least_one)
     skip_flatness: bool = option(False, "rows of this run skip the flatness measure (for extra seeds; the table "
                                  "marks them)")
-    threads: int = option(1, "torch CPU threads (the committed rows: 1)", at_least_one)
     # the training arms' shared options (the settings' "training": epochs and those given)
     epochs: int = option(3, "training arms: passes over the calibration samples per block (24 steps per block at "
                          "16 windows, batch 2)", at_least_one)
@@ -265,7 +264,6 @@ class SafeControls(Study):
             methods.get(method, **options)
 
     def prepare(self, path):
-        torch.set_num_threads(self.threads)
         model, tokenizer = load_model(self.model)
         tokens = data.eval_tokens(tokenizer, REPORT_TEXT, max_tokens=self.eval_tokens)
         return {"model": model, "tokenizer": tokenizer, "tokens": tokens, "bos": data.window_bos(tokenizer),

@@ -183,7 +183,8 @@ class SafeSweep(Study):
         if max(self.blocks) >= len(layers):
             raise ValueError(f"option blocks of study 'safe-sweep': the model has blocks 0..{len(layers) - 1}; "
                              f"got {max(self.blocks)}")
-        calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=self.nsamples, seqlen=self.seqlen, seed=0)
+        calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=self.nsamples, seqlen=self.seqlen,
+                                         seed=0)
         stream = data.eval_tokens(tokenizer, VALIDATION_TEXT, max_tokens=self.heldout_tokens)
         heldout = stream[:stream.numel() // self.seqlen * self.seqlen].reshape(-1, self.seqlen)
         calib_inputs, kwargs = engine.capture_block_inputs(model, calib, 4)  # kwargs: each block's arguments
@@ -201,9 +202,10 @@ class SafeSweep(Study):
 
     def protocol(self, context):
         settings = {"method": self.method, "pattern": str(self.resolved), "blocks": list(self.blocks),
-                    "calibration": f"the first n of {self.nsamples} x {self.seqlen} windows of {CALIBRATION_TEXT} (seed 0)",
-                    "heldout": f"{context['heldout_windows']} x {self.seqlen} tokens of {VALIDATION_TEXT} (validation: no "
-                               "reported table uses it)"}
+                    "calibration": f"the first n of {self.nsamples} x {self.seqlen} windows of {CALIBRATION_TEXT} "
+                                   "(seed 0)",
+                    "heldout": f"{context['heldout_windows']} x {self.seqlen} tokens of {VALIDATION_TEXT} "
+                               "(validation: no reported table uses it)"}
         if self.model != DEFAULT_MODEL:
             settings["model"] = self.model
         return settings

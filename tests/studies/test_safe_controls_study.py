@@ -14,6 +14,7 @@ from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs import data
 from pyprune.inputs.models import load_model
 from pyprune.studies import safe_controls
+from pyprune.studies.verdict import paired_verdict
 
 TINY = dict(patterns=["0.5"], variants=["sparsegpt", "masked-recon sparsegpt", "safe+ rho=0"], seeds=[0, 1],
             nsamples=2, seqlen=16, eval_tokens=64, eval_seqlen=16, flat_blocks=[1], flat_pairs=1,
@@ -30,14 +31,15 @@ def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_m
         return prune(model, method, pattern, calib, **options)
 
     monkeypatch.setattr(safe_controls, "prune", recorded)
-    settings = dict(model=model_dir, threads=torch.get_num_threads(), **TINY)
+    settings = dict(model=model_dir, **TINY)
     result = studies.run("safe-controls", str(output), **settings)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == safe_controls.markdown(result)
     assert result["settings"]["training"] == {"epochs": 1, "lr": 1e-3}
     rows = result["rows"]
-    assert [(r["arm"], r["seed"]) for r in rows] == [("sparsegpt", 0), ("sparsegpt", 1), ("masked-recon sparsegpt", 0),
-                                                     ("masked-recon sparsegpt", 1), ("safe+ rho=0", 0), ("safe+ rho=0", 1)]
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        ("sparsegpt", 0), ("sparsegpt", 1), ("masked-recon sparsegpt", 0), ("masked-recon sparsegpt", 1),
+        ("safe+ rho=0", 0), ("safe+ rho=0", 1)]
     _, tokenizer = load_model(model_dir)
     draws = {seed: data.calibration_samples(tokenizer, "emma:first_half", nsamples=2, seqlen=16, seed=seed)
              for seed in (0, 1)}
@@ -49,7 +51,7 @@ def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_m
         assert pattern == row["pattern"] == "unstructured 0.5" and torch.equal(calib, draws[row["seed"]])
         assert list(row["flatness"]) == ["1"] and row["flatness"]["1"]["top_eigenvalue"] is not None
     control = next(r for r in rows if r["arm"] == "masked-recon sparsegpt" and r["seed"] == 1)
-    assert (control["options"]["start"], control["options"]["epochs"], control["options"]["lr"]) == ("sparsegpt", 1, 1e-3)
+    assert [control["options"][k] for k in ("start", "epochs", "lr")] == ["sparsegpt", 1, 1e-3]
     # the control row is masked reconstruction from SparseGPT's mask on seed 1's windows, nothing else
     model, tokenizer = load_model(model_dir)
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice:second_half", max_tokens=64)
@@ -60,10 +62,11 @@ def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_m
     assert result["dense"] == perplexity(model, tokens, 16, progress=False, bos_token_id=bos)
     sam = next(r for r in rows if r["arm"] == "safe+ rho=0")
     assert sam["options"]["rho"] == 0.0 and sam["summary"]["sam_relative"] == 0.0  # no ascent without SAM
-    word = safe_controls.paired_verdict({r["seed"]: r["perplexity"] for r in rows if r["arm"] == "masked-recon sparsegpt"},
-                                        {r["seed"]: r["perplexity"] for r in rows if r["arm"] == "sparsegpt"}).word
-    assert any(line.startswith("| unstructured 0.5 | masked-recon sparsegpt − sparsegpt |") and line.endswith(f" | {word} |")
-               for line in output.with_suffix(".md").read_text().splitlines())
+    side = lambda arm: {r["seed"]: r["perplexity"] for r in rows if r["arm"] == arm}  # noqa: E731
+    word = paired_verdict(side("masked-recon sparsegpt"), side("sparsegpt")).word
+    [line] = [line for line in output.with_suffix(".md").read_text().splitlines()
+              if line.startswith("| unstructured 0.5 | masked-recon sparsegpt − sparsegpt |")]
+    assert line.endswith(f" | {word} |")
 
     calls.clear()
     studies.run("safe-controls", str(output), **{**settings, "seeds": [0, 1, 2], "skip_flatness": True})
