@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from ..files import check_destination, make_temp_dir, standard_modes, write_json
-from ..nn import anatomy, compact, rotation, sparse
+from ..nn import anatomy, rotation, sparse
 from . import offload
 from .names import model_names
-from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
+from .manifest import (_FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer,
+                       shape_as_saved_)
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
 __all__ = ["save", "load", "check_weights", "model_layout", "config_compatible"]
@@ -246,20 +247,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # weight init (which also ties) was skipped
-    rotations = manifest.get("residual_rotations")
-    if rotations:  # a rotated, sliced model (SliceGPT): its width, then identity rotations the weights replace
-        compact.keep_hidden_channels_(model, torch.arange(rotations["hidden_size"]))
-        identity = [torch.eye(rotations["hidden_size"]) for _ in anatomy.decoder_blocks(model)]
-        rotation.add_residual_rotations_(model, identity, identity, rotations["dense_hidden_size"])
-    layers = manifest.get("layers")
-    if layers is not None:
-        blocks = anatomy.decoder_blocks(model)
-        if len(layers) != len(blocks):
-            raise ValueError(f"cannot load {directory}: {MANIFEST} records {len(layers)} decoder blocks, "
-                             f"the config builds {len(blocks)}")
-        for block, layout in zip(blocks, layers):
-            compact.resize_block_(block, layout)
-    sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {}, manifest.get("sparse_experts") or ())
+    shape_as_saved_(model, manifest, directory)
     _load_strict(model, model_names(model, state), directory)
     model.to(device)
     model.eval()

@@ -97,7 +97,7 @@ def _run(argv, capsys):
     return code, capsys.readouterr()
 
 
-@pytest.mark.parametrize("name", ["sparse-layers", "non-uniform-structured"])
+@pytest.mark.parametrize("name", ["sparse-layers", "non-uniform-structured", "residual-rotations"])
 def test_every_tool_takes_every_format(saved, name, tmp_path, capsys):
     model, text = saved / name, saved / "text.txt"
     small = ["--nsamples", "2", "--seqlen", "16", "--quiet"]
