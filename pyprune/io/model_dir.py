@@ -71,9 +71,13 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
 
 def config_compatible(model: nn.Module) -> bool:
     """Whether :func:`save` would write ``model`` as an ordinary checkpoint that plain
-    ``from_pretrained`` reads as intended: one config describes every block, and no layer is a
-    SparseLinear (stored compressed)."""
-    return model_layout(model)["config_compatible"] and not sparse.sparse_layers(model)
+    ``from_pretrained`` reads as intended: one config describes every block, no layer is a
+    SparseLinear (stored compressed) and no residual carries a rotation (SliceGPT)."""
+    return _compatible(model_layout(model), sparse.sparse_layers(model), rotation.residual_rotations(model))
+
+
+def _compatible(layout: Dict[str, Any], sparse_layers, rotations) -> bool:
+    return layout["config_compatible"] and not sparse_layers and rotations is None
 
 
 def _nonempty_dir(path: str) -> bool:
@@ -155,7 +159,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config.update(layout["config_fields"])
         if rotations is not None:  # the dense width: from_pretrained's shapes disagree, only load() rebuilds it
             config["hidden_size"] = rotations["dense_hidden_size"]
-        compatible = layout["config_compatible"] and not sparse_layers and rotations is None
+        compatible = _compatible(layout, sparse_layers, rotations)
         write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
