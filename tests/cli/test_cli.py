@@ -438,3 +438,22 @@ def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, cap
                      "--quiet"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
     assert "MoE" not in line and ", e.g. model.layers." in line, line
+
+
+def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir, tmp_path):
+    """``pyprune eval`` on a pyprune output records the prune's method, pattern and sparsity (from its
+    pyprune.json), so ``compare`` labels the row by what was measured, not "dense"; a model pyprune
+    did not prune records none."""
+    import json
+    from pyprune.studies import compare
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(tmp_path / "m24"), "--quiet"]) == 0
+    for model, name in ((tmp_path / "m24", "pruned.json"), (model_dir, "dense.json")):
+        assert cli.main(["eval", "--model", str(model), "--data", str(text), "--seqlen", "16", "--report",
+                         str(tmp_path / name), "--quiet"]) == 0
+    pruned, dense = (json.loads((tmp_path / name).read_text()) for name in ("pruned.json", "dense.json"))
+    assert (pruned["method"], pruned["pattern"]) == ("magnitude", "2:4") and pruned["sparsity"] == pytest.approx(0.5)
+    assert not {"method", "pattern", "sparsity"} & set(dense)
+    labels = [(row["method"], row["pattern"]) for row in compare.rows([dense, pruned])]
+    assert labels == [("dense", "-"), ("magnitude", "2:4")]
