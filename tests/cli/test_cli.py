@@ -457,3 +457,26 @@ def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir,
     assert not {"method", "pattern", "sparsity"} & set(dense)
     labels = [(row["method"], row["pattern"]) for row in compare.rows([dense, pruned])]
     assert labels == [("dense", "-"), ("magnitude", "2:4")]
+
+
+def test_generate_refuses_past_the_context_and_says_when_sparsify_converts_nothing(tiny_model_dir, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Tokens past max_position_embeddings (2048 here) are refused before the model loads, saying how
+    many fit; ``--sparsify 2:4`` on a 4:8 model says in one line that it converts nothing and why."""
+    model_dir, _ = tiny_model_dir
+    monkeypatch.setattr("pyprune.inputs.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", "the man was good", "--max-new-tokens",
+                     "2048"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pyprune generate: error: --max-new-tokens 2048 after a prompt of ") and \
+        "passes the model's context of 2048 tokens; give at most 204" in err, err
+    monkeypatch.undo()
+    output = tmp_path / "m48"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "4:8",
+                     "--output", str(output), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(output), "--prompt", "the man", "--max-new-tokens", "1",
+                     "--sparsify", "2:4", "--sparse-where", "all"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pyprune generate: --sparsify 2:4 converts nothing: no linear layer is 2:4 sparse (14 are 4:8; "
+                   "--sparsify auto takes each layer's own pattern)"]
