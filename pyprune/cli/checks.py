@@ -45,29 +45,24 @@ def check_destination(path: Optional[str], flag: str, *, directory: bool, model:
 
 
 def check_output(path: Optional[str], flag: str, model: Optional[str] = None) -> None:
-    """``path`` can become a new output directory: absent or empty, under an existing parent, and a
-    destination pyprune may write (:func:`check_destination`)."""
+    """``path`` can become a new output directory: absent or empty, and a destination pyprune may
+    write (:func:`check_destination`); missing parents are created when it is written."""
     if path is None:
         return
     check_destination(path, flag, directory=True, model=model)
     if os.path.isdir(path) and os.listdir(path):
         raise UsageError(f"{flag} {path} already exists and is not an empty directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: the parent directory {parent} does not exist")
 
 
 def check_report(path: Optional[str], model: Optional[str] = None, flag: str = "--report",
                  output: Optional[str] = None) -> None:
-    """``path`` can become a JSON report: a regular file or nothing yet, in an existing directory,
-    and a destination pyprune may write (:func:`check_destination`)."""
+    """``path`` can become a JSON report: a regular file or nothing yet, and a destination pyprune
+    may write (:func:`check_destination`); missing parents are created when it is written."""
     if path is None:
         return
     check_destination(path, flag, directory=False, model=model)
     if output is not None and os.path.abspath(path) == os.path.abspath(output):
         raise UsageError(f"{flag} {path} is also --output; give the report its own file")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UsageError(f"{flag} {path}: its directory does not exist")
 
 
 def check_counts(args, flags: Iterable[str], optional: Iterable[str] = ()) -> None:

@@ -23,7 +23,6 @@ EMMA = "emma"  # the embedded corpus
     (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
-    (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
     (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
     (["--method", "wanda", "--pattern", "2:4", "--calib", "emma:third_half"], "emma:third_half' is neither"),
 ])
@@ -35,6 +34,16 @@ def test_bad_prune_arguments(tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1
     assert __import__("re").search(message, err), err
     assert not output.exists()
+
+
+def test_missing_parents_of_output_and_report_are_created(tiny_model_dir, tmp_path):
+    """As ``mkdir -p``: --output and --report under folders that do not exist yet are written, the
+    folders made when the results are written (never by a refused run: see test_bad_prune_arguments)."""
+    model_dir, _ = tiny_model_dir
+    output, report = tmp_path / "runs" / "a" / "out", tmp_path / "reports" / "b" / "r.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(output), "--report", str(report), "--quiet"]) == 0
+    assert (output / "pyprune.json").is_file() and report.is_file()
 
 
 def test_existing_output_is_refused(tmp_path, capsys):
