@@ -44,14 +44,21 @@ def check_destination(path: Optional[str], flag: str, *, directory: bool, model:
         raise UsageError(str(error)) from None
 
 
-def check_output(path: Optional[str], flag: str, model: Optional[str] = None) -> None:
-    """``path`` can become a new output directory: absent or empty, and a destination pyprune may
-    write (:func:`check_destination`); missing parents are created when it is written."""
+def check_output(path: Optional[str], flag: str, model: Optional[str] = None, overwrite: bool = False) -> None:
+    """``path`` can become a new output directory: absent or empty (with ``overwrite``, also a
+    directory pyprune saved, the one kind :func:`pyprune.save` replaces), and a destination pyprune
+    may write (:func:`check_destination`); missing parents are created when it is written."""
+    from ..io import MANIFEST
     if path is None:
         return
     check_destination(path, flag, directory=True, model=model)
     if os.path.isdir(path) and os.listdir(path):
-        raise UsageError(f"{flag} {path} already exists and is not an empty directory")
+        if not overwrite:
+            raise UsageError(f"{flag} {path} already exists and is not an empty directory (--overwrite replaces "
+                             "a directory pyprune saved)")
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise UsageError(f"{flag} {path} holds files pyprune did not write (no {MANIFEST}); --overwrite "
+                             "replaces only a directory pyprune saved")
 
 
 def check_report(path: Optional[str], model: Optional[str] = None, flag: str = "--report",

@@ -150,7 +150,7 @@ def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable
     if args.output:
         report["config_compatible"] = config_compatible(model)
         try:
-            save(model, tok, args.output, report=report)
+            save(model, tok, args.output, report=report, overwrite=getattr(args, "overwrite", False))
         except FileExistsError:
             raise UsageError(f"--output {args.output} was filled by another run while this one worked; nothing "
                              f"was replaced and the {what} was not saved: rerun with another --output") from None

@@ -46,6 +46,24 @@ def test_missing_parents_of_output_and_report_are_created(tiny_model_dir, tmp_pa
     assert (output / "pyprune.json").is_file() and report.is_file()
 
 
+def test_overwrite_replaces_only_a_directory_pyprune_saved(tiny_model_dir, tmp_path, capsys):
+    import json
+    model_dir, text = tiny_model_dir
+    output, foreign = tmp_path / "out", tmp_path / "mine"
+    prune = ["prune", "--model", str(model_dir), "--pattern", "2:4", "--quiet", "--output"]
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 0
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 2
+    assert "already exists and is not an empty directory (--overwrite replaces" in capsys.readouterr().err
+    assert cli.main(prune + [str(output), "--method", "wanda", "--calib", str(text), "--nsamples", "2",
+                             "--seqlen", "16", "--overwrite"]) == 0
+    assert json.loads((output / "pyprune.json").read_text())["report"]["method"] == "wanda"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    assert cli.main(prune + [str(foreign), "--method", "magnitude", "--overwrite"]) == 2
+    assert "holds files pyprune did not write (no pyprune.json)" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
 def test_existing_output_is_refused(tmp_path, capsys):
     output = tmp_path / "out"
     output.mkdir()
