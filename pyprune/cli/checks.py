@@ -182,10 +182,15 @@ def check_method_directories(runner, model: str) -> None:
             check_destination(value, declared.flag, directory=True, model=model)
 
 
-def check_method_config(runner, config, pattern) -> None:
+def check_method_config(runner, args, config, pattern) -> None:
     """The method's checks that need only the model's config and files on disk (e.g. DReSS's channel
-    rounding, a COPAL state's settings)."""
+    rounding, a COPAL state's settings), then its checks of the model's structure
+    (:meth:`pyprune.methods.Method.check`: the pattern against every layer, a block it cannot prune)
+    on the model built from --model's config with no weight read."""
+    from ..inputs.models import resolve_model_dir
+    from ..io.offload import skeleton
     try:
         runner.check_config(config, pattern)
+        runner.check(skeleton(resolve_model_dir(args.model), torch.float32), pattern)  # meta: the dtype is moot
     except ValueError as error:
         raise UsageError(str(error)) from None

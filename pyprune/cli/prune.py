@@ -60,7 +60,7 @@ def run(args) -> int:
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, (["seqlen"] if runner.needs_calibration else [])
                          + (["eval_seqlen"] if args.eval else []))
-    checks.check_method_config(runner, config, pattern)
+    checks.check_method_config(runner, args, config, pattern)
     checks.check_memory(args, runner, args.offload)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
