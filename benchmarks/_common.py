@@ -1,4 +1,4 @@
-"""What every benchmark script shares: timing, the machine record, atomic writes, an SVG plot."""
+"""What the benchmarks share: the machine record, the device and GPU timing, rooflines, atomic writes, an SVG plot."""
 import argparse
 import contextlib
 import fcntl
@@ -8,7 +8,6 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 from datetime import datetime, timezone
 
 import torch
@@ -24,6 +23,20 @@ ROOFLINES = [("H100 PCIe", {"flops": 756e12, "bytes": 2.0e12}),
              ("H200", {"flops": 989.4e12, "bytes": 4.8e12})]
 
 
+#: Random-weight stand-ins with real models' per-layer shapes (speed depends on shapes, not weights):
+#: LLaMA-7B, SmolLM2-135M (all 30 layers) for machines without its cache (a GPU lease carries 64 MiB),
+#: and a tiny one for tests. The depth of the others is the run's choice.
+MODEL_SHAPES = {
+    "llama-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                           num_attention_heads=32, num_key_value_heads=32),
+    "smollm2-135m-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
+                               tie_word_embeddings=True),
+    "tiny-llama-shape": dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                             num_attention_heads=4, num_key_value_heads=2),
+}
+
+
 def method_option(text: str):
     """argparse type of a NAME=VALUE method option: (name, value as int, else float, else str)."""
     name, sep, value = text.partition("=")
@@ -37,37 +50,58 @@ def method_option(text: str):
     return name, value
 
 
-def timed(fn, device, repeat):
-    """Seconds of ``fn()`` after one warm-up: the median over ``repeat`` CUDA-event timings on a GPU,
-    the minimum over ``repeat`` runs on a CPU (robust to a shared, throttled machine)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeat):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeat):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return min(times)
+def default_device(name=None):
+    """The device ``name`` (cpu, cuda), else cuda where available, else cpu."""
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def synchronized(fn, device):
+    """``fn``, followed on a GPU by a synchronize: a wall-clock timer then times the kernels it launched."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+    return call
+
+
+def random_model(name, layers, dtype, device):
+    """A LlamaForCausalLM of ``MODEL_SHAPES[name]`` with ``layers`` decoder layers, random weights (seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    fields = dict(num_hidden_layers=layers, max_position_embeddings=4096)
+    fields.update(MODEL_SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(LlamaConfig(**fields)).to(dtype).eval()
+
+
+def build_model(name, layers, dtype, device):
+    """A MODEL_SHAPES stand-in, else the model ``name`` (an alias or a directory) loaded."""
+    if name in MODEL_SHAPES:
+        return random_model(name, layers, dtype, device)
+    from pyprune.inputs.models import load_model
+    model, _ = load_model(name, dtype=dtype, device=str(device))
+    return model
+
+
+@torch.no_grad()
+def prefill(model, tokens):
+    """One forward over ``tokens`` without a KV cache: the logits."""
+    return model(input_ids=tokens, use_cache=False).logits
 
 
 def cpu_info():
     """The CPU as SparseLinear's dispatch keys it (pyprune.nn.dispatch.this_cpu: model, vendor,
-    family / model number / stepping, ISA flags, last-level cache), the size of every cache level
-    in bytes and the load average."""
-    info = dict(dispatch.this_cpu(), caches=dispatch.cpu_caches())
-    if hasattr(os, "getloadavg"):
-        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
-    return info
+    family / model number / stepping, ISA flags, last-level cache) and the size of every cache level
+    in bytes."""
+    return dict(dispatch.this_cpu(), caches=dispatch.cpu_caches())
+
+
+def load_average():
+    """The 1, 5 and 15 minute load averages (None where the OS does not say)."""
+    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def _nvidia_driver():
@@ -79,8 +113,9 @@ def _nvidia_driver():
         return None
 
 
-def environment(device):
-    """The machine and library versions a result was measured with."""
+def machine_record(device):
+    """The machine and library versions a result was measured with: what every benchmark, script or
+    pytest-benchmark suite (its JSON's ``machine_info["pyprune"]``), records."""
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"CPU ({dispatch.this_cpu()['model']})",
@@ -93,7 +128,6 @@ def environment(device):
         "pyprune": pyprune.__version__,
         "native_cpu_kernels": backend.native_module("cpu") is not None,
         "native_cuda_kernels": backend.native_module("cuda") is not None,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:
         import triton
@@ -110,6 +144,14 @@ def environment(device):
             info["cusparselt"] = torch.backends.cusparselt.version()
         except (AttributeError, RuntimeError):
             info["cusparselt"] = None
+    return info
+
+
+def environment(device):
+    """:func:`machine_record` with when: the timestamp and, on a CPU, the load average at the start."""
+    info = dict(machine_record(device), timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if device.type == "cpu":
+        info["cpu"] = dict(info["cpu"], load_average=load_average())
     return info
 
 
