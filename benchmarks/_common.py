@@ -60,8 +60,8 @@ def synchronized(fn, device):
     if device.type != "cuda":
         return fn
 
-    def call():
-        out = fn()
+    def call(*args):
+        out = fn(*args)
         torch.cuda.synchronize(device)
         return out
     return call

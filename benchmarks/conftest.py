@@ -7,13 +7,18 @@ and end to end (test_e2e.py).
     python -m pytest -n 2                                                      # CI: tiny, nothing timed
 
 Timing runs only when asked for (``--benchmark-only`` or ``--benchmark-enable``); otherwise every case
-runs once, as under ``--benchmark-disable``, and checks its result. Every case records what it is
+runs once, as under ``--benchmark-disable``, and checks its result (and SparseLinear tunes nothing on
+first use: ``PYPRUNE_TUNE=0``). Every case records what it is
 (suite, op or layer, shape, dtype, device, bytes moved...) in ``benchmark.extra_info``; the machine and
 versions (``_common.machine_record``) go to the JSON's ``machine_info["pyprune"]``.
 """
+import os
+
 import pytest
 import torch
 from _common import default_device, machine_record, roofline
+
+from pyprune.nn import tuning
 
 #: Size presets: ``full`` for the results tables, ``tiny`` for CI.
 SIZES = ("tiny", "full")
@@ -34,6 +39,10 @@ def pytest_addoption(parser):
     group.addoption("--models", nargs="+", default=None,
                     help="end to end: smollm2-135m, llama-7b-shape, smollm2-135m-shape, or a model directory")
     group.addoption("--layers", type=int, default=None, help="end to end: decoder layers of the *-shape models")
+    group.addoption("--sparse-where", nargs="+", choices=["faster", "all"], default=None,
+                    help="end to end: faster (only the linears measured faster sparse at one token, as pyprune "
+                         "generate; the full size's default), all (every N:M linear); tiny runs both")
+    group.addoption("--backend", default="auto", help="end to end: SparseLinear's backend (default auto)")
 
 
 def pytest_configure(config):
@@ -43,6 +52,7 @@ def pytest_configure(config):
     timing = config.getoption("benchmark_only") or config.getoption("benchmark_enable")
     if not timing:
         config.option.benchmark_disable = True
+        os.environ.setdefault(tuning.SWITCH, "0")  # nor does SparseLinear time a case on first use
     elif not config.getoption("numprocesses", None):
         config.option.dist = "no"
     if config.getoption("threads"):

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from _common import default_device, synchronized
+from _common import default_device, load_average, synchronized
 
 from pyprune import ops
 from pyprune.ops.conventions import sparse24_mma_meta
@@ -609,7 +609,10 @@ def test_op(benchmark, dtype_name, shape, case_key, role, device, size):
     baselines, op = dict(case.baselines), built.op or case.op
     benchmark.group = f"{op} | {label if case is SAFE_CASE else '×'.join(map(str, shape))} | {dtype_name}"
     benchmark.extra_info.update(suite="ops", op=op, shape=label, dtype=dtype_name, device=str(device),
-                                role=role, baseline=baselines.get(role))
+                                role=role, baseline=baselines.get(role), load_average=load_average())
     if role == "pyprune":
         benchmark.extra_info["bytes"] = built.nbytes
-    benchmark(synchronized(built.calls[role], device))
+    call = synchronized(built.calls[role], device)
+    if benchmark.enabled:  # one untimed warm-up call: first-call costs (library set-up, allocations)
+        call()
+    benchmark(call)
