@@ -3,7 +3,8 @@ and end to end (test_e2e.py).
 
     pytest benchmarks --benchmark-only --size full --benchmark-json run.json   # time the real tables
     python benchmarks/report.py run.json                                       # results files from it
-    pytest benchmarks --benchmark-only --benchmark-compare                     # against a saved run
+    pytest benchmarks --benchmark-only --benchmark-autosave                    # keep a run (.benchmarks/)
+    pytest benchmarks --benchmark-only --benchmark-compare                     # against the last one kept
     python -m pytest -n 2                                                      # CI: tiny, nothing timed
 
 Timing runs only when asked for (``--benchmark-only`` or ``--benchmark-enable``); otherwise every case
@@ -36,9 +37,15 @@ def pytest_addoption(parser):
                     help="SparseLinear: OUTxIN weight shapes (default: the size preset's)")
     group.addoption("--tokens", nargs="+", type=int, default=None,
                     help="SparseLinear: token counts M (default: the size preset's)")
+    group.addoption("--fill-bytes", type=int, default=None,
+                    help="SparseLinear on a CPU: cycle through copies of each layer whose weights fill this many "
+                         "bytes (default: twice the last-level cache at full size; 0: one copy, called from cache)")
     group.addoption("--models", nargs="+", default=None,
                     help="end to end: smollm2-135m, llama-7b-shape, smollm2-135m-shape, or a model directory")
     group.addoption("--layers", type=int, default=None, help="end to end: decoder layers of the *-shape models")
+    group.addoption("--prefill-tokens", type=int, default=None, help="end to end: tokens of the timed prefill")
+    group.addoption("--new-tokens", type=int, default=None,
+                    help="end to end: new tokens of the decode (at least 2: the first comes from the prompt)")
     group.addoption("--sparse-where", nargs="+", choices=["faster", "all"], default=None,
                     help="end to end: faster (only the linears measured faster sparse at one token, as pyprune "
                          "generate; the full size's default), all (every N:M linear); tiny runs both")

@@ -23,7 +23,7 @@ PYPRUNE_BUILD_CUDA=1 "$python" -m pip install -q --no-build-isolation --no-deps 
 tokens=${TOKENS:-}
 shapes=${SHAPES:-}
 "$python" -m pytest benchmarks/test_sparse_linear.py benchmarks/test_e2e.py -q -p no:cacheprovider \
-    --benchmark-only --size full --benchmark-min-rounds "${REPEAT:-20}" --benchmark-json "$out/run.json" \
+    --benchmark-only --size full --benchmark-min-rounds "${REPEAT:-5}" --benchmark-json "$out/run.json" \
     ${tokens:+--tokens $tokens} ${shapes:+--shapes $shapes} \
     --models smollm2-135m-shape llama-7b-shape --layers "${LAYERS:-8}"
 "$python" benchmarks/report.py "$out/run.json" --output-dir "$out" --write-dispatch "$out/dispatch_table.json"

@@ -33,14 +33,14 @@ import pyprune
 from pyprune.nn import SparseLinear, dispatch, sparsify_, tuning
 from pyprune.runtime.decode import decode_steps, greedy_generate, prompt_step
 
-#: Per size and device: models, decoder layers of the *-shape stand-ins, prefill tokens, new tokens,
-#: timed rounds and dtype.
+#: Per size and device: models, decoder layers of the *-shape stand-ins, prefill tokens, new tokens and
+#: dtype (options override each). Timed rounds: ``--benchmark-min-rounds`` (5 unless set), after a warm-up.
 PRESETS = {
-    "full": {"cuda": dict(models=["smollm2-135m", "llama-7b-shape"], layers=32, prefill=2048, decode=128, rounds=5,
+    "full": {"cuda": dict(models=["smollm2-135m", "llama-7b-shape"], layers=32, prefill=2048, decode=128,
                           dtype="bfloat16"),
-             "cpu": dict(models=["smollm2-135m", "llama-7b-shape"], layers=2, prefill=128, decode=64, rounds=5,
+             "cpu": dict(models=["smollm2-135m", "llama-7b-shape"], layers=2, prefill=128, decode=64,
                          dtype="float32")},
-    "tiny": {device: dict(models=["tiny-llama-shape"], layers=1, prefill=16, decode=4, rounds=1, dtype="float32")
+    "tiny": {device: dict(models=["tiny-llama-shape"], layers=1, prefill=16, decode=4, dtype="float32")
              for device in ("cuda", "cpu")},
 }
 PATTERNS = ["2:4", "4:8"]
@@ -142,8 +142,10 @@ def test_e2e(benchmark, request, dtype_name, model, pattern, where, phase, side,
     config, dtype = request.config, getattr(torch, dtype_name)
     preset = PRESETS[size][device.type]
     layers = config.getoption("layers") or preset["layers"]
-    pair = prepare(model, pattern, where, config.getoption("backend"), layers, preset["prefill"], preset["decode"],
-                   dtype, device)
+    decode = config.getoption("new_tokens") or preset["decode"]
+    rounds = config.getoption("benchmark_min_rounds")
+    pair = prepare(model, pattern, where, config.getoption("backend"), layers,
+                   config.getoption("prefill_tokens") or preset["prefill"], decode, dtype, device)
     assert pair.max_rel_logit_error <= TOLERANCE[dtype], \
         f"sparse logits off the dense model's by {pair.max_rel_logit_error:.3g} of the largest"
     if where == "all":  # every N:M linear of the decoder became a SparseLinear
@@ -154,9 +156,9 @@ def test_e2e(benchmark, request, dtype_name, model, pattern, where, phase, side,
     benchmark.extra_info.update(extra_info(pair, phase, side, device))
     if phase == "prefill":
         benchmark.pedantic(synchronized(lambda: prefill(target, pair.long_prompt), device),
-                           rounds=preset["rounds"], warmup_rounds=1)
+                           rounds=rounds, warmup_rounds=1)
     else:
         def after_prompt():  # untimed: the prompt's forward, its first new token and the KV cache
             return prompt_step(target, pair.short_prompt), {}
-        steps = synchronized(lambda token, cache: decode_steps(target, token, cache, preset["decode"] - 1), device)
-        benchmark.pedantic(steps, setup=after_prompt, rounds=preset["rounds"], warmup_rounds=1)
+        steps = synchronized(lambda token, cache: decode_steps(target, token, cache, decode - 1), device)
+        benchmark.pedantic(steps, setup=after_prompt, rounds=rounds, warmup_rounds=1)

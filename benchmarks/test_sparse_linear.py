@@ -8,7 +8,7 @@ to the largest |output|, TOLERANCE by dtype); a backend this layer does not supp
 skipped with the layer's reason.
 
 On a CPU every call takes the next of enough copies of the layer that their dense weights fill twice
-the last-level cache (the ``full`` preset; ``tiny``: one copy), so each call reads its weight from memory
+the last-level cache (the ``full`` preset; ``tiny``: one copy; or ``--fill-bytes``), so each call reads its weight from memory
 as a layer does inside a model's forward; a lone small layer called again and again would run from
 cache and favour whichever side does more arithmetic per byte.
 
@@ -55,8 +55,11 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 DENSE = "F.linear"
 
 
-def fill_bytes(size, device):
-    """Bytes of weights to cycle through per case: twice the last-level cache on a CPU at full size."""
+def fill_bytes(size, device, asked=None):
+    """Bytes of weights to cycle through per case: ``asked`` (``--fill-bytes``), else twice the last-level
+    cache on a CPU at full size, else 0."""
+    if asked is not None:
+        return asked
     return 2 * last_level_cache_bytes() if size == "full" and device.type == "cpu" else 0
 
 
@@ -103,9 +106,9 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize(("dtype_name", "shape", "pattern", "implementation", "M"), params)
 
 
-def test_sparse_linear(benchmark, dtype_name, shape, pattern, implementation, M, device, size):
+def test_sparse_linear(benchmark, request, dtype_name, shape, pattern, implementation, M, device, size):
     dtype, (out_features, in_features) = getattr(torch, dtype_name), shape
-    fill = fill_bytes(size, device)
+    fill = fill_bytes(size, device, request.config.getoption("fill_bytes"))
     denses = dense_layers(shape, dtype, pattern, device, fill)
     x = torch.randn(M, in_features, generator=torch.Generator().manual_seed(M)).to(dtype).to(device)
     moved = (x.numel() + M * out_features) * x.element_size()
