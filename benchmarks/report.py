@@ -83,9 +83,10 @@ def ops_reports(run):
             if role in ("pyprune", "floor"):
                 continue
             t_base = seconds(theirs)
-            row = {"op": info["op"], "shape": info["shape"], "dtype": dtype, "baseline": theirs["extra_info"]["baseline"],
-                   "pyprune_ms": round(t_ours * 1e3, 4), "baseline_ms": round(t_base * 1e3, 4),
-                   "speedup": round(t_base / t_ours, 3), "pyprune_GBps": round(info["bytes"] / t_ours / 1e9, 2)}
+            row = {"op": info["op"], "shape": info["shape"], "dtype": dtype,
+                   "baseline": theirs["extra_info"]["baseline"], "pyprune_ms": round(t_ours * 1e3, 4),
+                   "baseline_ms": round(t_base * 1e3, 4), "speedup": round(t_base / t_ours, 3),
+                   "pyprune_GBps": round(info["bytes"] / t_ours / 1e9, 2)}
             if floor is not None:  # a mask op: its time over reading the input and writing a byte per element
                 row["byte_floor_ms"] = round(seconds(floor) * 1e3, 4)
                 row["times_byte_floor"] = round(t_ours / seconds(floor), 2)
@@ -107,8 +108,9 @@ def ops_markdown(report):
     for r in report["results"]:
         shape = r["shape"] if isinstance(r["shape"], str) else "×".join(map(str, r["shape"]))
         floor = f"{r['times_byte_floor']}×" if "times_byte_floor" in r else ""
-        lines.append(f"| {r['op']} | {shape} | {r['dtype']} | {r['pyprune_ms']} | {r['baseline']} | {r['baseline_ms']} | "
-                     f"{r['speedup']}× | {r['pyprune_GBps']} | {r.get('byte_floor_ms', '')} | {floor} |")
+        lines.append(f"| {r['op']} | {shape} | {r['dtype']} | {r['pyprune_ms']} | {r['baseline']} | "
+                     f"{r['baseline_ms']} | {r['speedup']}× | {r['pyprune_GBps']} | {r.get('byte_floor_ms', '')} | "
+                     f"{floor} |")
     return "\n".join(lines) + "\n"
 
 
@@ -286,8 +288,8 @@ def e2e_markdown(report):
              "SparseLinear caches for its dense fallback.", "",
              "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens "
              "| dense prefill ms | sparse prefill ms | prefill speedup | new tokens | dense decode tok/s "
-             "| sparse decode tok/s | decode speedup | same tokens (new tokens before they part) | dense MB | sparse MB "
-             "| backends from (decode; prefill) | tuned here | load (1/5/15 min) |",
+             "| sparse decode tok/s | decode speedup | same tokens (new tokens before they part) | dense MB "
+             "| sparse MB | backends from (decode; prefill) | tuned here | load (1/5/15 min) |",
              "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|"]
     for r in report["results"]:
         sources = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "–"

@@ -424,7 +424,7 @@ def moreau_step_case(label, group_dim, gs):
         delta, perturbed = torch.zeros(t.w.shape, device=t.w.device), torch.empty_like(t.w)
 
         def check():
-            ours, theirs = (torch.zeros_like(delta), torch.empty_like(t.w)), (torch.zeros_like(delta), torch.empty_like(t.w))
+            ours, theirs = ((torch.zeros_like(delta), torch.empty_like(t.w)) for _ in range(2))
             ops.moreau_step_(ours[0], t.grad, t.w, ours[1], seed=1, noise_ratio=0.0, **kwargs)
             eager_moreau_step(theirs[0], t.grad, t.w, theirs[1], noise_ratio=0.0, **kwargs)
             assert_close(ours[0], theirs[0], torch.float32)
@@ -477,8 +477,8 @@ CASES = [
               lambda t: ops.accumulate_sqnorm_(torch.zeros(t.x.shape[1], device=t.x.device), t.x),
               lambda t: eager_sqnorm(torch.zeros(t.x.shape[1], device=t.x.device), t.x),
               lambda t: t.x.numel() * t.x.element_size()),
-    pure_case("nm_compress 2:4", "nm_compress-2:4", "boolean indexing", lambda t: ops.nm_compress(t.w, t.mask24, 2, 4)[0],
-              lambda t: eager_compress(t.w, t.mask24)[0],
+    pure_case("nm_compress 2:4", "nm_compress-2:4", "boolean indexing",
+              lambda t: ops.nm_compress(t.w, t.mask24, 2, 4)[0], lambda t: eager_compress(t.w, t.mask24)[0],
               lambda t: t.w.numel() * (t.w.element_size() + 1) + t.values.numel() * t.w.element_size(), assert_equal),
     Case("nm_linear 2:4 M=16", "nm_linear-2:4-M16", [("dense", "dense F.linear")],
          lambda t: Built({"pyprune": lambda: ops.nm_linear(t.x[:16], t.values, t.meta, 2, 4),
@@ -593,8 +593,8 @@ def pytest_generate_tests(metafunc):
             params += [pytest.param(dtype_name, shape, case.key, role,
                                     id=f"{dtype_name}-{shape[0]}x{shape[1]}-{case.key}-{role}")
                        for case in CASES if case.runs(device, getattr(torch, dtype_name)) for role in roles(case)]
-        params += [pytest.param(dtype_name, "block", SAFE_CASE.key, role, id=f"{dtype_name}-block-{SAFE_CASE.key}-{role}")
-                   for role in roles(SAFE_CASE)]
+        params += [pytest.param(dtype_name, "block", SAFE_CASE.key, role,
+                                id=f"{dtype_name}-block-{SAFE_CASE.key}-{role}") for role in roles(SAFE_CASE)]
     metafunc.parametrize(("dtype_name", "shape", "case_key", "role"), params)
 
 

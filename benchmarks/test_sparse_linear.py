@@ -8,9 +8,9 @@ to the largest |output|, TOLERANCE by dtype); a backend this layer does not supp
 skipped with the layer's reason.
 
 On a CPU every call takes the next of enough copies of the layer that their dense weights fill twice
-the last-level cache (the ``full`` preset; ``tiny``: one copy; or ``--fill-bytes``), so each call reads its weight from memory
-as a layer does inside a model's forward; a lone small layer called again and again would run from
-cache and favour whichever side does more arithmetic per byte.
+the last-level cache (the ``full`` preset; ``tiny``: one copy; or ``--fill-bytes``), so each call reads
+its weight from memory as a layer does inside a model's forward; a lone small layer called again and
+again would run from cache and favour whichever side does more arithmetic per byte.
 
 Recorded per benchmark: shape, M, dtype, pattern, implementation, device, the weight copies cycled, the
 bytes it moves (the weight as that backend stores it, plus x and y), the dense-equivalent FLOPs

@@ -124,7 +124,9 @@ def test_sparse_linear_report_writes_results_a_plot_and_the_dispatch_block(tmp_p
     assert rows[0] == {"shape": [64, 128], "M": 1, "dtype": "float32", "pattern": "2:4", "weight_copies": 1,
                        "backend": "kernel", "max_rel_error": 1e-7, "dense_ms": 4.0, "status": "ok", "ms": 2.0,
                        "speedup": 2.0, "tflops": 0.0, "gbps": 0.5, "load_average": [1.0, 2.0, 3.0]}
-    assert "| 64×128 | 1 | float32 | 2:4 | kernel | 2.0 | 4.0 | 2.0× |" in (tmp_path / "sparse-linear-cpu-t.md").read_text()
+    md = (tmp_path / "sparse-linear-cpu-t.md").read_text()
+    assert "| 64×128 | 1 | float32 | 2:4 | kernel | 2.0 | 4.0 | 2.0× |" in md
+    assert "| float32 | 2:4 | kernel | 2.00× (2.00–2.00) | 1.02× (1.02–1.02) |" in md  # the summary
     assert (tmp_path / "sparse-linear-cpu-t-float32.svg").read_text().startswith("<svg")
     [block] = json.loads(table.read_text())["environments"]  # this run's environment and its rows
     assert block["environment"] == dispatch.environment(CPU)
