@@ -7,11 +7,11 @@ and end to end (test_e2e.py).
     pytest benchmarks --benchmark-only --benchmark-compare                     # against the last one kept
     python -m pytest -n 2                                                      # CI: tiny, nothing timed
 
-Timing runs only when asked for (``--benchmark-only`` or ``--benchmark-enable``); otherwise every case
-runs once, as under ``--benchmark-disable``, and checks its result (and SparseLinear tunes nothing on
-first use: ``PYPRUNE_TUNE=0``). Every case records what it is
-(suite, op or layer, shape, dtype, device, bytes moved...) in ``benchmark.extra_info``; the machine and
-versions (``_common.machine_record``) go to the JSON's ``machine_info["pyprune"]``.
+Timing runs only when asked for (``--benchmark-only`` or ``--benchmark-enable``; not under xdist's ``-n``,
+which pytest-benchmark refuses); otherwise every case runs once, as under ``--benchmark-disable``, and
+checks its result, and SparseLinear tunes nothing on first use (``PYPRUNE_TUNE=0``). Every case records
+what it is (suite, op or layer, shape, dtype, device, bytes moved...) in ``benchmark.extra_info``; the
+machine and versions (``_common.machine_record``) go to the JSON's ``machine_info["pyprune"]``.
 """
 import os
 
