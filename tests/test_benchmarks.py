@@ -214,23 +214,27 @@ def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(t
 
 def test_the_suites_timed_give_results_files(tmp_path):
     """A real timed run (one round of a few tiny ops and SparseLinear cases) through pytest-benchmark's JSON to
-    the results files (end to end: the suite's own records, in the test below)."""
+    the results files (end to end: the suite's own records, in the test above)."""
     out = tmp_path / "run.json"
     env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}  # a run of its own
     env.update(PYPRUNE_TUNE="0", PYPRUNE_CACHE=str(tmp_path / "cache"))
-    cases = "64x128-topk_mask-row or float32-64x128-2:4-F.linear-M1 or float32-64x128-2:4-kernel-M1"
     done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/test_ops.py", "benchmarks/test_sparse_linear.py",
-                           "-q", "-p", "no:cacheprovider", "--benchmark-only",
-                           "--benchmark-min-rounds", "1", "--benchmark-max-time", "0", "--benchmark-json", str(out),
-                           "-k", cases], cwd=ROOT, env=env, capture_output=True, text=True)
+                           "-q", "-rs", "-p", "no:cacheprovider", "--benchmark-only", "--benchmark-min-rounds", "1",
+                           "--benchmark-max-time", "0", "--benchmark-json", str(out), "--fill-bytes", str(1 << 20),
+                           "-k", "64x128-topk_mask-row or float32-64x128-2:4 and M1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for backend in set(dispatch.BACKENDS) - {"kernel", "dense"}:  # every backend is a case; these need CUDA
+        assert f"{backend} unavailable: it needs CUDA tensors" in done.stdout
     names = [Path(p).name for p in report.write_results(json.loads(out.read_text()), str(tmp_path), tag="run")]
     assert names == ["ops-cpu-run-float32.json", "ops-cpu-run-float32.md", "sparse-linear-cpu-run.json",
                      "sparse-linear-cpu-run.md", "sparse-linear-cpu-run-float32.svg"]
     ops_rows = json.loads((tmp_path / "ops-cpu-run-float32.json").read_text())["results"]
     assert [r["op"] for r in ops_rows] == ["topk_mask row 50%"] and ops_rows[0]["times_byte_floor"] > 0
-    [kernel] = json.loads((tmp_path / "sparse-linear-cpu-run.json").read_text())["results"]
-    assert kernel["backend"] == "kernel" and kernel["speedup"] > 0 and kernel["max_rel_error"] <= 1e-4
+    rows = json.loads((tmp_path / "sparse-linear-cpu-run.json").read_text())["results"]
+    assert [r["backend"] for r in rows] == ["kernel", "dense"]
+    assert all(r["ms"] > 0 and r["speedup"] > 0 and r["max_rel_error"] <= 1e-4 for r in rows)
+    assert all(r["weight_copies"] == (1 << 20) // (64 * 128 * 4) for r in rows)  # 32 KiB weights fill 1 MiB
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sparse-linear-cpu-run.md").read_text()
 
 
