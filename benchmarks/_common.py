@@ -1,26 +1,38 @@
-"""What the benchmarks share: the machine record, the device and GPU timing, rooflines, atomic writes, an SVG plot."""
+"""What the benchmarks share: the model stand-ins, the device and GPU-synchronised calls, the machine
+record without when (for pytest-benchmark's JSON), rooflines, an SVG plot, and (for the scripts not yet
+declared as studies in :mod:`pyprune.studies`) resume-by-settings and a NAME=VALUE option. The machine
+record, atomic writes, the lock and ``mean ± std`` are the package's."""
 import argparse
-import contextlib
-import fcntl
 import json
 import math
 import os
-import platform
-import statistics
-import subprocess
-from datetime import datetime, timezone
 
 import torch
 
-import pyprune
-from pyprune.nn import dispatch
-from pyprune.ops import backend
+from pyprune.files import locked, write_json  # noqa: F401  (the benchmarks' writers)
+from pyprune.files import write_text as write_atomic  # noqa: F401
+from pyprune.nn.dispatch import cpu_record as cpu_info  # noqa: F401
+from pyprune.nn.dispatch import environment_record as environment  # noqa: F401
+from pyprune.studies.results import mean_std  # noqa: F401
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
 #: torch.cuda.get_device_name, most specific first; other devices get no roofline.
 ROOFLINES = [("H100 PCIe", {"flops": 756e12, "bytes": 2.0e12}),
              ("H100 80GB HBM3", {"flops": 989.4e12, "bytes": 3.35e12}),
              ("H200", {"flops": 989.4e12, "bytes": 4.8e12})]
+
+
+def method_option(text: str):
+    """argparse type of a NAME=VALUE method option: (name, value as int, else float, else str)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
+    for convert in (int, float):
+        try:
+            return name, convert(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 #: Random-weight stand-ins with real models' per-layer shapes (speed depends on shapes, not weights):
@@ -35,19 +47,6 @@ MODEL_SHAPES = {
     "tiny-llama-shape": dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                              num_attention_heads=4, num_key_value_heads=2),
 }
-
-
-def method_option(text: str):
-    """argparse type of a NAME=VALUE method option: (name, value as int, else float, else str)."""
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
-    for convert in (int, float):
-        try:
-            return name, convert(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 def default_device(name=None):
@@ -92,66 +91,19 @@ def prefill(model, tokens):
     return model(input_ids=tokens, use_cache=False).logits
 
 
-def cpu_info():
-    """The CPU as SparseLinear's dispatch keys it (pyprune.nn.dispatch.this_cpu: model, vendor,
-    family / model number / stepping, ISA flags, last-level cache) and the size of every cache level
-    in bytes."""
-    return dict(dispatch.this_cpu(), caches=dispatch.cpu_caches())
-
-
 def load_average():
     """The 1, 5 and 15 minute load averages (None where the OS does not say)."""
     return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
-def _nvidia_driver():
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
 def machine_record(device):
-    """The machine and library versions a result was measured with: what every benchmark, script or
-    pytest-benchmark suite (its JSON's ``machine_info["pyprune"]``), records."""
-    info = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"CPU ({dispatch.this_cpu()['model']})",
-        # what SparseLinear's dispatch keys measurements by here, in short and in full
-        "dispatch_device": dispatch.device_key(device),
-        "dispatch_environment": dispatch.environment(device),
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "pyprune": pyprune.__version__,
-        "native_cpu_kernels": backend.native_module("cpu") is not None,
-        "native_cuda_kernels": backend.native_module("cuda") is not None,
-    }
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cpu":
-        info["cpu"] = cpu_info()
-    if device.type == "cuda":
-        info["cuda"] = torch.version.cuda
-        info["driver"] = _nvidia_driver()
-        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(device)
-        try:
-            info["cusparselt"] = torch.backends.cusparselt.version()
-        except (AttributeError, RuntimeError):
-            info["cusparselt"] = None
-    return info
-
-
-def environment(device):
-    """:func:`machine_record` with when: the timestamp and, on a CPU, the load average at the start."""
-    info = dict(machine_record(device), timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    if device.type == "cpu":
-        info["cpu"] = dict(info["cpu"], load_average=load_average())
+    """The machine and library versions of :func:`environment` without when (its timestamp, the load
+    average): what stays the same between runs on one machine, so pytest-benchmark's JSON keeps it as
+    ``machine_info["pyprune"]`` and ``--benchmark-compare`` finds two runs of a machine alike."""
+    info = environment(device)
+    del info["timestamp"]
+    if "cpu" in info:
+        info["cpu"] = {key: value for key, value in info["cpu"].items() if key != "load_average"}
     return info
 
 
@@ -161,14 +113,6 @@ def roofline(device):
         return None
     name = torch.cuda.get_device_name(device)
     return next((peaks for key, peaks in ROOFLINES if key in name), None)
-
-
-def write_atomic(path, text):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def previous_result(path, settings):
@@ -188,40 +132,12 @@ def previous_result(path, settings):
     return result
 
 
-@contextlib.contextmanager
-def locked(path):
-    """Hold an exclusive lock on ``path`` (through ``path``.lock) for the block: concurrent runs that
-    re-read a results file, merge their rows and rewrite it do so one at a time."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def merge_rows(rows, stored, key):
     """Extend ``rows`` (in place) by the ``stored`` rows whose ``key`` none of them has: the rows a
     concurrent run with the same settings wrote to the results file meanwhile. Returns ``rows``."""
     have = {key(row) for row in rows}
     rows.extend(row for row in stored if key(row) not in have)
     return rows
-
-
-def mean_std(values, spec=".4f"):
-    """"mean ± std" (sample standard deviation) of the values that are not None, formatted by
-    ``spec``; one value alone, or "–" for none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return format(values[0], spec)
-    return f"{format(statistics.fmean(values), spec)} ± {format(statistics.stdev(values), spec)}"
-
-
-def write_json(path, report):
-    write_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 def svg_line_plot(series, title, x_label, y_label, log2_x=True, reference_y=1.0,

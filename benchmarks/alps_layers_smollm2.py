@@ -27,7 +27,7 @@ from pyprune.inputs.models import load_model
 from pyprune.methods.sparsegpt import SparseGPT, _Hessian
 from pyprune.patterns import parse, Unstructured
 from pyprune.runtime import engine
-from pyprune.runtime.reconstruction import admm_support, normalise, pcg_on_support, reconstruction_error
+from pyprune.runtime.layer_solver import admm_support, normalise, pcg_on_support, reconstruction_error
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PERCDAMP = 0.01

@@ -30,7 +30,7 @@ from pyprune.methods.alps import Alps
 from pyprune.methods.sparsegpt import _Hessian
 from pyprune.patterns import NM, Unstructured
 from pyprune.runtime import engine
-from pyprune.runtime.reconstruction import normalise, reconstruction_error
+from pyprune.runtime.layer_solver import normalise, reconstruction_error
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PATTERNS = (Unstructured(0.7, "tensor"), NM(2, 4))

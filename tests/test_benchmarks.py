@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from pyprune.nn import SparseLinear, dispatch
 
@@ -23,9 +22,6 @@ import report  # noqa: E402
 import test_e2e as e2e_suite  # noqa: E402
 import test_ops as ops_suite  # noqa: E402
 import test_sparse_linear as sparse_linear_suite  # noqa: E402
-import continual_seeds_smollm2  # noqa: E402
-import continual_smollm2  # noqa: E402
-import crosscheck_wanda  # noqa: E402
 import dress_smollm2  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -257,17 +253,6 @@ def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(
     assert path.read_text() == before
 
 
-def test_results_lock_admits_one_writer_at_a_time(tmp_path):
-    import fcntl
-    from _common import locked
-    path = str(tmp_path / "rows.json")
-    with locked(path):
-        with open(f"{path}.lock", "w") as other, pytest.raises(BlockingIOError):
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(f"{path}.lock", "w") as other:  # released on leaving the block
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
 def test_dress_benchmark_tells_trained_rows_apart_by_learning_rate_and_seed():
     def options(*argv):
         args = argparse.Namespace(lam=1.0, lr=1e-3, norm="l2", train_batch=4, train_seed=0, steps=150)
@@ -295,34 +280,6 @@ def test_dress_benchmark_groups_a_setting_over_its_training_seeds():
     from _common import mean_std
     assert mean_std([60.0, 62.0], ".2f") == "61.00 ± 1.41"
     assert mean_std([60.0, None], ".2f") == "60.00" and mean_std([None]) == "–"
-
-def _one_line_error(capsys):
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("crosscheck_wanda.py: error: ")
-    return err
-
-
-def test_crosscheck_without_a_wanda_checkout_exits_2_at_once(tmp_path, capsys):
-    assert crosscheck_wanda.main([]) == 2
-    assert "--wanda-repo is required" in _one_line_error(capsys)
-    missing = tmp_path / "nowhere"
-    assert crosscheck_wanda.main(["--wanda-repo", str(missing), "--python", sys.executable]) == 2
-    assert f"--wanda-repo {str(missing)!r} is not a directory" in _one_line_error(capsys)
-    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", sys.executable]) == 2
-    assert "is not a checkout of locuslab/wanda (no lib/prune.py, lib/sparsegpt.py" in _one_line_error(capsys)
-
-
-def test_crosscheck_without_a_transformers_4_36_python_exits_2_at_once(tmp_path, capsys):
-    for name in crosscheck_wanda.AUTHORS_FILES:
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text("")
-    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path)]) == 2
-    assert "--python is required" in _one_line_error(capsys)
-    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", str(tmp_path / "python")]) == 2
-    assert "cannot be run" in _one_line_error(capsys)
-    assert crosscheck_wanda.main(["--wanda-repo", str(tmp_path), "--python", sys.executable]) == 2
-    assert f"has transformers {transformers.__version__}; the authors' code needs 4.36.x" in _one_line_error(capsys)
-
 
 def test_dress_speed_benchmark_on_a_local_and_a_random_tiny_model(tmp_path, monkeypatch):
     from pyprune.nn.measure import model_cost
@@ -366,65 +323,3 @@ def test_dress_speed_benchmark_rejects_a_non_positive_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_dress_speed.main(["--batch", "0"])
     assert exit_info.value.code == 2 and "--batch: must be a positive integer; got 0" in capsys.readouterr().err
-
-
-def test_continual_benchmark_runs_the_chosen_orders_and_refuses_one_outside_its_protocol(capsys):
-    datasets = ["austen", "moby_dick", "python"]
-    assert len(continual_smollm2.selected_orders(datasets, "all", None)) == 6
-    assert continual_smollm2.selected_orders(datasets, "all", ["python,austen,moby_dick", "austen,moby_dick,python",
-                                                                "python,austen,moby_dick"]) == [
-        ("python", "austen", "moby_dick"), ("austen", "moby_dick", "python")]
-    with pytest.raises(SystemExit, match="--orders: python,austen,moby_dick is not an order .* allowed: "
-                                         "austen,moby_dick,python$"):
-        continual_smollm2.selected_orders(datasets, "given", ["python,austen,moby_dick"])
-    with pytest.raises(SystemExit, match="--orders: austen,python is not an order"):
-        continual_smollm2.main(["--orders", "austen,python"])  # refused before the model loads
-
-
-def _continual_result(seed, rows):
-    """A continual_smollm2 results file over datasets a, b: ``rows`` maps a method label to its
-    orders, each (P[step 1][a], P[step 1][b], P[step 2][a], P[step 2][b])."""
-    def steps(order, p):
-        return [{"pruned_on": order[0], "perplexity": {"a": p[0], "b": p[1]}},
-                {"pruned_on": order[1], "perplexity": {"a": p[2], "b": p[3]}}]
-    return {"settings": {"datasets": ["a", "b"], "permutations": "all", "calibration": f"2 x 8 tokens (seed {seed})",
-                         "evaluation": "16 tokens"}, "dense": {"a": 1.0, "b": 1.0},
-            "rows": [{"pattern": "2:4", "method": method, "init": "cumulative", "partial": len(runs) < 2,
-                      "matrix": [{"order": list(order), "steps": steps(order, p)} for order, p in runs.items()]}
-                     for method, runs in rows.items()]}
-
-
-def test_continual_seeds_summary_pairs_the_rows_every_seed_ran_over_their_common_orders():
-    seed0 = _continual_result(0, {"copal": {("a", "b"): (10, 20, 13, 21), ("b", "a"): (30, 40, 31, 44)},
-                                  "wanda": {("a", "b"): (10, 20, 12, 22), ("b", "a"): (1, 1, 1, 1)},
-                                  "sparsegpt": {("a", "b"): (1, 1, 1, 1)}})
-    seed1 = _continual_result(1, {"copal": {("a", "b"): (10, 20, 15, 23)}, "wanda": {("a", "b"): (10, 20, 11, 21)}})
-    summary = continual_seeds_smollm2.merge([seed0, seed1])
-    assert summary["orders"] == [["a", "b"]]  # the order (b, a) is missing from seed 1
-    assert summary["settings"]["calibration"] == "2 x 8 tokens" and summary["settings"]["calibration_seeds"] == [0, 1]
-    copal, wanda = summary["rows"]  # sparsegpt: seed 0 only
-    assert (copal["method"], wanda["method"]) == ("copal", "wanda")
-    # order a -> b: BWT of a = P[2][a] - P[1][a]; A-PPL = mean of the final P
-    assert [p["a_bwt"] for p in copal["per_seed"]] == [3, 5] and [p["a_ppl"] for p in copal["per_seed"]] == [17, 19]
-    assert (copal["a_bwt_mean"], copal["a_bwt_std"], copal["a_ppl_mean"], copal["a_ppl_std"]) == (4, 1, 18, 1)
-    assert (wanda["a_bwt_mean"], wanda["a_ppl_mean"]) == (1.5, 16.5)
-    text = continual_seeds_smollm2.markdown(summary)
-    assert "| 2:4 | copal | cumulative | 4.000 ± 1.00 | 18.000 ± 1.00 | 3.000 / 17.000 | 5.000 / 19.000 |" in text
-    assert "| 2:4 | wanda | cumulative | 1 | 1.00 / 16.00 |" in text
-    with pytest.raises(SystemExit, match="each file must have its own calibration seed; got seeds \\[0, 0\\]"):
-        continual_seeds_smollm2.merge([seed0, seed0])
-    other = _continual_result(1, {"copal": {("a", "b"): (1, 1, 1, 1)}})
-    other["settings"]["evaluation"] = "32 tokens"
-    with pytest.raises(SystemExit, match="differ in more than the calibration seed"):
-        continual_seeds_smollm2.merge([seed0, other])
-
-
-def test_continual_table_gives_each_partial_row_its_metrics_over_the_orders_it_finished():
-    result = _continual_result(0, {"copal": {("a", "b"): (10, 20, 13, 21)}})
-    text = continual_smollm2.markdown(result)
-    assert "| 2:4 | copal (partial, 1 of 2 orders) | cumulative | 3.00 / 17.00 | – | 3.000 / 17.000 |" in text
-    assert "No row has run every order" in text and "| A-BWT | M-BWT |" not in text
-    result["rows"][0]["matrix"].append({"order": ["b", "a"], "steps": _continual_result(
-        0, {"copal": {("b", "a"): (30, 40, 31, 44)}})["rows"][0]["matrix"][0]["steps"]})
-    # b -> a: BWT of b = 44 - 40, final mean 37.5; over both orders A-BWT = mean of the per-dataset BWTs
-    assert "| 3.00 / 17.00 | 4.00 / 37.50 | 3.500 ± 0.50 / 27.250 ± 10.25 |" in continual_smollm2.markdown(result)

@@ -154,9 +154,9 @@ def check_offload(args, runner) -> None:
 
 
 def check_memory(args, runner, offload: bool) -> None:
-    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.runtime.memory.check_prune`,
+    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.io.memory.check_prune`,
     from the config alone) exceeds the memory available, saying what --offload would need."""
-    from ..runtime import memory
+    from ..io import memory
     from ..inputs.models import resolve_model_dir
     from ..io.offload import skeleton
     if torch.device(args.device).type != "cpu":

@@ -47,6 +47,11 @@ def run(args) -> int:
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
+    if runner.needs_calibration:
+        runner.check_samples(args.nsamples)
+    if not (args.output or args.report or args.eval or args.tasks):
+        raise UsageError("nothing would keep the pruned model or say how it did: give --output, --report, --eval "
+                         "or --tasks")
     checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     if args.offload:
@@ -78,11 +83,13 @@ def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet, **options.method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
-    if report["left_dense"]["tensors"]:
-        print(f"left dense: {len(report['left_dense']['tensors'])} block matrices "
-              f"({report['left_dense']['parameters']:,} parameters: MoE routers), not in that sparsity")
-    report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
-                   "seqlen": args.seqlen, "seed": args.seed, "offload": args.offload, **steps.run_info(args)})
+    left = report["left_dense"]["tensors"]
+    if left:
+        print(f"left dense: {len(left)} block matrices ({report['left_dense']['parameters']:,} parameters, "
+              f"e.g. {left[0]}), not in that sparsity")
+    # the calibration settings a run used; a method without calibration (magnitude) records none
+    used = {"nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed} if calib is not None else {}
+    report.update({"model": args.model, "calib": args.calib, **used, "offload": args.offload, **steps.run_info(args)})
     if args.sparse_layers:
         from ..nn import sparsify_
         report["sparse_layers"] = len(sparsify_(model, pattern))

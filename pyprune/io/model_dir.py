@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..files import check_destination, make_temp_dir, write_json
+from ..files import check_destination, make_temp_dir, standard_modes, write_json
 from ..nn import anatomy, compact, rotation, sparse
 from . import offload
 from .names import model_names
@@ -100,6 +100,7 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
     """Rename the finished ``tmp`` to ``directory`` (replacing an empty one, or with ``overwrite``
     a non-empty one via a renamed backup that is deleted afterwards)."""
     _check_target(directory, overwrite)
+    standard_modes(tmp)
     if not _nonempty_dir(directory):
         os.replace(tmp, directory)  # a missing or empty target directory is replaced atomically
         return
@@ -132,6 +133,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
         raise TypeError(f"save needs a transformers model with a config and save_pretrained; "
                         f"got {type(model).__name__}")
     directory = os.fspath(directory)
+    anatomy.check_materialised(model, f"saving to {directory}")
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)

@@ -4,7 +4,7 @@ reconstruction problem, then preconditioned conjugate gradient on the support it
 Per linear layer, from H = the mean of 2·x xᵀ over its calibration inputs (SparseGPT's statistic;
 the solver is invariant to its scale): ridge λ = percdamp·mean(diag H), normalise to a unit
 diagonal, run ADMM with ALPS's penalty schedule to choose the support, project, refit the kept
-weights by PCG (:mod:`pyprune.runtime.reconstruction`). All linears of a block see the block's
+weights by PCG (:mod:`pyprune.runtime.layer_solver`). All linears of a block see the block's
 inputs before any of them is pruned, and the next block sees the pruned block's outputs, as in
 the authors' code. Unstructured masks are per tensor by default (the authors' projection keeps
 the k largest of the whole layer); N:M groups run along the input dim.
@@ -20,7 +20,7 @@ import torch
 
 from ..nn.experts import expert_linears
 from ..runtime import engine
-from ..runtime.reconstruction import (AdmmSchedule, admm_support, normalise, pcg_on_support,
+from ..runtime.layer_solver import (AdmmSchedule, admm_support, normalise, pcg_on_support,
                                       reconstruction_error)
 from .base import LayerwiseMaskMethod
 from .options import at_least_one, block_checkpoint, fraction, nonnegative, option, positive
@@ -47,6 +47,12 @@ class Alps(LayerwiseMaskMethod):
     def __init__(self, **values):
         super().__init__(**values)
         self._layer_reports = []
+
+    def check_options(self, settings):
+        if settings["min_iterations"] > settings["admm_iterations"]:
+            raise ValueError(f"options of method 'alps' must have min_iterations <= admm_iterations (the stop on a "
+                             f"stable support is checked from min_iterations on); got min_iterations="
+                             f"{settings['min_iterations']}, admm_iterations={settings['admm_iterations']}")
 
     def working_bytes(self, block):
         """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the

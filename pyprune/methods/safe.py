@@ -33,6 +33,7 @@ away.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -40,6 +41,7 @@ import torch
 from ..runtime import engine
 from .. import ops
 from ..runtime.optim import SafeOptimizer
+from .base import RunWarning
 from .options import at_least_one, block_checkpoint, nonnegative, option
 from .reconstruction import BlockTraining
 
@@ -72,6 +74,16 @@ class Safe(BlockTraining):
             raise ValueError(f"options lr and lam of method {self.name!r} must have lr * lam <= 1 with penalty "
                              "'decoupled' (each step moves x by that fraction of its distance to z - u); got "
                              f"lr={settings['lr']}, lam={settings['lam']}")
+
+    def check_samples(self, nsamples: int) -> None:
+        """At least one dual (z/u) update a block: fewer steps than ``dual_interval`` would train
+        the weights with the penalty towards z₀ alone and never run ADMM's projection again."""
+        steps, _ = self.schedule(nsamples)
+        if steps < self.dual_interval:
+            warnings.warn(f"method {self.name!r}: {nsamples} calibration samples, {self.epochs} epochs of batches of "
+                          f"{self.train_batch} give {steps} steps a block, fewer than dual_interval="
+                          f"{self.dual_interval}, so no dual update will run; raise nsamples or epochs, or "
+                          "lower dual_interval", RunWarning)
 
     def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
         """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first

@@ -35,6 +35,8 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
+from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
@@ -169,6 +171,60 @@ def environment(device: torch.device) -> Dict:
     :func:`native_kernels` and torch's thread count (more threads move the point where sparse pays)."""
     return {"machine": machine(device), "torch": torch.__version__, "pyprune": __version__,
             "native_kernels": native_kernels(device), "threads": torch.get_num_threads()}
+
+
+def cpu_record() -> Dict:
+    """The CPU as the dispatch keys it (:func:`this_cpu`), the size of every cache level in bytes
+    (:func:`cpu_caches`) and the load average."""
+    info = dict(this_cpu(), caches=cpu_caches())
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    return info
+
+
+def _nvidia_driver() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment_record(device: torch.device) -> Dict:
+    """The machine and library versions a result (a benchmark's, a study's) was measured with:
+    :func:`device_key` and :func:`environment` in full, threads, versions, which native kernels
+    are built, the time; on a CPU :func:`cpu_record`, on a GPU the CUDA, driver, capability and
+    cuSPARSELt versions."""
+    device = torch.device(device)
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({this_cpu()['model']})",
+        "dispatch_device": device_key(device),
+        "dispatch_environment": environment(device),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pyprune": __version__,
+        "native_cpu_kernels": backend.native_module("cpu") is not None,
+        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cpu":
+        info["cpu"] = cpu_record()
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _nvidia_driver()
+        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(device)
+        try:
+            info["cusparselt"] = torch.backends.cusparselt.version()
+        except (AttributeError, RuntimeError):
+            info["cusparselt"] = None
+    return info
 
 
 # -- cases ---------------------------------------------------------------------------------------------

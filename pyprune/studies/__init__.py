@@ -1,6 +1,43 @@
-"""pyprune.studies: experiments built from methods and evaluation.
+"""pyprune.studies: experiments built from methods and evaluation, and the declared studies.
 
-* :mod:`pyprune.studies.continual` — continual pruning over a sequence of datasets (COPAL's BWT).
-* :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights.
+* :mod:`pyprune.studies.study` — a study declared with typed options, and the one runner
+  (resume through :mod:`pyprune.runtime.checkpoint`, one writer: :mod:`pyprune.studies.results`).
+* :mod:`pyprune.studies.continual` — continual pruning over a sequence of datasets (COPAL's BWT);
+  studies ``continual`` and ``continual-seeds``.
+* :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
+  study ``robustness``.
+* :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
 * :mod:`pyprune.studies.compare` — tables and figures across reports.
+* :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
+
+Run a study with ``pyprune study NAME [options]`` or :func:`run`::
+
+    pyprune.studies.run("robustness", methods=["moreau-gs"], seeds=[0], layers="middle")
 """
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Type
+
+from .continual import Continual, ContinualSeeds
+from .crosscheck_wanda import CrosscheckWanda
+from .robustness import Robustness
+from .study import Study, run as _run
+
+#: every declared study by name
+STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda)}
+
+
+def get(name: str, **settings: Any) -> Study:
+    """Study ``name`` built with ``settings`` (converted and checked; ValueError naming the bad one)."""
+    if name not in STUDIES:
+        raise ValueError(f"study must be one of {', '.join(STUDIES)}; got {name!r}")
+    return STUDIES[name](**settings)
+
+
+def run(name: str, output: Optional[str] = None, **settings: Any) -> dict:
+    """Run study ``name`` with ``settings`` into ``output`` (default: its results file in
+    ``benchmarks/results``), resuming a stopped run of the same settings; returns the result."""
+    return _run(get(name, **settings), output)
+
+
+__all__ = ["STUDIES", "Study", "get", "run"]

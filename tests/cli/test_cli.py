@@ -126,6 +126,11 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
     (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
     (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports patterns Unstructured, NM; got structured 0.2"),
+    (["--method", "wanda", "--pattern", "2:4", "--scope", "tensor"], "--scope applies to --sparsity only; got it with "
+                                                                      "--pattern"),
+    (["--method", "wanda", "--sparsity", "0.5", "--uniform"], "--uniform applies to --ratio only; got it with --sparsity"),
+    (["--method", "alps", "--pattern", "2:4", "--admm-iterations", "5"], "must have min_iterations <= admm_iterations"),
+    (["--method", "wanda", "--pattern", "2:4"], "nothing would keep the pruned model or say how it did: give --output"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
     argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
@@ -149,6 +154,7 @@ def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
                      "--report", str(report_path), "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+    assert not {"nsamples", "seqlen", "seed"} & set(report), "settings of a calibration that never ran"
 
 
 def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
@@ -218,7 +224,7 @@ def test_calibration_defaults_are_listed_per_method():
 
 def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path, capsys):
     """--channels true|false of the structured methods is no longer taken by DReSS's choices."""
-    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA]
+    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA, "--report", str(tmp_path / "r.json")]
     assert cli.main(base + ["--method", "taylor", "--ratio", "0.2", "--channels", "false"]) == 2
     assert "never-loaded" in capsys.readouterr().err  # got past parsing, to the model check
     assert cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "last"]) == 2
@@ -402,3 +408,33 @@ def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"pyprune tune: error: --model {model_dir} has no N:M sparse linear layers (prune it "
                        "with --pattern 2:4 or 4:8 first)"), err
+
+
+def test_safe_with_fewer_steps_than_its_dual_interval_warns_once_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """4 samples in batches of 2 for 1 epoch are 2 steps a block, under the dual interval of 8: no
+    ADMM dual update runs. Said in one line before the model loads (and not again), --quiet or not;
+    the run still does what was asked and its report shows 0 dual updates."""
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), "--method", "safe", "--pattern", "2:4", "--epochs", "1",
+            "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["pyprune prune: warning: method 'safe': 4 calibration samples, 1 epochs of batches of 2 give "
+                      "2 steps a block, fewer than dual_interval=8, so no dual update will run; raise nsamples or "
+                      "epochs, or lower dual_interval"]
+    assert json.loads(report_path.read_text())["dual_updates_per_block"] == 0
+    assert cli.main(argv[:-1] + ["--dual-interval", "2"]) == 0  # two steps, one dual update: nothing to say
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, capsys):
+    """SliceGPT on a dense Llama leaves its shortcut rotations dense: the line names one of them and
+    no longer calls them MoE routers."""
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "slicegpt", "--ratio", "0.25", "--calib",
+                     str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(tmp_path / "r.json"),
+                     "--quiet"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
+    assert "MoE" not in line and ", e.g. model.layers." in line, line

@@ -1,12 +1,12 @@
-"""Runs the authors' Wanda / SparseGPT (locuslab/wanda ``lib/``) for ``crosscheck_wanda.py``.
+"""Runs the authors' Wanda / SparseGPT (locuslab/wanda ``lib/``) for the ``crosscheck-wanda`` study (:mod:`pyprune.studies.crosscheck_wanda`).
 
-Started by that script with the python of a separate virtual environment (transformers 4.36,
-which the authors' code targets), never imported by pyprune: it imports only torch,
+Started by that study with the python of a separate virtual environment (transformers 4.36,
+which the authors' code targets); pyprune imports it only for AUTHORS_FILES. It imports only torch,
 transformers and the authors' ``lib`` from the checkout named in the job, read-only.
 
-    python _crosscheck_driver.py JOB.pt OUT.pt
+    python _wanda_driver.py JOB.pt OUT.pt
 
-JOB.pt (written by crosscheck_wanda.py with torch.save) holds the checkout path, a model
+JOB.pt (written by the study with torch.save) holds the checkout path, a model
 directory, the expected ``rope_theta``, the calibration token ids [nsamples, seqlen], the
 evaluation windows [windows, seqlen] and the runs. OUT.pt receives the environment, the dense
 perplexity and, per run, the perplexity, the time and the nonzero mask of every pruned linear.

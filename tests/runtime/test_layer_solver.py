@@ -5,7 +5,7 @@ import torch
 from pyprune.methods.sparsegpt import SparseGPT, _Hessian
 from pyprune.ops.conventions import kept_count
 from pyprune.patterns import NM, Unstructured
-from pyprune.runtime.reconstruction import (AdmmSchedule, admm_support, normalise, pcg_on_support,
+from pyprune.runtime.layer_solver import (AdmmSchedule, admm_support, normalise, pcg_on_support,
                                             reconstruction_error)
 
 OUT, IN = 32, 64
