@@ -311,6 +311,7 @@ def e2e_markdown(report):
 def write_results(run, output_dir, tag=None, dispatch_table=None):
     """Write every results file ``run`` has rows for into ``output_dir``; returns their paths. With
     ``dispatch_table``, the SparseLinear rows also go into that table's block of the run's environment."""
+    os.makedirs(output_dir, exist_ok=True)
     written = []
 
     def write(name, report, markdown):

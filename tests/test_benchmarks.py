@@ -66,9 +66,9 @@ def test_ops_report_pairs_each_baseline_with_pyprune_and_the_byte_floor(tmp_path
                (_op(ops_suite.SAFE_STEP, "pyprune", shape="block of 7: 0.0M", bytes=1e6), 4e-3),
                *[(_op(ops_suite.SAFE_STEP, role, name, shape="block of 7: 0.0M"), 8e-3)
                  for role, name in ops_suite.SAFE_CASE.baselines])
-    assert [path.name for path in map(Path, report.write_results(run, str(tmp_path)))] == \
-        ["ops-cpu-float32.json", "ops-cpu-float32.md"]
-    saved = json.loads((tmp_path / "ops-cpu-float32.json").read_text())
+    assert [path.name for path in map(Path, report.write_results(run, str(tmp_path / "new")))] == \
+        ["ops-cpu-float32.json", "ops-cpu-float32.md"]  # into a directory it makes
+    saved = json.loads((tmp_path / "new" / "ops-cpu-float32.json").read_text())
     assert saved["environment"]["timestamp"] == "2026-01-02T03:04:05+00:00"
     assert saved["environment"]["cpu"]["load_average"] == [1.0, 2.0, 3.0]
     mask, linear, *safe = saved["results"]  # on a CPU the minimum of the rounds
@@ -78,7 +78,7 @@ def test_ops_report_pairs_each_baseline_with_pyprune_and_the_byte_floor(tmp_path
     assert linear["speedup"] == 3.0 and "byte_floor_ms" not in linear  # not a mask op
     assert [r["baseline"].split(" ")[-1] for r in safe] == ["math", "AdamW(foreach=True)", "AdamW(fused=True)"]
     assert all(r["pyprune_ms"] == 4.0 and r["speedup"] == 2.0 for r in safe)
-    md = (tmp_path / "ops-cpu-float32.md").read_text()
+    md = (tmp_path / "new" / "ops-cpu-float32.md").read_text()
     assert "| × floor |" in md and "| topk_mask row 50% | 64×128 | float32 | 2.0 | torch.topk + scatter_ | 5.0 | " \
         "2.5× | 2.0 | 1.0 | 2.0× |" in md
     assert f"| {ops_suite.SAFE_STEP} | block of 7: 0.0M | float32 |" in md
