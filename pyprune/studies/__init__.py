@@ -10,7 +10,8 @@
 * :mod:`pyprune.studies.dress`, :mod:`~pyprune.studies.dress_lambda_sweep`,
   :mod:`~pyprune.studies.dress_channel_energy` — DReSS against its controls, its λ, where the
   residual-stream energy sits; studies ``dress``, ``dress-lambda-sweep``, ``dress-channel-energy``.
-* :mod:`pyprune.studies.compare` — tables and figures across reports; :mod:`pyprune.studies.svg` — an SVG line chart.
+* :mod:`pyprune.studies.compare` — tables and figures across reports; :mod:`pyprune.studies.svg` — an SVG
+  line chart.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
 
 Run a study with ``pyprune study NAME [options]`` or :func:`run`::

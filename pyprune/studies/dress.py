@@ -402,7 +402,8 @@ class Dress(Study):
             ppl_lora = self._evaluate(context, model)
             scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, self.limit)
         row = {**head, "slice_mass_ratio": report["slice_mass_ratio"],
-               **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"] for k in ("tensor", "layer", "kind")},
+               **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
+                  for k in ("tensor", "layer", "kind")},
                "norm_scale": report["norm_scale"], "width_scale": report["width_scale"],
                "ppl_before_slice": report.get("before_slice"), "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
                "zero_shot_lora": scores, "train_s": train_s, "lora_s": lora_s,
