@@ -210,3 +210,30 @@ def test_channel_energy_measures_what_each_choice_removes_once(tiny_model_dir, t
     assert studies.run("dress-channel-energy", str(output), model=model_dir, nsamples=8, seqlen=16) == result
     with pytest.raises(StateError, match=r"other settings: ratio 0.25 \(now 0.5\)"):
         studies.run("dress-channel-energy", str(output), model=model_dir, nsamples=8, seqlen=16, ratio=0.5)
+
+
+def test_zero_shot_scores_the_dense_model_once_and_each_row_after_lora(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = str(tiny_model_dir[0])
+    output = tmp_path / "dress.json"
+    scored = []
+
+    def zero_shot(model, tokenizer, tasks, limit):
+        scored.append(model.config.hidden_size)
+        return {t: {"acc": 0.5 + 0.1 * len(scored), "stderr": 0.1, "n": limit, "chance": 0.25} for t in tasks}
+
+    monkeypatch.setattr(dress.zeroshot, "load_tasks", list)  # the task names stand for the loaded tasks
+    monkeypatch.setattr(dress, "zero_shot", zero_shot)
+    settings = dict(model=model_dir, rows=["slice"], tasks=["austen_continuation"], limit=5, **TINY)
+    result = studies.run("dress", str(output), **settings)
+    assert scored == [64, 48]  # the dense model, then the sliced one after LoRA
+    assert result["dense_zero_shot"] == {"austen_continuation": {"acc": 0.6, "stderr": 0.1, "n": 5, "chance": 0.25}}
+    assert result["rows"][0]["zero_shot_lora"]["austen_continuation"]["acc"] == 0.7
+    assert "| quiet | slice only (w/o R) | 0.700 ± 0.100 (n 5) |" in output.with_suffix(".md").read_text()
+    studies.run("dress", str(output), **settings)
+    assert scored == [64, 48]  # nothing left to score
+    # what a concurrent run of the same settings wrote meanwhile is kept: its rows and dense scores
+    on_disk = {"dense_zero_shot": {"moby_dick_continuation": {"acc": 0.3}},
+               "rows": [dict(result["rows"][0], channels="last")]}
+    dress.Dress().merge(result, on_disk)
+    assert set(result["dense_zero_shot"]) == {"austen_continuation", "moby_dick_continuation"}
+    assert [r["channels"] for r in result["rows"]] == ["quiet", "last"]
