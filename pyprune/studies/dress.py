@@ -372,6 +372,7 @@ class Dress(Study):
             super().record(result, arm, row)
 
     def merge(self, result, on_disk):
+        """The rows and the dense zero-shot scores a concurrent run (other channels, rows or tasks) wrote."""
         super().merge(result, on_disk)
         result["dense_zero_shot"] = {**on_disk.get("dense_zero_shot", {}), **result["dense_zero_shot"]}
 
