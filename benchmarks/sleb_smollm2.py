@@ -1,5 +1,5 @@
 """SLEB (block removal) on SmolLM2-135M (or another alias, ``--model``) beside DReSS's rows
-(benchmarks/dress_smollm2.py), where results/dress-<model>.json exists.
+(study dress, pyprune/studies/dress.py), where results/dress-<model>.json exists.
 
 The same data as DReSS's table: ``--nsamples`` x ``--seqlen`` random Emma windows (seed 0); SLEB
 searches on the first ``--sleb-windows`` windows of the regularisation three quarters (every step

@@ -1,5 +1,5 @@
-"""SliceGPT beside DReSS on SmolLM2-135M, with the calibration and evaluation of
-benchmarks/dress_smollm2.py (its functions and settings reused): ``--nsamples`` x ``--seqlen``
+"""SliceGPT beside DReSS on SmolLM2-135M, with the calibration and evaluation of study ``dress``
+(pyprune/studies/dress.py; its functions and settings reused): ``--nsamples`` x ``--seqlen``
 random Emma windows (seed 0), the first three quarters calibrate (DReSS regularises on them,
 SliceGPT computes its PCAs on them, or on the first
 ``--pca-windows`` of them), the last quarter trains LoRA (same steps, rank, alpha, lr,
@@ -26,14 +26,17 @@ import time
 import torch
 
 from _common import environment, previous_result, write_atomic, write_json
-import dress_smollm2 as dress
 import pyprune
 from pyprune.evaluation import zeroshot
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs import data
 from pyprune.inputs.models import load_model
+from pyprune.methods.dress import DReSS
 from pyprune.patterns import Structured
 from pyprune.runtime.recovery import lora_finetune
+from pyprune.studies import dress
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def dress_result(path, settings):
@@ -55,7 +58,7 @@ def markdown(result, dress_result_rows) -> str:
              f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
              f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
              + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and evaluation "
-             "as benchmarks/dress_smollm2.py; its rows are quoted from dress-smollm2-135m.json. "
+             "as study dress; its rows are quoted from dress-smollm2-135m.json. "
              "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
              "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
              + "".join(f" | {t} sliced | {t} + LoRA" for t in tasks) + " | prune (s) | LoRA (s) |",
@@ -95,11 +98,11 @@ def markdown(result, dress_result_rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--nsamples", type=int, default=dress.DReSS.calibration[0])
-    parser.add_argument("--seqlen", type=int, default=dress.DReSS.calibration[1])
+    parser.add_argument("--nsamples", type=int, default=DReSS.calibration[0])
+    parser.add_argument("--seqlen", type=int, default=DReSS.calibration[1])
     parser.add_argument("--lora-steps", type=int, default=50)
-    parser.add_argument("--lora-lr", type=float, default=dress.DEFAULTS["lora_lr"])
-    parser.add_argument("--train-batch", type=int, default=dress.DEFAULTS["train_batch"])
+    parser.add_argument("--lora-lr", type=float, default=DReSS.lora_lr.default)
+    parser.add_argument("--train-batch", type=int, default=DReSS.train_batch.default)
     parser.add_argument("--batch-size", type=int, default=8, help="SliceGPT's calibration batch")
     parser.add_argument("--pca-windows", type=int, default=None,
                         help="SliceGPT's PCAs on the first N of the calibration windows (default all; DReSS ranks "
@@ -111,8 +114,8 @@ def main(argv=None):
     parser.add_argument("--tasks", default="",
                         help="comma-separated zero-shot tasks scored on the sliced model and after LoRA")
     parser.add_argument("--limit", type=int, default=200, help="items per zero-shot task")
-    parser.add_argument("--dress-results", default=os.path.join(dress.RESULTS, "dress-smollm2-135m.json"))
-    parser.add_argument("--output", default=os.path.join(dress.RESULTS, "dress-slicegpt-smollm2-135m.json"))
+    parser.add_argument("--dress-results", default=os.path.join(RESULTS, "dress-smollm2-135m.json"))
+    parser.add_argument("--output", default=os.path.join(RESULTS, "dress-slicegpt-smollm2-135m.json"))
     args = parser.parse_args(argv)
     tasks = zeroshot.load_tasks(args.tasks.split(",")) if args.tasks else None
 
@@ -121,7 +124,7 @@ def main(argv=None):
     split = (3 * args.nsamples) // 4
     calibrate, recover = calib[:split], calib[split:]
     tokens = {text: data.eval_tokens(tokenizer, text, max_tokens=args.eval_tokens) for text in dress.EVAL_TEXTS}
-    settings = {"hidden": f"576 -> ratio {args.ratio}",  # the strings of dress_smollm2.py: its rows match
+    settings = {"hidden": f"576 -> ratio {args.ratio}",  # the strings of study dress: its rows match
                 "calibration": f"{split} x {args.seqlen} Emma windows train, {args.nsamples - split} train LoRA",
                 "evaluation": f"first {args.eval_tokens} tokens of {' and '.join(dress.EVAL_TEXTS)}, "
                               f"{args.eval_seqlen}-token windows",

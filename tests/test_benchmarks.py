@@ -22,7 +22,6 @@ import report  # noqa: E402
 import test_e2e as e2e_suite  # noqa: E402
 import test_ops as ops_suite  # noqa: E402
 import test_sparse_linear as sparse_linear_suite  # noqa: E402
-import dress_smollm2  # noqa: E402
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,12 +233,6 @@ def test_the_suites_timed_give_results_files(tmp_path):
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sparse-linear-cpu-run.md").read_text()
 
 
-def test_svg_plot_rejects_empty_input():
-    from _common import svg_line_plot
-    with pytest.raises(ValueError, match="at least one point"):
-        svg_line_plot({}, "t", "x", "y")
-
-
 def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(tmp_path):
     from _common import previous_result, write_json
     path = tmp_path / "study.json"
@@ -252,34 +245,6 @@ def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(
         previous_result(str(path), {"seed": 1, "tokens": 8192})
     assert path.read_text() == before
 
-
-def test_dress_benchmark_tells_trained_rows_apart_by_learning_rate_and_seed():
-    def options(*argv):
-        args = argparse.Namespace(lam=1.0, lr=1e-3, norm="l2", train_batch=4, train_seed=0, steps=150)
-        for name, value in zip(argv[::2], argv[1::2]):
-            setattr(args, name, value)
-        return {label: dict(opts, channels="quiet") for label, opts, _ in dress_smollm2.arms(args, {"dress", "npr"})}
-    stored = options()
-    for changed in (options("lr", 3e-3), options("train_seed", 1)):
-        for label, opts in changed.items():
-            row = {"label": label, "lr": 1e-3, "train_batch": 4, **stored[label]}
-            assert dress_smollm2.is_row(row, label, stored[label]) and not dress_smollm2.is_row(row, label, opts)
-
-
-def test_dress_benchmark_groups_a_setting_over_its_training_seeds():
-    def row(label, seed=None, lr=1e-3, steps=150, ppl=60.0):
-        return {"channels": "quiet", "label": label, "lam": None if label == "npr" else 250.0, "lr": lr,
-                "norm": "l2", "train_batch": 4, "steps": 0 if label == "npr" else steps, "train_steps": steps,
-                "rescale_norms": True, "slice_mass_ratio": 0.5, "ppl_sliced": {"pride_and_prejudice": ppl},
-                **({} if seed is None else {"train_seed": seed})}
-    rows = [row("prox", ppl=60.0), row("prox", seed=1, ppl=62.0), row("prox", lr=3e-3),  # other lr: alone
-            row("npr", ppl=58.0), row("npr", seed=2, ppl=57.0), row("slice", steps=0)]
-    groups = dress_smollm2.seed_groups(rows)
-    assert [(first["label"], [r["ppl_sliced"]["pride_and_prejudice"] for r in group]) for first, group in groups] \
-        == [("prox", [60.0, 62.0]), ("npr", [58.0, 57.0])]
-    from _common import mean_std
-    assert mean_std([60.0, 62.0], ".2f") == "61.00 ± 1.41"
-    assert mean_std([60.0, None], ".2f") == "60.00" and mean_std([None]) == "–"
 
 def test_dress_speed_benchmark_on_a_local_and_a_random_tiny_model(tmp_path, monkeypatch):
     from pyprune.nn.measure import model_cost

@@ -7,7 +7,11 @@
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
-* :mod:`pyprune.studies.compare` — tables and figures across reports.
+* :mod:`pyprune.studies.dress`, :mod:`~pyprune.studies.dress_lambda_sweep`,
+  :mod:`~pyprune.studies.dress_channel_energy` — DReSS against its controls, its λ, where the
+  residual-stream energy sits; studies ``dress``, ``dress-lambda-sweep``, ``dress-channel-energy``.
+* :mod:`pyprune.studies.compare` — tables and figures across reports; :mod:`pyprune.studies.svg` — an SVG
+  line chart.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
 
 Run a study with ``pyprune study NAME [options]`` or :func:`run`::
@@ -20,11 +24,15 @@ from typing import Any, Dict, Optional, Type
 
 from .continual import Continual, ContinualSeeds
 from .crosscheck_wanda import CrosscheckWanda
+from .dress import Dress
+from .dress_channel_energy import DressChannelEnergy
+from .dress_lambda_sweep import DressLambdaSweep
 from .robustness import Robustness
 from .study import Study, run as _run
 
 #: every declared study by name
-STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda)}
+STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
+                                                              Dress, DressLambdaSweep, DressChannelEnergy)}
 
 
 def get(name: str, **settings: Any) -> Study:
