@@ -6,6 +6,8 @@
   studies ``continual`` and ``continual-seeds``.
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
+* :mod:`pyprune.studies.baselines` — prune, then evaluate: studies ``baselines``, ``owl``, ``zeroshot``.
+* :mod:`pyprune.studies.beside_dress` — SLEB and SliceGPT beside DReSS: studies ``sleb``, ``slicegpt``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
 * :mod:`pyprune.studies.compare` — tables and figures across reports.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
+from .baselines import Baselines, Owl, ZeroShot
+from .beside_dress import Sleb, SliceGpt
 from .continual import Continual, ContinualSeeds
 from .crosscheck_wanda import CrosscheckWanda
 from .robustness import Robustness
 from .study import Study, run as _run
 
 #: every declared study by name
-STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda)}
+STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
+                                                              Baselines, Owl, ZeroShot, Sleb, SliceGpt)}
 
 
 def get(name: str, **settings: Any) -> Study:
