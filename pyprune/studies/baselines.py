@@ -64,6 +64,9 @@ ARMS: Dict[str, Tuple[str, Pattern, dict]] = {
     "dress-0.25-steps40": ("dress", Structured(0.25), {"steps": 40}),
 }
 DEFAULT_ARMS = tuple(name for name in ARMS if name not in ("safe+-2:4-lr0.001", "dress-0.25-steps40"))
+#: the zero-shot table's pruned rows (names in :data:`ARMS`)
+ZEROSHOT_ARMS = ("wanda-0.5", "sparsegpt-2:4", "taylor-0.2-ends")
+TASKS = tuple(zeroshot.LOCAL_TASKS)
 #: the methods that take OWL's layer-wise sparsity (``owl=True``)
 OWL_METHODS = tuple(name for name, cls in REGISTRY.items() if any(o.name == "owl" for o in cls.options))
 
@@ -269,8 +272,9 @@ class Owl(_PruneAndEvaluate):
 class ZeroShot(_PruneAndEvaluate):
     """Zero-shot accuracy and perplexity, dense and pruned (the README's zero-shot table).
 
-    Rows: dense and the arms of :data:`ZEROSHOT_ARMS` (Wanda 50%, SparseGPT 2:4, LLM-Pruner's
-    Taylor at a 20% ratio with the first 3 and the last layer dense), all calibrated on the same
+    Rows: dense and the arms ``rows`` of :data:`ARMS` (by default :data:`ZEROSHOT_ARMS`: Wanda 50%,
+    SparseGPT 2:4, LLM-Pruner's Taylor at a 20% ratio with the first 3 and the last layer dense;
+    the file records them as its ``runs``), all calibrated on the same
     Emma windows (seed 0). Each row: perplexity on the first ``eval_tokens`` tokens of Pride and
     Prejudice in ``seqlen`` windows and lm-eval's acc / acc_norm on the first ``items`` items of
     each local task (:data:`pyprune.evaluation.zeroshot.LOCAL_TASKS`). Every row is a report in
@@ -282,9 +286,17 @@ class ZeroShot(_PruneAndEvaluate):
     summary = "zero-shot accuracy and perplexity, dense and pruned (the README's zero-shot table)"
     results = "zeroshot"
 
+    rows: Tuple[str, ...] = option(ZEROSHOT_ARMS, "the pruned rows, arms of study baselines (dense is always the "
+                                   "first)", choices=tuple(ARMS))
     items: int = option(300, "items per task (the first N)", at_least_one)
     batch_size: int = option(8, "zero-shot batch", at_least_one)
     threads: Optional[int] = option(None, "torch threads (default: torch's)", at_least_one)
+
+    def check_options(self):
+        rows = [(ARMS[name][0], str(ARMS[name][1])) for name in self.rows]
+        if len(set(rows)) < len(rows):
+            raise ValueError(f"option rows of study 'zeroshot': a row is keyed by its method and pattern, so each "
+                             f"may appear once; got {', '.join(self.rows)}")
 
     def prepare(self, path):
         if self.threads is not None:
@@ -300,13 +312,13 @@ class ZeroShot(_PruneAndEvaluate):
                 "choices": zeroshot.CHOICES, "num_fewshot": 0, "calib": CALIB_SOURCE, "nsamples": self.nsamples,
                 "seqlen": self.seqlen, "eval": EVAL_SOURCE, "eval_tokens": self.eval_tokens,
                 "runs": [[method, str(pattern), options] for method, pattern, options in
-                         (ARMS[name] for name in ZEROSHOT_ARMS)]}
+                         (ARMS[name] for name in self.rows)]}
 
     def arms(self, context):
         yield Arm(("dense", "-"), "dense")
-        for name in ZEROSHOT_ARMS:
+        for name in self.rows:
             method, pattern, options = ARMS[name]
-            yield Arm((method, str(pattern)), name, ARMS[name])
+            yield Arm((method, str(pattern)), name, ARMS[name])  # a report's pattern: without the options
 
     def row_key(self, row):
         return row["method"], row["pattern"]
@@ -353,10 +365,6 @@ class ZeroShot(_PruneAndEvaluate):
                   f"every method (Taylor with the first 3 and the last layer dense).\n\n")
         return header + compare.markdown_table(compare.rows(result["rows"]))
 
-
-#: the zero-shot table's pruned rows (names in :data:`ARMS`)
-ZEROSHOT_ARMS = ("wanda-0.5", "sparsegpt-2:4", "taylor-0.2-ends")
-TASKS = tuple(zeroshot.LOCAL_TASKS)
 
 
 def context_note(tokenizer, items: int) -> dict:
