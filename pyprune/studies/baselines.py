@@ -21,7 +21,7 @@ import os
 import platform
 import time
 from datetime import datetime, timezone
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -81,6 +81,12 @@ def model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
+def model_results(results: str, model: str) -> str:
+    """The default results file of a study whose :attr:`~pyprune.studies.study.Study.results` names
+    the model as ``<model>`` (``owl-<model>``: ``benchmarks/results/owl-smollm2-135m.json``)."""
+    return os.path.join(RESULTS_DIR, results.replace("<model>", model_name(model)) + ".json")
+
+
 class _PruneAndEvaluate(Study):
     """What the three studies share: the model, Emma calibration windows, Pride and Prejudice
     evaluation tokens, and one arm = a method on a fresh copy of the dense model."""
@@ -95,9 +101,7 @@ class _PruneAndEvaluate(Study):
         return 0
 
     def output_path(self, output):
-        if output is None:
-            output = os.path.join(RESULTS_DIR, f"{self.results}-{model_name(self.model)}.json")
-        return super().output_path(output)
+        return super().output_path(output if output is not None else model_results(self.results, self.model))
 
     def prepare(self, path):
         model, tokenizer = load_model(self.model)
@@ -124,7 +128,7 @@ class Baselines(_PruneAndEvaluate):
 
     name = "baselines"
     summary = "perplexity of every method at its patterns, one row per arm (the README table)"
-    results = "baselines"
+    results = "baselines-<model>"
     row_list = "results"
 
     rows: Tuple[str, ...] = option(DEFAULT_ARMS, "the arms, each a row (dense is always the first): "
@@ -200,7 +204,7 @@ class Owl(_PruneAndEvaluate):
 
     name = "owl"
     summary = "OWL's layer-wise sparsity beside uniform sparsity, per method and sparsity"
-    results = "owl"
+    results = "owl-<model>"
     row_list = "results"
 
     eval_tokens: int = option(4096, "the first N tokens of Pride and Prejudice evaluated", at_least_one)
@@ -284,13 +288,12 @@ class ZeroShot(_PruneAndEvaluate):
 
     name = "zeroshot"
     summary = "zero-shot accuracy and perplexity, dense and pruned (the README's zero-shot table)"
-    results = "zeroshot"
+    results = "zeroshot-<model>"
 
     rows: Tuple[str, ...] = option(ZEROSHOT_ARMS, "the pruned rows, arms of study baselines (dense is always the "
                                    "first)", choices=tuple(ARMS))
     items: int = option(300, "items per task (the first N)", at_least_one)
     batch_size: int = option(8, "zero-shot batch", at_least_one)
-    threads: Optional[int] = option(None, "torch threads (default: torch's)", at_least_one)
 
     def check_options(self):
         rows = [(ARMS[name][0], str(ARMS[name][1])) for name in self.rows]
@@ -299,8 +302,6 @@ class ZeroShot(_PruneAndEvaluate):
                              f"may appear once; got {', '.join(self.rows)}")
 
     def prepare(self, path):
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
         context = super().prepare(path)
         context["tasks"] = zeroshot.load_tasks(TASKS)
         context["context"] = context_note(context["tokenizer"], self.items)

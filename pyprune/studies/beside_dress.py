@@ -34,7 +34,7 @@ from ..methods.pruning import prune
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
-from .baselines import DEFAULT_MODEL, MODELS, model_name
+from .baselines import DEFAULT_MODEL, MODELS, model_name, model_results
 from .study import RESULTS_DIR, Arm, Study
 
 EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
@@ -75,9 +75,7 @@ class _BesideDress(Study):
     limit: int = option(200, "items per zero-shot task", at_least_one)
 
     def output_path(self, output):
-        if output is None:
-            output = os.path.join(RESULTS_DIR, f"{self.results}-{model_name(self.model)}.json")
-        return super().output_path(output)
+        return super().output_path(output if output is not None else model_results(self.results, self.model))
 
     def prepare(self, path):
         model, tokenizer = load_model(self.model)
@@ -106,7 +104,7 @@ class Sleb(_BesideDress):
 
     name = "sleb"
     summary = "SLEB's block removal beside DReSS's rows, perplexity and zero-shot"
-    results = "sleb"
+    results = "sleb-<model>"
     resumes = False  # one arm: the file is rebuilt by every run
 
     sleb_windows: int = option(4, "the first N calibration windows SLEB's search runs on", at_least_one)
@@ -207,7 +205,7 @@ class SliceGpt(_BesideDress):
 
     name = "slicegpt"
     summary = "SliceGPT beside DReSS, sliced and after LoRA, perplexity and zero-shot"
-    results = "dress-slicegpt"
+    results = "dress-slicegpt-<model>"
 
     lora_steps: int = option(50, "LoRA steps after slicing (DReSS's table: 50)", at_least_one)
     lora_lr: float = option(1e-4, "LoRA learning rate (DReSS's)", positive)
