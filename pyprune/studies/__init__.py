@@ -6,6 +6,8 @@
   studies ``continual`` and ``continual-seeds``.
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
+* :mod:`pyprune.studies.baselines` — prune, then evaluate: studies ``baselines``, ``owl``, ``zeroshot``.
+* :mod:`pyprune.studies.beside_dress` — SLEB and SliceGPT beside DReSS: studies ``sleb``, ``slicegpt``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
 * :mod:`pyprune.studies.dress`, :mod:`~pyprune.studies.dress_lambda_sweep`,
   :mod:`~pyprune.studies.dress_channel_energy` — DReSS against its controls, its λ, where the
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
+from .baselines import Baselines, Owl, ZeroShot
+from .beside_dress import Sleb, SliceGpt
 from .continual import Continual, ContinualSeeds
 from .crosscheck_wanda import CrosscheckWanda
 from .dress import Dress
@@ -32,7 +36,8 @@ from .study import Study, run as _run
 
 #: every declared study by name
 STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
-                                                              Dress, DressLambdaSweep, DressChannelEnergy)}
+                                                              Dress, DressLambdaSweep, DressChannelEnergy,
+                                                              Baselines, Owl, ZeroShot, Sleb, SliceGpt)}
 
 
 def get(name: str, **settings: Any) -> Study:
