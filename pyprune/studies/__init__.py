@@ -7,6 +7,9 @@
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
 * :mod:`pyprune.studies.crosscheck_wanda` — study ``crosscheck-wanda`` against the authors' code.
+* :mod:`pyprune.studies.alps_layers` — study ``alps-layers``: ALPS and SparseGPT on the layer objective;
+  :mod:`pyprune.studies.crosscheck_alps` — study ``crosscheck-alps`` against the authors' code
+  (:mod:`pyprune.studies.authors_code`: the checkout the cross-checks share).
 * :mod:`pyprune.studies.compare` — tables and figures across reports.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
 
@@ -18,13 +21,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
+from .alps_layers import AlpsLayers
 from .continual import Continual, ContinualSeeds
+from .crosscheck_alps import CrosscheckAlps
 from .crosscheck_wanda import CrosscheckWanda
 from .robustness import Robustness
 from .study import Study, run as _run
 
 #: every declared study by name
-STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda)}
+STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
+                                                              AlpsLayers, CrosscheckAlps)}
 
 
 def get(name: str, **settings: Any) -> Study:
