@@ -12,6 +12,9 @@
 * :mod:`pyprune.studies.dress`, :mod:`~pyprune.studies.dress_lambda_sweep`,
   :mod:`~pyprune.studies.dress_channel_energy` — DReSS against its controls, its λ, where the
   residual-stream energy sits; studies ``dress``, ``dress-lambda-sweep``, ``dress-channel-energy``.
+* :mod:`pyprune.studies.alps_layers` — study ``alps-layers``: ALPS and SparseGPT on the layer objective;
+  :mod:`pyprune.studies.crosscheck_alps` — study ``crosscheck-alps`` against the authors' code
+  (:mod:`pyprune.studies.authors_code`: the checkout the cross-checks share).
 * :mod:`pyprune.studies.compare` — tables and figures across reports; :mod:`pyprune.studies.svg` — an SVG
   line chart.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
+from .alps_layers import AlpsLayers
 from .baselines import Baselines, Owl, ZeroShot
 from .beside_dress import Sleb, SliceGpt
 from .continual import Continual, ContinualSeeds
+from .crosscheck_alps import CrosscheckAlps
 from .crosscheck_wanda import CrosscheckWanda
 from .dress import Dress
 from .dress_channel_energy import DressChannelEnergy
@@ -37,7 +42,8 @@ from .study import Study, run as _run
 #: every declared study by name
 STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
                                                               Dress, DressLambdaSweep, DressChannelEnergy,
-                                                              Baselines, Owl, ZeroShot, Sleb, SliceGpt)}
+                                                              Baselines, Owl, ZeroShot, Sleb, SliceGpt,
+                                                              AlpsLayers, CrosscheckAlps)}
 
 
 def get(name: str, **settings: Any) -> Study:
