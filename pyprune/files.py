@@ -208,12 +208,13 @@ def _remove(path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_path(target: str) -> Iterator[str]:
-    """Yield a temporary path next to ``target`` to write; when the block ends it replaces
-    ``target`` (a file), and when it raises it is removed. A ``target`` that exists and is not a
+    """Yield a temporary path next to ``target`` (its missing parents created) to write; when the
+    block ends it replaces ``target`` (a file), and when it raises it is removed. A ``target`` that exists and is not a
     regular file (a device, fifo, socket, directory or symbolic link) is refused
     (:class:`DestinationError`), before the block runs and again before the rename."""
     target = os.fspath(target)
     _refuse_node(target)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)  # missing parents, as mkdir -p
     remove_stale(os.path.dirname(os.path.abspath(target)))
     tmp = temp_path(target)
     try:

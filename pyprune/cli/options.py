@@ -174,6 +174,12 @@ def structured_from(args) -> Structured:
         raise UsageError(str(error)) from None
 
 
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --output directory that pyprune saved before (never one holding other "
+                             "files); the old one stays until the new one is complete")
+
+
 def add_zero_shot_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", help="zero-shot accuracy (lm-evaluation-harness, extra pyprune[eval]) on "
                         "these comma-separated tasks: austen_continuation, moby_dick_continuation, "

@@ -21,6 +21,7 @@ def register(sub, method) -> None:
                                   options.source_help("calibration text (every method but magnitude)"))
     options.add_eval_flags(parser)
     parser.add_argument("--output", help="directory for the pruned model (written atomically)")
+    options.add_overwrite_flag(parser)
     parser.add_argument("--sparse-layers", action="store_true",
                         help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                              "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
@@ -42,7 +43,7 @@ def run(args) -> int:
     if runner.needs_calibration and args.calib is None:
         raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
     checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))
-    checks.check_output(args.output, "--output", args.model)
+    checks.check_output(args.output, "--output", args.model, args.overwrite)
     checks.check_report(args.report, args.model, output=args.output)
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
@@ -59,7 +60,7 @@ def run(args) -> int:
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, (["seqlen"] if runner.needs_calibration else [])
                          + (["eval_seqlen"] if args.eval else []))
-    checks.check_method_config(runner, config, pattern)
+    checks.check_method_config(runner, args, config, pattern)
     checks.check_memory(args, runner, args.offload)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None

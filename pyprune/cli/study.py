@@ -14,7 +14,7 @@ def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND], description=__doc__ + "\n\nStudies:\n" + "\n".join(
         f"  {name}: {cls.summary}" for name, cls in studies.STUDIES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = parser.add_subparsers(dest="study", required=True, metavar="NAME")
+    names = parser.add_subparsers(dest="study", required=True, metavar="NAME", help="the study to run (listed above)")
     for name, cls in studies.STUDIES.items():
         study = names.add_parser(name, help=cls.summary, description=(cls.__doc__ or "").strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -19,8 +19,8 @@ Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries
   first use and by ``pyprune tune``.
 * The shipped table, a prior: ``{"environments": [block, ...]}`` in ``dispatch_table.json`` next to
   this file (or the file named by ``PYPRUNE_DISPATCH_TABLE``), written by
-  ``benchmarks/bench_sparse_linear.py --write-dispatch``. A block applies only where its
-  environment equals this process's exactly.
+  ``benchmarks/report.py --write-dispatch`` from a timed run of ``benchmarks/test_sparse_linear.py``.
+  A block applies only where its environment equals this process's exactly.
 
 :func:`answer` gives what may be used as is: the cache's entry (source ``cache``), else a prior
 ``dense`` entry (``prior``). A prior naming a sparse backend is no answer: the caller measures the
@@ -293,8 +293,8 @@ def _load_table(path: str, stamp: tuple) -> List[Dict]:
             for b in blocks):
         raise ValueError(f"dispatch table {path} must be {{\"environments\": [{{\"environment\": {{...}}, "
                          f"\"entries\": {{...}}}}, ...]}}: rows without the environment they were measured in "
-                         "cannot be attributed to a machine; write it with benchmarks/bench_sparse_linear.py "
-                         "--write-dispatch")
+                         "cannot be attributed to a machine; write it with benchmarks/report.py --write-dispatch "
+                         "(from a timed run of benchmarks/test_sparse_linear.py)")
     for block in blocks:
         for key, entry in block["entries"].items():
             if not isinstance(entry, dict) or entry.get("backend") not in BACKENDS:

@@ -47,7 +47,9 @@ from ..methods.options import at_least_one, nonnegative, option, positive
 from ..nn.dispatch import environment_record
 from ..patterns import Unstructured, parse
 from ..methods.pruning import prune
+from .results import verdict_cell
 from .study import Arm, Study
+from .verdict import RULE, paired_verdict
 
 INITS = ("global", "sequential", "cumulative")
 
@@ -506,6 +508,39 @@ def merge_seeds(results: Sequence[dict]) -> dict:
             "dense": results[0]["dense"], "rows": rows}
 
 
+def seeds_verdicts(summary):
+    """COPAL against cumulative Wanda over the calibration seeds: for every COPAL row and the
+    ``wanda`` ``cumulative`` row of its pattern, (COPAL row, Wanda row, A-BWT verdict, A-PPL
+    verdict) on the seeds both ran (:func:`pyprune.studies.verdict.paired_verdict`; lower is better
+    for both: less forgetting, lower perplexity)."""
+    rows = summary["rows"]
+    found = []
+    for copal in (row for row in rows if row["method"].startswith("copal")):
+        wanda = next((row for row in rows if row["pattern"] == copal["pattern"] and row["method"] == "wanda"
+                      and row["init"] == "cumulative"), None)
+        if wanda is None:
+            continue
+        found.append((copal, wanda, *(paired_verdict({p["seed"]: p[metric] for p in copal["per_seed"]},
+                                                     {p["seed"]: p[metric] for p in wanda["per_seed"]})
+                                      for metric in ("a_bwt", "a_ppl"))))
+    return found
+
+
+def seeds_verdict_lines(summary):
+    """The markdown of :func:`seeds_verdicts` (nothing without a COPAL row and its Wanda row)."""
+    found = seeds_verdicts(summary)
+    if not found:
+        return []
+    lines = ["", f"COPAL against cumulative Wanda, paired by calibration seed: ahead or behind only when {RULE} "
+             "(pyprune.studies.verdict), otherwise unsettled. Difference = COPAL − Wanda; lower is better for "
+             "both.", "",
+             "| pattern | method | init | A-BWT against Wanda | A-PPL against Wanda |", "|---|---|---|---|---|"]
+    for copal, _, bwt, ppl in found:
+        lines.append(f"| {copal['pattern']} | {copal['method']} | {copal['init']} | {verdict_cell(bwt, '.3f')} | "
+                     f"{verdict_cell(ppl, '.3f')} |")
+    return lines
+
+
 def seeds_markdown(summary) -> str:
     s = summary["settings"]
     seeds = s["calibration_seeds"]
@@ -522,6 +557,7 @@ def seeds_markdown(summary) -> str:
                      f"{row['a_bwt_mean']:.3f} ± {row['a_bwt_std']:.2f} | {row['a_ppl_mean']:.3f} ± "
                      f"{row['a_ppl_std']:.2f} | " + " | ".join(f"{p['a_bwt']:.3f} / {p['a_ppl']:.3f}"
                                                             for p in row["per_seed"]) + " |")
+    lines += seeds_verdict_lines(summary)
     lines += ["", "Per seed and order: A-BWT / mean final perplexity of that order alone.", "",
               "| pattern | method | init | seed | " + " | ".join(names) + " |",
               "|---|---|---|---:|" + "---:|" * len(names)]

@@ -34,6 +34,7 @@ from ..patterns import NM, Unstructured
 from ..runtime.engine import block_linears, block_prefix, decoder_blocks
 from .study import Arm, Study
 from ._wanda_driver import AUTHORS_FILES
+from .authors_code import check_checkout, record
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_wanda_driver.py")
 DEFAULT_MODEL = "smollm2-135m"
@@ -142,14 +143,6 @@ def run_authors(study, model, calib, eval_windows, workdir):
     return torch.load(out)
 
 
-def git_commit(repo):
-    try:
-        done = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def percent_down(fraction):
     """A fraction as a percentage rounded down to 0.01 (so an imperfect match never shows 100%)."""
     return "100%" if fraction == 1.0 else f"{math.floor(fraction * 1e4) / 100:.2f}%"
@@ -233,14 +226,7 @@ class CrosscheckWanda(Study):
     def check_options(self) -> None:
         """Everything checkable before any heavy work: the checkout, the other python, the counts."""
         where = "of study 'crosscheck-wanda'"
-        if not self.wanda_repo:
-            raise ValueError(f"option wanda_repo {where} is required: a checkout of locuslab/wanda")
-        if not os.path.isdir(self.wanda_repo):
-            raise ValueError(f"option wanda_repo {where}: {self.wanda_repo!r} is not a directory")
-        missing = [f for f in AUTHORS_FILES if not os.path.isfile(os.path.join(self.wanda_repo, f))]
-        if missing:
-            raise ValueError(f"option wanda_repo {where}: {self.wanda_repo!r} is not a checkout of locuslab/wanda "
-                             f"(no {', '.join(missing)})")
+        check_checkout(self.wanda_repo, AUTHORS_FILES, "locuslab/wanda", "wanda_repo", self.name)
         if not self.python:
             raise ValueError(f"option python {where} is required: the python of a virtualenv with "
                              "transformers 4.36.x")
@@ -293,8 +279,8 @@ class CrosscheckWanda(Study):
                            f"seqlen={self.seqlen}, seed={self.seed})",
             "evaluation": f"first {context['stream'].numel()} tokens of {self.eval!r} in {self.seqlen}-token "
                           f"windows, exp(mean next-token NLL)",
-            "authors_code": {"repository": "locuslab/wanda", "commit": git_commit(self.wanda_repo),
-                             "files_sha256": authors["authors_files"], "environment": authors["environment"]},
+            "authors_code": {**record(self.wanda_repo, AUTHORS_FILES, "locuslab/wanda"),
+                             "environment": authors["environment"]},
             "environment": {"transformers": transformers.__version__},
             "results": [],
         }

@@ -60,8 +60,9 @@ from ..methods.structured import STREAM
 from ..evaluation.perplexity import perplexity
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
-from .results import mean_std
+from .results import mean_std, verdict_cell
 from .study import Arm, Study
+from .verdict import RULE, paired_verdict
 
 FORMATS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_FORMATS = {"float32": torch.float32, **FORMATS}
@@ -371,6 +372,41 @@ def _rho_channels(spearman):
     return spearman["channels"] if "channels" in spearman else spearman["hidden"]
 
 
+def verdicts(runs):
+    """MoreauPruner against the baselines over calibration seeds: for every MoreauPruner variant
+    and every other variant run in the same arithmetic, layers, ratio and structure, the
+    (MoreauPruner key, baseline key, agreement verdict, ppl_diff verdict) on the seeds both ran
+    (:func:`pyprune.studies.verdict.paired_verdict`; agreement: higher is better, ppl_diff: lower)."""
+    keys = sorted({_key(r) for r in runs}, key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]), k[1]))
+    found = []
+    for ours in (key for key in keys if key[0].startswith("moreau")):
+        for theirs in (key for key in keys if not key[0].startswith("moreau") and key[1:] == ours[1:]):
+            side = {key: {r["seed"]: r for r in runs if _key(r) == key} for key in (ours, theirs)}
+            if not side[ours].keys() & side[theirs].keys():
+                continue
+            found.append((ours, theirs, *(paired_verdict({s: r[metric] for s, r in side[ours].items()},
+                                                         {s: r[metric] for s, r in side[theirs].items()},
+                                                         lower_is_better=metric != "agreement")
+                                          for metric in ("agreement", "ppl_diff"))))
+    return found
+
+
+def verdict_lines(runs):
+    """The markdown of :func:`verdicts` (nothing when no MoreauPruner variant shares a seed with a baseline)."""
+    found = verdicts(runs)
+    if not found:
+        return []
+    lines = ["", f"MoreauPruner against the baselines, paired by calibration seed: ahead or behind only when {RULE} "
+             "(pyprune.studies.verdict), otherwise unsettled. Difference = MoreauPruner − baseline; agreement: "
+             "higher is better, ppl_diff: lower is better.", "",
+             "| method | against | arithmetic | structure | layers | ratio | agreement | ppl_diff |",
+             "|---|---|---|---|---|---:|---|---|"]
+    for ours, theirs, agreement_verdict, ppl_verdict in found:
+        lines.append(f"| {ours[0]} | {theirs[0]} | {ours[1]} | {ours[4]} | {ours[2]} | {ours[3]:g} | "
+                     f"{verdict_cell(agreement_verdict)} | {verdict_cell(ppl_verdict, '.2f')} |")
+    return lines
+
+
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
     lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
@@ -405,6 +441,7 @@ def markdown(result) -> str:
                  mean_std([m.get("decay") for m in moreau], ".3f"),
                  mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += verdict_lines(runs)
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
               "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
               "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "

@@ -239,6 +239,12 @@ class SafeSweep(Study):
         else:
             super().record(result, arm, row)
 
+    def merge(self, result, on_disk):
+        """A concurrent run's rows and its one-shot references."""
+        super().merge(result, on_disk)
+        for key, reference in on_disk.get("one_shot", {}).items():
+            result["one_shot"].setdefault(key, reference)
+
     def run_arm(self, context, arm, row, checkpoint):
         method, index, nsamples = arm.spec
         dense_block, all_inputs, kwargs, held, held_kwargs = context["dense"][index]

@@ -128,6 +128,12 @@ class Study:
         else:
             rows[index] = row
 
+    def merge(self, result: dict, on_disk: dict) -> None:
+        """Add to ``result`` (in place) what a concurrent run of the same settings wrote to the
+        results file meanwhile (``on_disk``): its rows of keys ``result`` lacks."""
+        have = {self.row_key(row) for row in result[self.row_list]}
+        result[self.row_list].extend(row for row in on_disk.get(self.row_list, []) if self.row_key(row) not in have)
+
     def complete(self, result: dict, context: Any) -> dict:
         """``result`` as written: derived entries (the environment, summaries) filled in."""
         return result
@@ -173,9 +179,8 @@ def run(study: Study, output: Optional[str] = None) -> dict:
         with locked(path):
             if study.resumes:
                 on_disk = read_results(path, settings)
-                have = {study.row_key(row) for row in result[study.row_list]}
-                result[study.row_list].extend(row for row in (on_disk or {}).get(study.row_list, [])
-                                          if study.row_key(row) not in have)
+                if on_disk is not None:
+                    study.merge(result, on_disk)
             written[:] = [study.complete(result, context)]
             write_results(path, written[0], study.markdown)
 

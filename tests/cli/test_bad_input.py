@@ -17,7 +17,7 @@ from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
 from pyprune.files import TEMP_TAG, write_json
-from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
+from tests.helpers import WORDS, tiny_decoder, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,9 @@ def files(tmp_path_factory):
                 "calibration": "c"}, "finished": 1, "details": [None]})
     (base / "broken-checkpoint").mkdir()
     (base / "broken-checkpoint" / "blockwise.json").write_text("{ not json")
+    gemma = base / "gemma3"
+    tiny_decoder("gemma3", layers=2).save_pretrained(gemma)
+    tiny_tokenizer().save_pretrained(gemma)
     (base / "continual.json").write_text("{ not json")
     (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
     return base
@@ -109,6 +112,10 @@ CASES = [
      r"future-version/pyprune.json has version 99; this pyprune reads versions 1, 2, 3", {}),
     ("prune-binary-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{binary.txt}"],
      r"binary.txt is not UTF-8 text", {}),
+    ("prune-pattern-not-dividing-a-layer", ["prune", "--model", "{tiny}", "--method", "wanda", "--pattern", "2:5",
+                                            "--calib", "{text.txt}"], r"2:5 .*(64|128)", {}),
+    ("prune-slicegpt-on-gemma", ["prune", "--model", "{gemma3}", "--method", "slicegpt", "--ratio", "0.25",
+                                 "--calib", "{text.txt}", "--seqlen", "16"], r"(Gemma|norm|\(1 \+ w\))", {}),
     ("prune-ratio-0", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0", "--calib", "{text.txt}"],
      r"--ratio must be in \(0, 1\): 0 removes nothing", {}),
     ("prune-copal-state-other-settings", ["prune", "--model", "{tiny}", "--method", "copal", "--pattern", "2:4",

@@ -23,7 +23,6 @@ EMMA = "emma"  # the embedded corpus
     (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
-    (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
     (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
     (["--method", "wanda", "--pattern", "2:4", "--calib", "emma:third_half"], "emma:third_half' is neither"),
 ])
@@ -35,6 +34,34 @@ def test_bad_prune_arguments(tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1
     assert __import__("re").search(message, err), err
     assert not output.exists()
+
+
+def test_missing_parents_of_output_and_report_are_created(tiny_model_dir, tmp_path):
+    """As ``mkdir -p``: --output and --report under folders that do not exist yet are written, the
+    folders made when the results are written (never by a refused run: see test_bad_prune_arguments)."""
+    model_dir, _ = tiny_model_dir
+    output, report = tmp_path / "runs" / "a" / "out", tmp_path / "reports" / "b" / "r.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(output), "--report", str(report), "--quiet"]) == 0
+    assert (output / "pyprune.json").is_file() and report.is_file()
+
+
+def test_overwrite_replaces_only_a_directory_pyprune_saved(tiny_model_dir, tmp_path, capsys):
+    import json
+    model_dir, text = tiny_model_dir
+    output, foreign = tmp_path / "out", tmp_path / "mine"
+    prune = ["prune", "--model", str(model_dir), "--pattern", "2:4", "--quiet", "--output"]
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 0
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 2
+    assert "already exists and is not an empty directory (--overwrite replaces" in capsys.readouterr().err
+    assert cli.main(prune + [str(output), "--method", "wanda", "--calib", str(text), "--nsamples", "2",
+                             "--seqlen", "16", "--overwrite"]) == 0
+    assert json.loads((output / "pyprune.json").read_text())["report"]["method"] == "wanda"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    assert cli.main(prune + [str(foreign), "--method", "magnitude", "--overwrite"]) == 2
+    assert "holds files pyprune did not write (no pyprune.json)" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 
 def test_existing_output_is_refused(tmp_path, capsys):
@@ -438,3 +465,45 @@ def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, cap
                      "--quiet"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
     assert "MoE" not in line and ", e.g. model.layers." in line, line
+
+
+def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir, tmp_path):
+    """``pyprune eval`` on a pyprune output records the prune's method, pattern and sparsity (from its
+    pyprune.json), so ``compare`` labels the row by what was measured, not "dense"; a model pyprune
+    did not prune records none."""
+    import json
+    from pyprune.studies import compare
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(tmp_path / "m24"), "--quiet"]) == 0
+    for model, name in ((tmp_path / "m24", "pruned.json"), (model_dir, "dense.json")):
+        assert cli.main(["eval", "--model", str(model), "--data", str(text), "--seqlen", "16", "--report",
+                         str(tmp_path / name), "--quiet"]) == 0
+    pruned, dense = (json.loads((tmp_path / name).read_text()) for name in ("pruned.json", "dense.json"))
+    assert (pruned["method"], pruned["pattern"]) == ("magnitude", "2:4") and pruned["sparsity"] == pytest.approx(0.5)
+    assert not {"method", "pattern", "sparsity"} & set(dense)
+    labels = [(row["method"], row["pattern"]) for row in compare.rows([dense, pruned])]
+    assert labels == [("dense", "-"), ("magnitude", "2:4")]
+
+
+def test_generate_refuses_past_the_context_and_says_when_sparsify_converts_nothing(tiny_model_dir, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Tokens past max_position_embeddings (2048 here) are refused before the model loads, saying how
+    many fit; ``--sparsify 2:4`` on a 4:8 model says in one line that it converts nothing and why."""
+    model_dir, _ = tiny_model_dir
+    monkeypatch.setattr("pyprune.inputs.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", "the man was good", "--max-new-tokens",
+                     "2048"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pyprune generate: error: --max-new-tokens 2048 after a prompt of ") and \
+        "passes the model's context of 2048 tokens; give at most 204" in err, err
+    monkeypatch.undo()
+    output = tmp_path / "m48"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "4:8",
+                     "--output", str(output), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(output), "--prompt", "the man", "--max-new-tokens", "1",
+                     "--sparsify", "2:4", "--sparse-where", "all"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pyprune generate: --sparsify 2:4 converts nothing: no linear layer is 2:4 sparse (14 are 4:8; "
+                   "--sparsify auto takes each layer's own pattern)"]

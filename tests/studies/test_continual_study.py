@@ -2,6 +2,7 @@
 initialisation its label names, a row run order by order stays partial until every order has
 run, and the seeds summary pairs the rows every seed ran over their common orders."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,37 @@ def test_continual_table_gives_each_partial_row_its_metrics_over_the_orders_it_f
         0, {"copal": {("b", "a"): (30, 40, 31, 44)}})["rows"][0]["matrix"][0]["steps"]})
     # b -> a: BWT of b = 44 - 40, final mean 37.5; over both orders A-BWT = mean of the per-dataset BWTs
     assert "| 3.00 / 17.00 | 4.00 / 37.50 | 3.500 ± 0.50 / 27.250 ± 10.25 |" in continual.markdown(result)
+
+
+def _seed_rows(method, init, per_seed):
+    """A row of a seeds summary: ``per_seed`` maps a seed to its (A-BWT, A-PPL)."""
+    return {"pattern": "2:4", "method": method, "init": init,
+            "per_seed": [{"seed": seed, "a_bwt": bwt, "a_ppl": ppl} for seed, (bwt, ppl) in per_seed.items()]}
+
+
+def test_the_seeds_verdict_pairs_each_copal_row_with_cumulative_wanda_by_seed():
+    """COPAL ahead where it forgets less and reaches lower perplexity on every seed by more than two
+    standard errors, behind the other way round, unsettled where the signs differ; no line without
+    the cumulative Wanda row."""
+    wanda = _seed_rows("wanda", "cumulative", {0: (1.0, 70.0), 1: (2.0, 71.0), 2: (1.5, 70.5)})
+    ahead = _seed_rows("copal (gaussian)", "continual state", {0: (0.2, 65.0), 1: (0.9, 66.5), 2: (0.6, 65.0)})
+    behind = _seed_rows("copal", "continual state", {0: (3.0, 75.0), 1: (4.5, 76.0), 2: (3.5, 75.2)})
+    mixed = _seed_rows("copal (ratio 2)", "continual state", {0: (0.5, 71.0), 1: (2.5, 70.0), 2: (1.0, 72.0)})
+    other = _seed_rows("wanda", "global", {0: (9.0, 99.0), 1: (9.0, 99.0), 2: (9.0, 99.0)})
+    found = continual.seeds_verdicts({"rows": [wanda, other, ahead, behind, mixed]})
+    assert [(copal["method"], theirs is wanda, bwt.word, ppl.word) for copal, theirs, bwt, ppl in found] == [
+        ("copal (gaussian)", True, "ahead", "ahead"), ("copal", True, "behind", "behind"),
+        ("copal (ratio 2)", True, "unsettled", "unsettled")]
+    lines = continual.seeds_verdict_lines({"rows": [wanda, ahead, behind]})
+    assert "| 2:4 | copal (gaussian) | continual state | -0.933 ± 0.153, 3 seeds: ahead | " \
+           "-5.000 ± 0.500, 3 seeds: ahead |" in lines
+    assert "| 2:4 | copal | continual state | +2.167 ± 0.289, 3 seeds: behind | +4.900 ± 0.173, 3 seeds: behind |" \
+        in lines
+    assert continual.seeds_verdict_lines({"rows": [other, ahead]}) == []
+
+
+def test_the_committed_seeds_table_is_what_the_renderer_makes_of_its_results():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / \
+        "continual-smollm2-135m-unstructured50-seeds.json"
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    assert path.with_suffix(".md").read_text(encoding="utf-8") == continual.seeds_markdown(summary)

@@ -1,5 +1,6 @@
 """The ``crosscheck-wanda`` study: its inputs are checked before any heavy work (one line, status 2
 on the command line), and its mask comparison says what its table shows."""
+import hashlib
 import json
 import sys
 
@@ -81,17 +82,24 @@ def test_the_table_compares_each_run_with_the_authors_side(tiny_model_dir, tmp_p
         first = next(iter(runs["wanda 2:4"]["masks"].values()))
         first[0, :4] = ~first[0, :4]  # one 2:4 group kept the other way round
         return {"dense_perplexity": perplexity(model, windows.reshape(-1), study.seqlen, progress=False),
-                "runs": runs, "authors_files": {"lib/prune.py": "0" * 64},
+                "runs": runs,
                 "environment": {"torch": "t", "transformers": "4.36.2", "attention": "sdpa"}}
 
     monkeypatch.setattr(crosscheck_wanda, "run_authors", authors)
     monkeypatch.setattr(crosscheck_wanda.CrosscheckWanda, "check_options", lambda self: None)
+    repo = tmp_path / "wanda"
+    for name in crosscheck_wanda.AUTHORS_FILES:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(f"# {name}\n")
     output = tmp_path / "crosscheck.json"
-    result = studies.run("crosscheck-wanda", str(output), wanda_repo="/repo", python="/venv/python",
+    result = studies.run("crosscheck-wanda", str(output), wanda_repo=str(repo), python="/venv/python",
                          model=str(tiny_model_dir[0]), nsamples=2, seqlen=16, eval_tokens=64)
     assert result == json.loads(output.read_text())
-    assert result["command"] == ("pyprune study crosscheck-wanda --wanda-repo /repo --python /venv/python --model "
+    assert result["command"] == (f"pyprune study crosscheck-wanda --wanda-repo {repo} --python /venv/python --model "
                                  f"{tiny_model_dir[0]} --nsamples 2 --seqlen 16 --eval-tokens 64")
+    assert result["authors_code"]["files_sha256"] == {  # the files in the checkout, named by their digest
+        name: hashlib.sha256(f"# {name}\n".encode()).hexdigest() for name in crosscheck_wanda.AUTHORS_FILES}
+    assert result["authors_code"]["commit"] is None  # not a git checkout
     dense, two_four, unstructured, sparsegpt = result["results"]
     assert [row["run"] for row in result["results"]] == ["dense"] + [name for name, _, _ in crosscheck_wanda.RUNS]
     assert dense["relative_difference"] == 0.0 and "masks" not in dense

@@ -1,6 +1,7 @@
 """The ``robustness`` study at tiny scale: each row is the method variant, seed and protocol its
 label names, the calibration floor compares the seeds' own runs, and a rerun resumes."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +82,45 @@ def test_the_eta_sweep_goes_to_its_own_file_against_eta_zero(tiny_model_dir, tmp
     assert [row["eta"] for row in sweep["rows"]] == [1e-3]
     assert result["settings"]["eta_sweep"] == [1e-3]
     assert "MoreauPruner-GS η sweep" in (tmp_path / "robust-eta-sweep.md").read_text()
+
+
+def _runs(method, arithmetic, agreements, ppl_diffs, layers="all"):
+    return [{"method": method, "arithmetic": arithmetic, "layers": layers, "overall_ratio": 0.2,
+             "structure": "groups", "seed": seed, "agreement": agreement, "ppl_diff": ppl_diff}
+            for seed, (agreement, ppl_diff) in enumerate(zip(agreements, ppl_diffs))]
+
+
+def test_the_verdict_column_pairs_moreau_with_each_baseline_by_seed():
+    """MoreauPruner ahead where every seed's agreement is higher and ppl_diff lower by more than
+    two standard errors; behind where both go the other way; unsettled where signs differ or only
+    one seed ran; no line for a baseline of another arithmetic or layers, or one sharing no seed."""
+    runs = (_runs("moreau", "rounding", [0.99, 0.98, 0.97], [1.0, 2.0, 3.0])
+            + _runs("taylor", "rounding", [0.95, 0.94, 0.94], [5.0, 6.5, 7.0])           # moreau ahead on both
+            + _runs("smoothgrad", "rounding", [0.999, 0.995, 0.99], [0.1, 0.2, 0.4])     # moreau behind on both
+            + _runs("moreau-gs", "rounding", [0.97], [3.0])
+            + _runs("taylor", "native", [0.5, 0.6, 0.7], [9.0, 9.0, 9.0])               # no moreau in native
+            + _runs("taylor", "rounding", [0.5], [9.0], layers="middle"))
+    runs += [dict(r, seed=r["seed"] + 10) for r in _runs("smoothgrad-gradients", "rounding", [0.9], [1.0])]
+    found = {(ours[0], theirs[0]): (agreement.word, ppl.word) for ours, theirs, agreement, ppl in
+             robustness.verdicts(runs)}
+    assert found == {("moreau", "taylor"): ("ahead", "ahead"), ("moreau", "smoothgrad"): ("behind", "behind"),
+                     ("moreau-gs", "taylor"): ("unsettled", "unsettled"),
+                     ("moreau-gs", "smoothgrad"): ("unsettled", "unsettled")}
+    lines = robustness.verdict_lines(runs)
+    assert "| moreau | taylor | rounding | groups | all | 0.2 | +0.0367 ± 0.0058, 3 seeds: ahead | " \
+           "-4.17 ± 0.29, 3 seeds: ahead |" in lines
+    assert "| moreau | smoothgrad | rounding | groups | all | 0.2 | -0.0147 ± 0.0055, 3 seeds: behind | " \
+           "+1.77 ± 0.85, 3 seeds: behind |" in lines
+    assert "| moreau-gs | taylor | rounding | groups | all | 0.2 | +0.0200, 1 seed: unsettled (one seed) | " \
+           "-2.00, 1 seed: unsettled (one seed) |" in lines
+    mixed = _runs("moreau", "rounding", [0.99, 0.90], [1.0, 9.0]) + _runs("taylor", "rounding", [0.95, 0.95], [5.0, 5.0])
+    [(_, _, agreement, ppl)] = robustness.verdicts(mixed)
+    assert agreement.word == ppl.word == "unsettled" and agreement.reason == "signs differ across seeds"
+    assert robustness.verdict_lines(_runs("taylor", "rounding", [0.9], [1.0])) == []
+
+
+@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut"])
+def test_the_committed_tables_are_what_the_renderer_makes_of_their_results(name):
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    result = json.loads((results / f"{name}.json").read_text(encoding="utf-8"))
+    assert (results / f"{name}.md").read_text(encoding="utf-8") == robustness.markdown(result)

@@ -58,3 +58,13 @@ def test_safe_sweep_runs_are_their_settings_and_a_rerun_resumes(tiny_model_dir, 
     assert rerun["rows"][0]["options"]["lam"] == 25.0 and len(rerun["rows"]) == 2 and runs == []
     with pytest.raises(ValueError, match="option nsamples of study 'safe-sweep' must be at least 64"):
         studies.get("safe-sweep", only=["dec-lam100-K8-n64"], nsamples=16)
+
+
+def test_a_concurrent_sweep_s_rows_and_one_shot_references_are_merged():
+    study = studies.get("safe-sweep")
+    ours = {"rows": [{"setting": "dec-lam25-K8", "block": 1}], "one_shot": {"1-16": {"heldout_error": 0.5}}}
+    theirs = {"rows": [{"setting": "dec-lam25-K8", "block": 1}, {"setting": "dec-lam25-K8", "block": 15}],
+              "one_shot": {"1-16": {"heldout_error": 0.7}, "15-16": {"heldout_error": 0.6}}}
+    study.merge(ours, theirs)
+    assert [row["block"] for row in ours["rows"]] == [1, 15]
+    assert ours["one_shot"] == {"1-16": {"heldout_error": 0.5}, "15-16": {"heldout_error": 0.6}}
