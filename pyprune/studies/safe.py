@@ -72,7 +72,7 @@ def method_setting(method: type, name: str, rows: str) -> Option:
     declared = next((o for o in method.options if o.name == name), None)
     if declared is None:
         raise TypeError(f"method {method.__name__} has no option {name}")
-    return option(None, f"{rows}: {declared.help} (default: the method's, {declared.default!r})", declared.check,
+    return option(None, f"{rows}: {declared.help}; unset: the method's {declared.default!r}", declared.check,
                   choices=declared.choices)
 
 
