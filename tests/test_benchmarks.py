@@ -1,7 +1,6 @@
 """The benchmark harnesses run on CPU in CI (tiny shapes), so they never rot: the speed suites' results
 files come out of a pytest-benchmark run in their format, rows carry the measured numbers, the dispatch
 table they build is one SparseLinear reads, and the scripts write every file they promise."""
-import argparse
 import json
 import os
 import subprocess

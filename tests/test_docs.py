@@ -56,6 +56,16 @@ def test_every_public_module_is_rendered_on_its_api_page(site):
             f"{'.'.join(parts)} is not rendered on {page.relative_to(site)}"
 
 
+def test_the_install_page_gives_the_readme_s_commands_and_ci_runs_them():
+    """One test command: the README's (which .ci/run runs) is the install page's, word for word."""
+    import re
+    commands = re.findall(r"^pip install .*$", README.read_text(encoding="utf-8"), flags=re.M)
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    assert commands and all(command in install for command in commands), commands
+    test_command = next(command for command in commands if "pytest" in command)
+    assert test_command.split("&& ")[-1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 def test_readme_is_short_and_links_only_files_that_exist():
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 220, f"README.md has {len(text.splitlines())} lines; at most 220"
