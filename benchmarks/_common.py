@@ -1,38 +1,18 @@
-"""What the benchmarks share: the model stand-ins, the device and GPU-synchronised calls, the machine
-record without when (for pytest-benchmark's JSON), rooflines, and (for the scripts not yet declared
-as studies in :mod:`pyprune.studies`) resume-by-settings and a NAME=VALUE option. The machine
-record, atomic writes, the lock, ``mean ± std`` and the SVG plot are the package's."""
-import argparse
-import json
+"""What the speed and memory benchmarks share: the model stand-ins, the device and GPU-synchronised
+calls, the machine record without when (for pytest-benchmark's JSON) and rooflines. The machine
+record itself (:func:`pyprune.nn.dispatch.environment_record`), atomic writes and the SVG plot are
+the package's; the studies live in :mod:`pyprune.studies`."""
 import os
 
 import torch
 
-from pyprune.files import locked, write_json  # noqa: F401  (the benchmarks' writers)
-from pyprune.files import write_text as write_atomic  # noqa: F401
-from pyprune.nn.dispatch import cpu_record as cpu_info  # noqa: F401
-from pyprune.nn.dispatch import environment_record as environment  # noqa: F401
-from pyprune.studies.results import mean_std  # noqa: F401
-from pyprune.studies.svg import line_plot as svg_line_plot  # noqa: F401
+from pyprune.nn.dispatch import environment_record as environment
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
 #: torch.cuda.get_device_name, most specific first; other devices get no roofline.
 ROOFLINES = [("H100 PCIe", {"flops": 756e12, "bytes": 2.0e12}),
              ("H100 80GB HBM3", {"flops": 989.4e12, "bytes": 3.35e12}),
              ("H200", {"flops": 989.4e12, "bytes": 4.8e12})]
-
-
-def method_option(text: str):
-    """argparse type of a NAME=VALUE method option: (name, value as int, else float, else str)."""
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
-    for convert in (int, float):
-        try:
-            return name, convert(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 #: Random-weight stand-ins with real models' per-layer shapes (speed depends on shapes, not weights):
@@ -113,28 +93,3 @@ def roofline(device):
         return None
     name = torch.cuda.get_device_name(device)
     return next((peaks for key, peaks in ROOFLINES if key in name), None)
-
-
-def previous_result(path, settings):
-    """The result a resumable benchmark wrote to ``path`` before with the same ``settings``; None
-    when there is nothing there. A file of other settings is refused, never overwritten: its rows
-    were measured under another protocol."""
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        result = json.load(handle)
-    stored = result.get("settings")
-    if stored != settings:
-        stored = stored if isinstance(stored, dict) else {}
-        differ = sorted(key for key in set(stored) | set(settings) if stored.get(key) != settings.get(key))
-        raise SystemExit(f"--output {path} holds results of other settings (differing: {', '.join(differ)}); "
-                         "give another --output, or move that file away to start afresh")
-    return result
-
-
-def merge_rows(rows, stored, key):
-    """Extend ``rows`` (in place) by the ``stored`` rows whose ``key`` none of them has: the rows a
-    concurrent run with the same settings wrote to the results file meanwhile. Returns ``rows``."""
-    have = {key(row) for row in rows}
-    rows.extend(row for row in stored if key(row) not in have)
-    return rows

@@ -28,8 +28,9 @@ import sys
 import time
 
 import torch
-from _common import (MODEL_SHAPES, build_model, default_device, environment, load_average, prefill, write_atomic,
-                     write_json)
+from _common import MODEL_SHAPES, build_model, default_device, environment, load_average, prefill
+
+from pyprune.files import write_json, write_text as write_atomic
 
 from pyprune.runtime.decode import greedy_generate
 from pyprune.nn.measure import model_cost

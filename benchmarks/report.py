@@ -27,7 +27,8 @@ import sys
 from collections import defaultdict
 
 import torch
-from _common import svg_line_plot, write_atomic, write_json
+from pyprune.files import write_json, write_text as write_atomic
+from pyprune.studies.svg import line_plot as svg_line_plot
 
 from pyprune.nn import dispatch
 

@@ -232,19 +232,6 @@ def test_the_suites_timed_give_results_files(tmp_path):
     assert "| 64×128 | 1 | float32 | 2:4 | kernel |" in (tmp_path / "sparse-linear-cpu-run.md").read_text()
 
 
-def test_previous_result_resumes_the_same_settings_and_refuses_a_file_of_others(tmp_path):
-    from _common import previous_result, write_json
-    path = tmp_path / "study.json"
-    assert previous_result(str(path), {"seed": 0}) is None
-    write_json(str(path), {"settings": {"seed": 0, "tokens": 2048}, "rows": [{"ppl": 1.5}]})
-    before = path.read_text()
-    assert previous_result(str(path), {"seed": 0, "tokens": 2048})["rows"] == [{"ppl": 1.5}]
-    with pytest.raises(SystemExit, match=r"--output .*study.json holds results of other settings "
-                                         r"\(differing: seed, tokens\)"):
-        previous_result(str(path), {"seed": 1, "tokens": 8192})
-    assert path.read_text() == before
-
-
 def test_dress_speed_benchmark_on_a_local_and_a_random_tiny_model(tmp_path, monkeypatch):
     from pyprune.nn.measure import model_cost
     from pyprune.nn import keep_hidden_channels_
