@@ -1,6 +1,7 @@
 """What ``--threads`` and ``--quiet`` (flags of every subcommand) change for the run, restored after:
 torch's thread count; transformers' and huggingface_hub's progress bars ("Loading weights",
-"Writing model shards"), their info and warning logs, and Python warnings. pyprune's own bars
+"Writing model shards"), their info and warning logs, Python warnings and SparseLinear's first-use
+tuning notice. pyprune's own bars
 follow ``--quiet`` through each command's ``progress`` argument. A :class:`pyprune.methods.RunWarning`
 (a run that will do less than its options ask) prints as one line, ``--quiet`` or not."""
 from __future__ import annotations
@@ -70,13 +71,15 @@ def _threads(count: int) -> Iterator[None]:
 def _quiet() -> Iterator[None]:
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
+
+    from ..nn import tuning
     verbosity, bars, hub_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), \
         are_progress_bars_disabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     disable_progress_bars()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), tuning.notices_off():
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -90,7 +90,8 @@ def zero_shot_tasks(args):
 def zero_shot(model, tok, tasks, args) -> dict:
     """Zero-shot accuracy of ``model`` on the loaded ``tasks``, printed and returned."""
     from ..evaluation import zeroshot
-    results = zeroshot.evaluate(model, tok, tasks, limit=args.limit, batch_size=args.batch_size)
+    results = zeroshot.evaluate(model, tok, tasks, limit=args.limit, batch_size=args.batch_size,
+                                progress=not args.quiet)
     for name, result in results.items():
         norm = "" if result["acc_norm"] is None else f", acc_norm {result['acc_norm']:.4f}"
         print(f"{name}: acc {result['acc']:.4f} ± {result['stderr']['acc']:.4f}{norm} ({result['n']} items, "

@@ -213,6 +213,20 @@ def _manager(task_dir: str, with_hub_tasks: bool):
     return _quiet(TaskManager, include_path=task_dir, include_defaults=with_hub_tasks)
 
 
+def _without_bars(hflm):
+    """lm-eval's HFLM whose request methods run with their progress bars off (``disable_tqdm``)."""
+    class QuietHFLM(hflm):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return super().generate_until(requests, disable_tqdm=True)
+    return QuietHFLM
+
+
 def _quiet(factory, *args, **kwargs):
     """Call ``factory`` with lm-eval's info/warning logging silenced, and without its probe of the
     working directory's git commit (``git describe`` prints "fatal: not a git repository" to the
@@ -283,13 +297,14 @@ def _summary(name: str, task, results: Dict) -> Dict:
 
 
 def evaluate(model, tokenizer, tasks, *, limit: Optional[int] = None, batch_size: int = 8,
-             details: bool = False) -> Dict[str, Dict]:
+             details: bool = False, progress: bool = True) -> Dict[str, Dict]:
     """Zero-shot accuracy of ``model`` (in memory, any pyprune layers) on ``tasks`` (a
     :class:`LoadedTasks` or task names), the first ``limit`` items of each:
     ``{task: {"acc", "acc_norm", "stderr": {"acc", "acc_norm"}, "n", "metric", "paper_metric",
     "chance", "num_fewshot"}}`` (``chance`` for the local tasks). ``metric`` is the one pyprune's
     tables show (``acc``); ``paper_metric`` names the one each paper family reports, where known. With ``details`` each task also lists per item
-    the label and every choice's log-likelihood. The model comes back unchanged (its mode too)."""
+    the label and every choice's log-likelihood. ``progress`` False hides lm-eval's request bars.
+    The model comes back unchanged (its mode too)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be an int >= 1 or None; got {limit!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -301,7 +316,8 @@ def evaluate(model, tokenizer, tasks, *, limit: Optional[int] = None, batch_size
     from lm_eval.models.huggingface import HFLM
     leaves = {task.task_name: task for group in tasks.tasks.values() for task in group}
     with _model_as_given(model):
-        lm = _quiet(HFLM, pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm = _quiet(HFLM if progress else _without_bars(HFLM), pretrained=model, tokenizer=tokenizer,
+                    batch_size=batch_size)
         results = _quiet(simple_evaluate, model=lm, tasks=list(leaves.values()), task_manager=tasks.manager,
                          limit=limit, log_samples=details, random_seed=None, numpy_random_seed=None,
                          torch_random_seed=None)

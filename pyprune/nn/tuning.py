@@ -13,12 +13,13 @@ benchmarks: then such a case runs dense) and, for now, on CPUs only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -34,6 +35,7 @@ MAX_TIMED_TOKENS = 512
 #: What tuning has cost this process: cases measured and seconds spent.
 COST = {"cases": 0, "seconds": 0.0}
 _announced = []
+_silenced = []  # notices_off() blocks in effect
 _scratch: Dict[int, torch.Tensor] = {}
 
 
@@ -119,9 +121,19 @@ def timed_input(in_features: int, tokens: int, dtype: torch.dtype, device: torch
     return torch.randn(min(tokens, MAX_TIMED_TOKENS), in_features, generator=generator).to(device, dtype)
 
 
+@contextlib.contextmanager
+def notices_off() -> Iterator[None]:
+    """No first-use notice inside (the CLI's ``--quiet``); measurements still run."""
+    _silenced.append(True)
+    try:
+        yield
+    finally:
+        _silenced.pop()
+
+
 def announce(path: str) -> None:
     """Say once per process that first-use measurements run, where they go and how to turn them off."""
-    if not _announced:
+    if not _announced and not _silenced:
         _announced.append(path)
         print(f"pyprune: timing SparseLinear kernel vs dense for shapes this CPU has no measurement of "
               f"(a few ms each, once; cached in {path}; {SWITCH}=0 turns this off)", file=sys.stderr)

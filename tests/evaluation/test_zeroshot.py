@@ -266,3 +266,13 @@ def test_smollm2_is_well_above_chance(smollm2, tmp_path):
     result = zeroshot.evaluate(model, tokenizer, tasks, limit=40, batch_size=8)[TASK]
     assert result["n"] == 40
     assert result["acc"] - 3 * result["stderr"]["acc"] > 0.25, result
+
+
+def test_progress_false_hides_lm_evals_request_bars_and_scores_the_same(local_tasks, capsys):
+    """``--quiet`` reaches lm-eval: no "Running loglikelihood requests" bar, the same results."""
+    model, tokenizer = _tiny_llama(), _tokenizer()
+    loud = zeroshot.evaluate(model, tokenizer, local_tasks, limit=LIMIT, batch_size=3)
+    assert "Running loglikelihood requests" in capsys.readouterr().err
+    quiet = zeroshot.evaluate(model, tokenizer, local_tasks, limit=LIMIT, batch_size=3, progress=False)
+    assert "Running loglikelihood requests" not in capsys.readouterr().err
+    assert quiet == loud

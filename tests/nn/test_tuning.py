@@ -101,6 +101,16 @@ def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected
     assert err.count("pyprune: timing SparseLinear kernel vs dense") == 1 and dispatch.cache_path(CPU) in err
 
 
+def test_notices_off_measures_without_the_notice(timings, capsys):
+    """The CLI's --quiet (tuning.notices_off): the first-use measurement still runs, silently."""
+    timings["speedup"] = 2.0
+    with tuning.notices_off():
+        assert _choose(_layer()) == "kernel" and timings["calls"] == 1
+    assert "timing SparseLinear" not in capsys.readouterr().err
+    assert _choose(_layer(seed=1), tokens=3) == "kernel"  # a new bucket outside the block: announced
+    assert "timing SparseLinear" in capsys.readouterr().err
+
+
 def test_cache_file_is_replaced_atomically_and_read_back(timings, monkeypatch):
     path = dispatch.record(CPU, {"k|1": {"backend": "kernel"}})
     payload = json.loads(open(path, encoding="utf-8").read())
