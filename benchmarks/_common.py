@@ -15,7 +15,7 @@ import torch
 
 import pyprune
 from pyprune.nn import dispatch
-from pyprune.ops import backend
+from pyprune.ops.library import native
 
 #: Dense bf16/fp16 tensor-core FLOP/s and HBM bytes/s (kernel-landscape.md §1), by a substring of
 #: torch.cuda.get_device_name, most specific first; other devices get no roofline.
@@ -91,8 +91,8 @@ def environment(device):
         "torch": torch.__version__,
         "python": platform.python_version(),
         "pyprune": pyprune.__version__,
-        "native_cpu_kernels": backend.native_module("cpu") is not None,
-        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "native_cpu_kernels": native("cpu") is not None,
+        "native_cuda_kernels": native("cuda") is not None,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:

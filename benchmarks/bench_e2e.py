@@ -84,7 +84,7 @@ def measure(name, pattern, where, args, device, dtype):
     cost_before = dict(tuning.COST)
     # "faster": as `pyprune generate` does by default, only the layers measured faster sparse at one
     # token in this environment (greedy decode) become SparseLinear; "all": every N:M linear
-    replaced = sparsify_(sparse, pattern, backend=args.backend,
+    replaced = sparsify_(sparse, pattern, implementation=args.backend,
                          faster_at=1 if where == "faster" else None)
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -93,7 +93,7 @@ def measure(name, pattern, where, args, device, dtype):
     with torch.no_grad():
         agreement = (prefill(dense, long_prompt).argmax(-1) == prefill(sparse, long_prompt).argmax(-1)).float().mean()
         layers = [m for m in sparse.modules() if isinstance(m, SparseLinear)]
-        backends = {klass: sorted({m.choose_backend(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
+        backends = {klass: sorted({m.choose_implementation(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
                                    for m in layers})
                     for klass, tokens in (("decode", 1), ("prefill", args.prefill))}
     # where each converted layer's decode and prefill backends came from (pyprune.nn.dispatch.SOURCES),

@@ -1,7 +1,7 @@
 """Benchmark every pyprune op against the eager PyTorch a user would otherwise write.
 
-Each row is one op on one shape: pyprune's time (default backend for the device), a named
-baseline's time measured in the same process, and their ratio. Results go to JSON (with the
+Each row is one op on one shape: pyprune's time (the implementation PyTorch dispatches to for the
+device), a named baseline's time measured in the same process, and their ratio. Results go to JSON (with the
 device, versions and thread count) and a markdown table beside it.
 
     python benchmarks/bench_ops.py                    # LLaMA-7B shapes on the default device
@@ -256,6 +256,10 @@ def cases(shape, dtype, device, quick):
         out.append(("sparse24_linear M=16", "dense F.linear",
                     lambda: ops.sparse24_linear(x[:16], values, mma_meta), lambda: F.linear(x[:16], w),
                     values.numel() * el + mma_meta.numel() * mma_meta.element_size()))
+        out.append(("sparse24_compress", "boolean indexing + sparse24_mma_meta",
+                    lambda: ops.sparse24_compress(w, mask24),
+                    lambda: (eager_compress(w, mask24, 2, 4), sparse24_mma_meta(meta, cols)),
+                    w.numel() * (el + 1) + values.numel() * el + mma_meta.numel() * mma_meta.element_size()))
     out += score_cases(w, sqnorm)
     out.append(("nm_decompress 2:4", "unpack bits + boolean scatter",
                 lambda: ops.nm_decompress(values, meta, 2, 4), lambda: eager_decompress(values, meta, 2, 4),

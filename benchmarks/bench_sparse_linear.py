@@ -19,7 +19,7 @@ speedup over the shapes against M) under benchmarks/results/. ``--write-dispatch
 per dtype, pattern, weight-size bucket and token bucket, the fastest correct sparse backend where
 it beat dense by at least 1.05x, else ``dense``, in pyprune/nn/dispatch_table.json: in the block of
 this run's environment (pyprune.nn.dispatch.environment: the machine's identity, torch, pyprune,
-threads), the only one whose rows SparseLinear(backend="auto") applies, and there a ``dense`` row
+threads), the only one whose rows SparseLinear(implementation="auto") applies, and there a ``dense`` row
 as is and a sparse one after measuring it again; other environments' blocks stay. The environment
 records the dispatch's identity of the machine (CPU: model, family / model / stepping, ISA flags,
 last-level cache), every cache level's size and the load average, at the start and per row.
@@ -70,7 +70,7 @@ def measure_shape(shape, dtype, pattern, tokens, backends, device, repeat, peaks
         dense.weight.copy_(w * mask)
     copies = cold_copies(dense.weight, device, fill_bytes)
     denses = [dense] + [copy.deepcopy(dense) for _ in range(copies - 1)]
-    layer_copies = {b: [SparseLinear.from_dense(d, pattern, backend=b) for d in denses] for b in backends}
+    layer_copies = {b: [SparseLinear.from_dense(d, pattern, implementation=b) for d in denses] for b in backends}
     layers = {b: layer_copies[b][0] for b in backends}
     rows = []
     for M in tokens:
@@ -159,7 +159,7 @@ def dispatch_entries(report, source):
         best = max(scores, key=scores.get) if scores else None
         backend = best if best is not None and scores[best] >= dispatch.MIN_SPEEDUP else "dense"
         entries[dispatch.entry_key(getattr(torch, group[0]), *group[1:])] = {
-            "backend": backend,
+            "implementation": backend,
             "sparse_geomean_speedup_vs_dense": None if best is None else round(scores[best], 3),
             "source": source, "measured": report["environment"]["timestamp"]}
     return entries
@@ -247,7 +247,7 @@ def run(args):
     dtypes = [getattr(torch, d) for d in (args.dtypes or (["bfloat16", "float16"] if on_gpu
                                                           else ["float32", "bfloat16"]))]
     patterns = [tuple(int(v) for v in p.split(":")) for p in args.patterns] if args.patterns else PATTERNS
-    backends = args.backends or list(dispatch.BACKENDS)
+    backends = args.backends or list(dispatch.IMPLEMENTATIONS)
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment(device)
@@ -269,7 +269,7 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="*", help="OUTxIN, e.g. 4096x11008")
     parser.add_argument("--tokens", nargs="*", type=int, help="token counts M")
     parser.add_argument("--patterns", nargs="*", help="N:M patterns (default 2:4 4:8)")
-    parser.add_argument("--backends", nargs="*", choices=list(dispatch.BACKENDS))
+    parser.add_argument("--backends", nargs="*", choices=list(dispatch.IMPLEMENTATIONS))
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--fill-bytes", type=int, default=None,
                         help="CPU: cycle through copies of each layer whose weights fill this many bytes "

@@ -41,7 +41,7 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
     assert {k: cpu[k] for k in dispatch.this_cpu()} == dispatch.this_cpu() and cpu["model"]
     assert cpu["caches"] == dispatch.cpu_caches() and len(cpu["load_average"]) == 3
     rows = report["results"]
-    assert {r["backend"] for r in rows} == set(dispatch.BACKENDS)
+    assert {r["backend"] for r in rows} == set(dispatch.IMPLEMENTATIONS)
     ran = [r for r in rows if r["status"] == "ok"]
     assert {r["backend"] for r in ran} == {"kernel", "dense"}
     assert all(r["ms"] > 0 and r["speedup"] > 0 and r["max_rel_error"] <= 1e-4 for r in ran)
@@ -57,12 +57,12 @@ def test_sparse_linear_benchmark_writes_results_plots_and_a_dispatch_table(tmp_p
     assert set(entries) == {f"float32|{p}|2^13|{t}" for p in ("2:4", "4:8") for t in ("1", "many")}
     for key, entry in entries.items():  # sparse only where it measured >= 1.05x dense
         speedup = entry["sparse_geomean_speedup_vs_dense"]
-        assert (entry["backend"] != "dense") == (speedup is not None and speedup >= dispatch.MIN_SPEEDUP)
+        assert (entry["implementation"] != "dense") == (speedup is not None and speedup >= dispatch.MIN_SPEEDUP)
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     layer = SparseLinear(128, 64)
     with torch.no_grad():  # tuning off: a dense row runs as is, a kernel row is not taken unmeasured
-        assert layer.choose_backend(torch.zeros(1, 128)) == "dense"
-    assert layer.decisions["1"] == ("dense", "prior" if entries["float32|2:4|2^13|1"]["backend"] == "dense"
+        assert layer.choose_implementation(torch.zeros(1, 128)) == "dense"
+    assert layer.decisions["1"] == ("dense", "prior" if entries["float32|2:4|2^13|1"]["implementation"] == "dense"
                                     else "fallback")
     # another environment's block stays when this one's is written again; an unattributable table is refused
     other = dict(block, environment=dict(block["environment"], threads=block["environment"]["threads"] + 1))
@@ -80,7 +80,7 @@ def test_e2e_benchmark_runs_on_a_local_model(tmp_path, monkeypatch):
     tiny_llama(layers=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     # this machine measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
-    dispatch.record(torch.device("cpu"), {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"backend": "kernel"}})
+    dispatch.record(torch.device("cpu"), {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"implementation": "kernel"}})
     common = ["--device", "cpu", "--models", str(model_dir), "--patterns", "2:4", "--prefill", "16",
               "--decode", "2", "--repeat", "1", "--output-dir", str(tmp_path)]
     assert bench_e2e.main(common + ["--name", "e2e-default"]) == 0
@@ -263,7 +263,7 @@ def test_dress_speed_benchmark_rejects_a_non_positive_count(capsys):
 
 
 def test_every_op_has_a_benchmark_row(tmp_path):
-    """Each public op of pyprune.ops (the backend switch aside) is timed by bench_ops against its
+    """Each public op of pyprune.ops (the implementation switch aside) is timed by bench_ops against its
     eager PyTorch baseline, and the two agree where the op is a pure function of its inputs."""
     import pyprune.ops as ops
     out = tmp_path / "ops.json"
@@ -273,7 +273,7 @@ def test_every_op_has_a_benchmark_row(tmp_path):
     assert {"magnitude_score", "wanda_score", "taylor_score", "soft_threshold", "nm_decompress",
             "moreau_perturb_"} <= timed
     source = Path(bench_ops.__file__).read_text()
-    public_ops = [name for name in ops.__all__ if callable(getattr(ops, name)) and name != "use_backend"]
+    public_ops = [name for name in ops.__all__ if callable(getattr(ops, name)) and name != "use_implementation"]
     assert [name for name in public_ops if f"ops.{name}(" not in source] == []
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     values, meta = ops.nm_compress(w, ops.score_nm_mask(w, 2, 4), 2, 4)
