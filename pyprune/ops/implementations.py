@@ -110,14 +110,20 @@ def _first_device(args) -> torch.device:
     raise RuntimeError("a pyprune op without tensor arguments")  # every schema starts with tensors
 
 
+def _real(args) -> bool:
+    """Every tensor argument is a plain tensor holding data (not a fake, meta or other subclass)."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+               for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+
+
 class _Forcing(TorchDispatchMode):
     """Runs each pyprune op on the forced implementation; every other op as it is."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = forced_implementation()
-        if name is None or func.namespace != library.NAMESPACE:
-            return func(*args, **kwargs)
+        if name is None or func.namespace != library.NAMESPACE or not _real(args):
+            return func(*args, **kwargs)  # fake / meta tensors go to the fake kernels
         op = func._schema.name.split("::", 1)[1]
         if name not in IMPLEMENTATIONS[op]:
             raise RuntimeError(f"pyprune op {op!r} has no {name!r} implementation "
