@@ -119,10 +119,15 @@ def _real(args) -> bool:
 class _Forcing(TorchDispatchMode):
     """Runs each pyprune op on the forced implementation; every other op as it is."""
 
+    #: higher-order operators (auto_functionalized around a mutating op, met while tracing, on
+    #: fake tensors) run as they are
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = forced_implementation()
-        if name is None or func.namespace != library.NAMESPACE or not _real(args):
+        if (name is None or isinstance(func, torch._ops.HigherOrderOperator)
+                or func.namespace != library.NAMESPACE or not _real(args)):
             return func(*args, **kwargs)  # fake / meta tensors go to the fake kernels
         op = func._schema.name.split("::", 1)[1]
         if name not in IMPLEMENTATIONS[op]:

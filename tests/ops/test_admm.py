@@ -254,8 +254,9 @@ def test_failed_call_leaves_the_state_untouched():
 def test_opcheck(implementation):
     v, keep, x, act = _state((6, 16), torch.bfloat16, seed=4, with_act=True)
     with ops.use_implementation(implementation):
-        for args in ((v, keep, x, act, 2, 4, 0.0, "row"), (v, keep, x, None, 0, 0, 0.5, "row"),
-                     (v, keep, x, act, 0, 0, 0.3, "tensor")):
+        # (n, m, keep_count, per_row): 2:4; half of each row; 70% of the tensor
+        for args in ((v, keep, x, act, 2, 4, 0, True), (v, keep, x, None, 0, 0, 8, True),
+                     (v, keep, x, act, 0, 0, 67, False)):
             torch.library.opcheck(torch.ops.pyprune.admm_dual_update_.default, args)
 
 
