@@ -244,7 +244,7 @@ def test_the_off_switch_never_times(timings, monkeypatch, tmp_path):
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
                                                         {key: {"implementation": "kernel"}}))
     layer = _layer()
-    assert _choose(layer) == dispatch.FALLBACK_BACKEND and layer.decisions == {"1": ("dense", "fallback")}
+    assert _choose(layer) == dispatch.FALLBACK_IMPLEMENTATION and layer.decisions == {"1": ("dense", "fallback")}
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     with torch.no_grad():
         model[0].weight.mul_(ops.score_nm_mask(model[0].weight, 2, 4))
@@ -286,8 +286,8 @@ def test_under_torch_compile_a_layer_never_times_and_runs_dense_unless_eager_dec
     module = _Tiny()
     x = torch.randn(3, 64)
     kernel_calls = []
-    real = sparse_module.nm_linear_prechecked
-    monkeypatch.setattr(sparse_module, "nm_linear_prechecked", lambda *a: kernel_calls.append(1) or real(*a))
+    real = sparse_module.call  # how the kernel implementation calls the nm_linear op
+    monkeypatch.setattr(sparse_module, "call", lambda *a: kernel_calls.append(1) or real(*a))
     with torch.no_grad():
         out = torch.compile(module, backend="eager")(x)
         assert timings["calls"] == 0 and module.sparse.decisions == {} and module.sparse._choices == {}
