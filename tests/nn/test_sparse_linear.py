@@ -158,7 +158,7 @@ def test_deepcopy_and_pickle_drop_backend_caches():
 
 
 def test_backend_cache_follows_the_stored_weight():
-    # The cache behind the GPU implementations (SparseLinear._cached, which cusparselt, cutlass and mma_sp
+    # The cache behind the GPU implementations (SparseLinear._cached, which cusparselt, cutlass and sparse24_linear
     # use), exercised on CPU: one build per state of values and meta.
     linear, _ = _pruned_linear(64, 8, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
@@ -396,7 +396,7 @@ def test_cuda_backend_caches_follow_value_and_mask_updates(implementation):
         torch.testing.assert_close(layer(x).float(), expected(2 * weight), rtol=2e-2, atol=2e-2)
         assert layer._cache[implementation] is not entry
         layer.values.data.mul_(0.5)  # bypasses the version counter
-        if implementation != "sparse24_linear":  # (mma_sp caches only the mask's layout, and reads values directly)
+        if implementation != "sparse24_linear":  # (sparse24_linear caches only the mask's layout, and reads values directly)
             stale = layer(x).float()  # the cached copy still holds the doubled values
             torch.testing.assert_close(stale, expected(2 * weight), rtol=2e-2, atol=2e-2)
         layer.invalidate()
