@@ -67,10 +67,10 @@ def test_takes_every_shape_nn_linear_takes(dtype, implementation, shape, grad):
 @pytest.mark.parametrize("in_features", [72, 600])  # 8 columns past the last 16-column block; 600 > 512
 @pytest.mark.parametrize("tokens", [1, 3, 12, 17])  # the kernel takes 8 tokens at a time: 12 = 8 + 4, 17 = 8 + 8 + 1
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_kernel_backend_column_tail_and_token_chunks(dtype, n, m, in_features, tokens, grad):
+def test_kernel_implementation_column_tail_and_token_chunks(dtype, n, m, in_features, tokens, grad):
     """The sparse kernel on shapes the model layers above do not have: a column count that is not
-    a multiple of 16, an odd row count, token counts past one 8-token chunk; in plain inference (the
-    CPU GEMV) and with autograd on (the custom op)."""
+    a multiple of 16, an odd row count, token counts past one 8-token chunk; in plain inference and
+    with autograd on (the op's backward formula)."""
     linear, _ = _pruned_linear(in_features, 37, n, m, dtype)
     layer = SparseLinear.from_dense(linear, (n, m), implementation="kernel")
     x = randn((tokens, in_features), dtype, seed=3).requires_grad_(grad)
@@ -147,7 +147,7 @@ def test_load_refuses_another_pattern_or_a_broken_mask():
         SparseLinear(64, 8, n=4, m=8).load_state_dict(broken)
 
 
-def test_deepcopy_and_pickle_drop_backend_caches():
+def test_deepcopy_and_pickle_drop_implementation_caches():
     import copy
     import pickle
     linear, _ = _pruned_linear(64, 8, 2, 4)
@@ -157,7 +157,7 @@ def test_deepcopy_and_pickle_drop_backend_caches():
     assert layer._cache  # the original keeps its cache
 
 
-def test_backend_cache_follows_the_stored_weight():
+def test_implementation_cache_follows_the_stored_weight():
     # The cache behind the GPU implementations (SparseLinear._cached, which cusparselt, cutlass and sparse24_linear
     # use), exercised on CPU: one build per state of values and meta.
     linear, _ = _pruned_linear(64, 8, 2, 4)
@@ -206,7 +206,7 @@ def test_training_keeps_the_pattern():
     assert not torch.equal(layer.weight, linear.weight)
 
 
-def test_gpu_only_backends_refuse_cpu_tensors_clearly():
+def test_gpu_only_implementations_refuse_cpu_tensors_clearly():
     linear, _ = _pruned_linear(64, 16, 2, 4, torch.float16)
     layer = SparseLinear.from_dense(linear, "2:4", implementation="cusparselt")
     with torch.no_grad(), pytest.raises(RuntimeError, match="cusparselt.*needs CUDA tensors"):
@@ -217,7 +217,7 @@ def _dispatch_key(layer, dtype, tokens):
     return dispatch.case_key(dtype, str(layer.pattern), layer.out_features, layer.in_features, tokens)
 
 
-def test_this_machines_measurements_pick_the_backend(tmp_path, monkeypatch):
+def test_this_machines_measurements_pick_the_implementation(tmp_path, monkeypatch):
     linear, _ = _pruned_linear(64, 16, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
     cpu = torch.device("cpu")
@@ -259,7 +259,7 @@ def test_dispatch_keys_and_the_machine_key():
     assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
 
 
-def test_dense_backend_caches_the_decompressed_weight_until_values_change():
+def test_dense_implementation_caches_the_decompressed_weight_until_values_change():
     linear, _ = _pruned_linear(64, 16, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4", implementation="dense")
     x = randn((2, 64))
@@ -358,7 +358,7 @@ def test_save_and_load_restore_the_same_sparse_layers(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("implementation", ["kernel", "dense", "cusparselt", "cutlass", "sparse24_linear"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_cuda_backends_match_the_dense_masked_layer(dtype, implementation, tokens):
+def test_cuda_implementations_match_the_dense_masked_layer(dtype, implementation, tokens):
     linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
     layer = SparseLinear.from_dense(linear.cuda(), "2:4", implementation=implementation)
     x = randn((tokens, 256), dtype, seed=7).cuda()
@@ -372,7 +372,7 @@ def test_cuda_backends_match_the_dense_masked_layer(dtype, implementation, token
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("implementation", ["cusparselt", "cutlass", "sparse24_linear"])
-def test_cuda_backend_caches_follow_value_and_mask_updates(implementation):
+def test_cuda_implementation_caches_follow_value_and_mask_updates(implementation):
     # These implementations keep a form derived from values/meta (_cache[implementation]); it must be rebuilt
     # when either changes in place, and after invalidate() for writes through .data.
     dtype = torch.float16
@@ -494,7 +494,7 @@ def test_generate_with_sparse_layers_matches_dense():
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64), (20, 64)])  # GEMV, GEMV, tl.dot kernel
-def test_kernel_backend_runs_the_triton_kernels(dtype, shape):
+def test_kernel_implementation_runs_the_triton_kernels(dtype, shape):
     from pyprune.ops import use_implementation
     linear, _ = _pruned_linear(64, 48, 2, 4, dtype)
     layer = SparseLinear.from_dense(linear, "2:4", implementation="kernel")

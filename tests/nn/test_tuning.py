@@ -364,7 +364,7 @@ def test_the_cache_overrides_the_shipped_table(timings, tmp_path, monkeypatch):
     assert _choose(layer) == "kernel" and timings["calls"] == 0 and layer.decisions == {"1": ("kernel", "cache")}
 
 
-def test_a_table_without_environments_or_with_an_unknown_backend_is_refused(tmp_path, monkeypatch):
+def test_a_table_without_environments_or_with_an_unknown_implementation_is_refused(tmp_path, monkeypatch):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"entries": {"cpu/avx2/AMD EPYC|float32|2:4|2^11|1": {"implementation": "kernel"}}}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(old))
@@ -394,7 +394,7 @@ def test_interleaved_rounds_alternate_and_respect_the_bounds():
     assert calls.count("b") == 6  # no budget: every round
 
 
-def test_dense_backend_at_prefill_size_decompresses_once(monkeypatch):
+def test_dense_implementation_at_prefill_size_decompresses_once(monkeypatch):
     """M = 256 on the dense implementation: F.linear on the cached dense weight, never a new copy per call."""
     import pyprune.ops as pyprune_ops
     layer = _layer(256, 64)
