@@ -2,7 +2,10 @@
 op, the reference as the CompositeExplicitAutograd fallback, pyprune._C's kernels at the CPU key,
 pyprune._C_cuda's at the CUDA key (its source is checked, as no GPU build runs here), Triton at the
 CUDA key where no native CUDA kernel is."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -42,3 +45,33 @@ def test_native_cuda_kernels_are_the_listed_ops_and_triton_takes_the_other_cuda_
         expected = "cuda" in names and library.native("cuda") is not None or "triton" in names
         assert library.has_kernel(op, "CUDA") == expected, op
 
+
+
+def test_without_the_native_extensions_every_op_runs_on_the_reference():
+    """The schemas live in Python: a build without pyprune._C (nor _C_cuda) defines every op, and
+    CPU tensors run the reference (the CompositeExplicitAutograd kernel); forcing "cpu" raises."""
+    code = """
+import sys
+sys.modules["pyprune._C"] = sys.modules["pyprune._C_cuda"] = None  # importing them fails
+import torch
+from pyprune import ops
+from pyprune.ops import library, reference as R
+assert library.native("cpu") is None and not library.has_kernel("nm_mask", "CPU")
+w = torch.randn(8, 16)
+mask = ops.score_nm_mask(w, 2, 4)
+values, meta = ops.nm_compress(w, mask, 2, 4)
+x = torch.randn(3, 16)
+assert torch.equal(mask, R.score_nm_mask(w, 2, 4))
+assert torch.equal(ops.nm_linear(x, values, meta, 2, 4), R.nm_linear(x, values, meta, 2, 4))
+try:
+    with ops.use_implementation("cpu"):
+        ops.nm_mask(w, 2, 4)
+except RuntimeError as error:
+    assert "implementation 'cpu' cannot run op 'nm_mask' on cpu tensors here" in str(error)
+else:
+    raise AssertionError("forcing cpu without pyprune._C ran")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYPRUNE_IMPLEMENTATION": ""})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
