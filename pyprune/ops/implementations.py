@@ -32,6 +32,7 @@ import warnings
 from typing import Iterator, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import library
@@ -113,7 +114,7 @@ def _first_device(args) -> torch.device:
 def _real(args) -> bool:
     """Every tensor argument is a plain tensor holding data (not a fake, meta or other subclass)."""
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
-               for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+               for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
 
 
 class _Forcing(TorchDispatchMode):
@@ -128,7 +129,7 @@ class _Forcing(TorchDispatchMode):
         name = forced_implementation()
         if (name is None or isinstance(func, torch._ops.HigherOrderOperator)
                 or func.namespace != library.NAMESPACE or not _real(args)):
-            return func(*args, **kwargs)  # fake / meta tensors go to the fake kernels
+            return func(*args, **kwargs)  # as it is (fake and meta tensors: to the op's fake kernel)
         op = func._schema.name.split("::", 1)[1]
         if name not in IMPLEMENTATIONS[op]:
             raise RuntimeError(f"pyprune op {op!r} has no {name!r} implementation "
