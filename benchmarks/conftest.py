@@ -49,7 +49,8 @@ def pytest_addoption(parser):
     group.addoption("--sparse-where", nargs="+", choices=["faster", "all"], default=None,
                     help="end to end: faster (only the linears measured faster sparse at one token, as pyprune "
                          "generate; the full size's default), all (every N:M linear); tiny runs both")
-    group.addoption("--backend", default="auto", help="end to end: SparseLinear's backend (default auto)")
+    group.addoption("--implementation", default="auto",
+                    help="end to end: SparseLinear's implementation (default auto: measured per layer)")
 
 
 def pytest_configure(config):

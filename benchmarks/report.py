@@ -143,14 +143,15 @@ def sparse_linear_report(run):
             bound = max(info["flops"] * n / m / peaks["flops"], info["bytes"] / peaks["bytes"])
             row["pct_roofline"] = round(100 * bound / t, 1)
         rows.append(row)
-    rows.sort(key=lambda r: (order[case(r)[:3]], r["M"], dispatch.BACKENDS.index(r["backend"])))
+    rows.sort(key=lambda r: (order[case(r)[:3]], r["M"], dispatch.IMPLEMENTATIONS.index(r["backend"])))
     return {"environment": env, "results": rows}
 
 
 def dispatch_entries(report, source):
-    """Per dtype, pattern, weight-size bucket and token bucket: the fastest correct sparse backend
-    where its geomean speedup over dense (over the bucket's shapes and M) is at least
-    dispatch.MIN_SPEEDUP, else ``dense``; only backends that ran every case of the bucket compete."""
+    """Per dtype, pattern, weight-size bucket and token bucket: the fastest correct sparse
+    implementation where its geomean speedup over dense (over the bucket's shapes and M) is at least
+    dispatch.MIN_SPEEDUP, else ``dense``; only implementations that ran every case of the bucket
+    compete. (A results row names its implementation ``backend``, the results files' column.)"""
     cases = defaultdict(set)
     speedups = defaultdict(list)
     for r in report["results"]:
@@ -162,9 +163,9 @@ def dispatch_entries(report, source):
         scores = {key[4]: geomean(v) for key, v in speedups.items()
                   if key[:4] == group and len(v) == len(needed) and key[4] != "dense"}
         best = max(scores, key=scores.get) if scores else None
-        backend = best if best is not None and scores[best] >= dispatch.MIN_SPEEDUP else "dense"
+        chosen = best if best is not None and scores[best] >= dispatch.MIN_SPEEDUP else "dense"
         entries[dispatch.entry_key(getattr(torch, group[0]), *group[1:])] = {
-            "backend": backend,
+            "implementation": chosen,
             "sparse_geomean_speedup_vs_dense": None if best is None else round(scores[best], 3),
             "source": source, "measured": report["environment"]["timestamp"]}
     return entries

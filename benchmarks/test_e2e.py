@@ -2,7 +2,7 @@
 
 Both models hold the same pruned weights (magnitude N:M on every decoder linear: the pattern, not
 the mask's quality, sets the speed); the sparse one has its pruned linears replaced by SparseLinear
-(``pyprune.nn.sparsify_``, backend ``--backend``, by default from this environment's measurements,
+(``pyprune.nn.sparsify_``, implementation ``--implementation``, by default from this environment's measurements,
 see pyprune.nn.dispatch). ``--sparse-where faster`` (the default, as ``pyprune generate``) converts
 only the linears this environment measured faster sparse at one token; ``all`` every N:M linear.
 
@@ -76,19 +76,19 @@ def agreeing_new_tokens(dense, sparse):
 
 
 @functools.lru_cache(maxsize=1)  # a case's models, kept while its four benchmarks run
-def prepare(name, pattern, where, backend, layers, prefill_tokens, decode, dtype, device):
+def prepare(name, pattern, where, implementation, layers, prefill_tokens, decode, dtype, device):
     dense = build_model(name, layers, dtype, device)
     pyprune.prune(dense, "magnitude", pattern, progress=False)
     sparse = copy.deepcopy(dense)
     cost_before = dict(tuning.COST)
-    replaced = sparsify_(sparse, pattern, backend=backend, faster_at=1 if where == "faster" else None)
+    replaced = sparsify_(sparse, pattern, implementation=implementation, faster_at=1 if where == "faster" else None)
     g = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(0, dense.config.vocab_size, (1, prefill_tokens), generator=g).to(device)
     short_prompt = long_prompt[:, :PROMPT_TOKENS]
     with torch.no_grad():
         logits = {label: prefill(model, long_prompt) for label, model in (("dense", dense), ("sparse", sparse))}
         layers_ = [m for m in sparse.modules() if isinstance(m, SparseLinear)]
-        backends = {klass: sorted({m.choose_backend(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
+        backends = {klass: sorted({m.choose_implementation(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
                                    for m in layers_})
                     for klass, tokens in (("decode", 1), ("prefill", prefill_tokens))}
     scale = logits["dense"].float().abs().max().item() or 1.0
@@ -100,7 +100,7 @@ def prepare(name, pattern, where, backend, layers, prefill_tokens, decode, dtype
                  for label, model in (("dense", dense), ("sparse", sparse))}
     record = {
         "model": name, "dtype": str(dtype).replace("torch.", ""), "pattern": pattern, "sparse_where": where,
-        "backend": backend, "layers_of_stand_in": layers, "sparse_layers": len(replaced), "backends": backends,
+        "backend": implementation, "layers_of_stand_in": layers, "sparse_layers": len(replaced), "backends": backends,
         "decision_sources": {bucket: dict(Counter(m.decisions[bucket][1] for m in layers_ if bucket in m.decisions))
                              for bucket in buckets},
         "decisions": {layer: {bucket: list(m.decisions[bucket]) for bucket in buckets if bucket in m.decisions}
@@ -144,7 +144,7 @@ def test_e2e(benchmark, request, dtype_name, model, pattern, where, phase, side,
     layers = config.getoption("layers") or preset["layers"]
     decode = config.getoption("new_tokens") or preset["decode"]
     rounds = config.getoption("benchmark_min_rounds")
-    pair = prepare(model, pattern, where, config.getoption("backend"), layers,
+    pair = prepare(model, pattern, where, config.getoption("implementation"), layers,
                    config.getoption("prefill_tokens") or preset["prefill"], decode, dtype, device)
     assert pair.max_rel_logit_error <= TOLERANCE[dtype], \
         f"sparse logits off the dense model's by {pair.max_rel_logit_error:.3g} of the largest"

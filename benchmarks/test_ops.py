@@ -340,6 +340,25 @@ def sparse24_case():
                 runs=sparse24_runs)
 
 
+def sparse24_compress_case():
+    """The 2:4 values and the sparse-tensor-core metadata of a masked weight (fp16/bf16 only): one
+    CUDA kernel against boolean indexing plus the reference's metadata packing."""
+    def eager(t):
+        return eager_compress(t.w, t.mask24)[0], sparse24_mma_meta(t.meta, t.w.shape[1])
+
+    def build(t):
+        values, meta = eager(t)
+
+        def check():
+            assert all(torch.equal(ours, reference) for ours, reference in zip(ops.sparse24_compress(t.w, t.mask24),
+                                                                            eager(t)))
+        return Built({"pyprune": lambda: ops.sparse24_compress(t.w, t.mask24), "eager": lambda: eager(t)},
+                     t.w.numel() * (t.w.element_size() + 1) + values.numel() * values.element_size()
+                     + meta.numel() * meta.element_size(), check)
+    return Case("sparse24_compress", "sparse24_compress", [("eager", "boolean indexing + sparse24_mma_meta")],
+                build, runs=lambda device, dtype: dtype in (torch.float16, torch.bfloat16))
+
+
 def sliced_case():
     def build(t):
         cols = t.w.shape[1]
@@ -487,6 +506,7 @@ CASES = [
                          lambda: assert_close(ops.nm_linear(t.x[:16], t.values, t.meta, 2, 4),
                                               F.linear(t.x[:16].float(), masked_dense(t).float()), t.w.dtype))),
     sparse24_case(),
+    sparse24_compress_case(),
     pure_case("magnitude_score", "magnitude_score", "w.float().abs()", lambda t: ops.magnitude_score(t.w),
               lambda t: t.w.float().abs(), elementwise),
     pure_case("wanda_score", "wanda_score", "eager |w|·sqrt(sqnorm)", lambda t: ops.wanda_score(t.w, t.sqnorm),

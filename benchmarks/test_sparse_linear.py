@@ -2,7 +2,7 @@
 
 Every case (dtype, shape, pattern, M) has one benchmark of the dense ``F.linear`` on the masked
 weight (cuBLAS on a GPU, MKL/oneDNN on a CPU; ``implementation`` ``F.linear``) and one per
-SparseLinear backend (pyprune.nn.dispatch.BACKENDS) on the same weight, grouped by the case. A
+SparseLinear implementation (pyprune.nn.dispatch.IMPLEMENTATIONS) on the same weight, grouped by the case. A
 backend's benchmark first checks its output against an fp32 dense reference (largest error relative
 to the largest |output|, TOLERANCE by dtype); a backend this layer does not support for the input is
 skipped with the layer's reason.
@@ -82,8 +82,8 @@ def dense_layers(shape, dtype, pattern, device, fill):
 
 
 @functools.lru_cache(maxsize=1)
-def sparse_layers(shape, dtype, pattern, device, fill, backend):
-    return [SparseLinear.from_dense(d, pattern, backend=backend)
+def sparse_layers(shape, dtype, pattern, device, fill, implementation):
+    return [SparseLinear.from_dense(d, pattern, implementation=implementation)
             for d in dense_layers(shape, dtype, pattern, device, fill)]
 
 
@@ -102,7 +102,7 @@ def pytest_generate_tests(metafunc):
     params = [pytest.param(dtype, shape, pattern, implementation, M,
                            id=f"{dtype}-{shape[0]}x{shape[1]}-{pattern[0]}:{pattern[1]}-{implementation}-M{M}")
               for dtype in config.getoption("dtype") or DTYPES[device.type] for shape in shapes
-              for pattern in PATTERNS for implementation in (DENSE, *dispatch.BACKENDS) for M in tokens]
+              for pattern in PATTERNS for implementation in (DENSE, *dispatch.IMPLEMENTATIONS) for M in tokens]
     metafunc.parametrize(("dtype_name", "shape", "pattern", "implementation", "M"), params)
 
 

@@ -1,7 +1,7 @@
 """pyprune: kernels for pruning large language models, and the pruning methods built on them.
 
 The package is layered; a layer imports only the layers below it (checked by the import contract in
-``pyproject.toml``), from the bottom up: ``files`` (cache root, atomic writes), ``ops`` (kernels, backends, reference), ``patterns``,
+``pyproject.toml``), from the bottom up: ``files`` (cache root, atomic writes), ``ops`` (kernels, their implementations, reference), ``patterns``,
 ``nn`` (layers, model anatomy), ``io``, ``runtime``, ``inputs``, ``evaluation``, ``methods``,
 ``studies``, ``cli``. The names below load on first use, so ``import pyprune.ops`` loads the op
 library alone.
@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 #: public name -> (module, attribute); attribute None means the module itself
 _LAZY = {
     "ops": ("pyprune.ops", None),
-    "use_backend": ("pyprune.ops.backend", "use_backend"),
+    "use_implementation": ("pyprune.ops.implementations", "use_implementation"),
+    "use_backend": ("pyprune.ops.implementations", "use_backend"),  # deprecated name of use_implementation
     "prune": ("pyprune.methods.pruning", "prune"),
     "load": ("pyprune.io.model_dir", "load"),
     "save": ("pyprune.io.model_dir", "save"),

@@ -25,8 +25,8 @@ os.environ.setdefault("PYPRUNE_TUNE", "0")
 def cpu_extension_is_built():
     """pyprune._C is part of the install: the cpu cases fail (never skip) without it. Files of C++
     kernel tests use it with ``pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")``."""
-    from pyprune.ops import backend
-    if backend.native_module("cpu") is None:
+    from pyprune.ops.library import native
+    if native("cpu") is None:
         pytest.fail("pyprune._C is not built", pytrace=False)
 
 

@@ -4,18 +4,18 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 
-#: (backend, device) of every native/Triton op implementation: the C++ kernel, the Triton kernel
-#: in the interpreter (without a GPU) or on CUDA; BACKENDS adds the pure-PyTorch reference.
-NATIVE_BACKENDS = [
+#: (implementation, device) of every native/Triton op implementation: the C++ kernel, the Triton
+#: kernel in the interpreter (without a GPU) or on CUDA; IMPLEMENTATIONS adds the pure-PyTorch reference.
+NATIVE_IMPLEMENTATIONS = [
     pytest.param(("cpu", "cpu"), id="cpu"),
     pytest.param(("triton", "cpu"), id="triton-interpreter",
                  marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")),
     pytest.param(("triton", "cuda"), id="triton-cuda",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
 ]
-BACKENDS = [pytest.param(("reference", "cpu"), id="reference")] + NATIVE_BACKENDS
+IMPLEMENTATIONS = [pytest.param(("reference", "cpu"), id="reference")] + NATIVE_IMPLEMENTATIONS
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Value tolerances (rtol, atol) for ops whose rounding differs between backends.
+# Value tolerances (rtol, atol) for ops whose rounding differs between implementations.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
@@ -181,15 +181,15 @@ def text_tokenizer(texts):
 
 def kernel_dispatch_cache(monkeypatch, root, shapes, pattern="2:4"):
     """Point SparseLinear's per-user dispatch cache at the directory ``root`` and record there, as
-    this environment's own measurements, the ``kernel`` backend for layers of ``shapes`` ((out, in)
-    pairs) at every token count and dtype, so that SparseLinear(backend="auto") runs the sparse
+    this environment's own measurements, the ``kernel`` implementation for layers of ``shapes`` ((out, in)
+    pairs) at every token count and dtype, so that SparseLinear(implementation="auto") runs the sparse
     kernel here, as on a machine that measured it faster (a shipped table's row would be measured
     again first); returns ``root``."""
     from pyprune.nn import dispatch
     root = str(root)
     monkeypatch.setattr(dispatch, "cache_root", lambda: root)
     dispatch.record(torch.device("cpu"), {
-        dispatch.entry_key(dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"backend": "kernel"}
+        dispatch.entry_key(dtype, pattern, dispatch.shape_bucket(*shape), tokens): {"implementation": "kernel"}
         for dtype in DTYPES for shape in shapes for tokens in [str(b) for b in dispatch.TOKEN_BUCKETS] + ["many"]})
     return root
 

@@ -85,7 +85,7 @@ def test_ops_report_pairs_each_baseline_with_pyprune_and_the_byte_floor(tmp_path
 def test_the_ops_suite_times_every_public_op_against_eager_pytorch():
     import pyprune.ops as ops
     source = Path(ops_suite.__file__).read_text()
-    public_ops = [name for name in ops.__all__ if callable(getattr(ops, name)) and name != "use_backend"]
+    public_ops = [name for name in ops.__all__ if callable(getattr(ops, name)) and name != "use_implementation"]
     assert [name for name in public_ops if f"ops.{name}(" not in source] == []
     assert len({case.key for case in ops_suite.CASES}) == len(ops_suite.CASES)
     assert all(len(ops_suite.roles(case)) >= 2 for case in ops_suite.CASES)  # pyprune and a baseline at least
@@ -125,7 +125,7 @@ def test_sparse_linear_report_writes_results_a_plot_and_the_dispatch_block(tmp_p
     [block] = json.loads(table.read_text())["environments"]  # this run's environment and its rows
     assert block["environment"] == dispatch.environment(CPU)
     entries = block["entries"]
-    assert {key: entry["backend"] for key, entry in entries.items()} == {
+    assert {key: entry["implementation"] for key, entry in entries.items()} == {
         "float32|2:4|2^13|1": "kernel", "float32|2:4|2^13|many": "dense", "float32|4:8|2^13|1": "dense",
         "float32|4:8|2^13|many": "dense"}
     assert entries["float32|2:4|2^13|many"]["sparse_geomean_speedup_vs_dense"] == 1.02
@@ -134,9 +134,9 @@ def test_sparse_linear_report_writes_results_a_plot_and_the_dispatch_block(tmp_p
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     layer = SparseLinear(128, 64, n=4, m=8)
     with torch.no_grad():  # tuning off: a dense row runs as is, a kernel row is not taken unmeasured
-        assert layer.choose_backend(torch.zeros(1, 128)) == "dense" and layer.decisions["1"] == ("dense", "prior")
+        assert layer.choose_implementation(torch.zeros(1, 128)) == "dense" and layer.decisions["1"] == ("dense", "prior")
         layer = SparseLinear(128, 64)
-        assert layer.choose_backend(torch.zeros(1, 128)) == "dense" and layer.decisions["1"] == ("dense", "fallback")
+        assert layer.choose_implementation(torch.zeros(1, 128)) == "dense" and layer.decisions["1"] == ("dense", "fallback")
     # another environment's block stays when this one's is written again; an unattributable table is refused
     other = dict(block, environment=dict(block["environment"], threads=block["environment"]["threads"] + 1))
     table.write_text(json.dumps({"environments": [other, block]}))
@@ -171,7 +171,7 @@ def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(t
     tiny_llama(layers=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     # this machine measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
-    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"backend": "kernel"}})
+    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"implementation": "kernel"}})
     pairs = {where: e2e_suite.prepare(str(model_dir), "2:4", where, "auto", 1, 16, 3, torch.float32, CPU)
              for where in ("faster", "all")}
     faster, every = (pairs[where].record for where in ("faster", "all"))
@@ -218,7 +218,7 @@ def test_the_suites_timed_give_results_files(tmp_path):
                            "-k", "64x128-topk_mask-row or float32-64x128-2:4 and M1"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for backend in set(dispatch.BACKENDS) - {"kernel", "dense"}:  # every backend is a case; these need CUDA
+    for backend in set(dispatch.IMPLEMENTATIONS) - {"kernel", "dense"}:  # every backend is a case; these need CUDA
         assert f"{backend} unavailable: it needs CUDA tensors" in done.stdout
     names = [Path(p).name for p in report.write_results(json.loads(out.read_text()), str(tmp_path), tag="run")]
     assert names == ["ops-cpu-run-float32.json", "ops-cpu-run-float32.md", "sparse-linear-cpu-run.json",

@@ -1,7 +1,10 @@
 // Argument checks of the CPU ops in one message form, "<op>: <name> must be ..., got ...".
-// The Python ops validate first (pyprune/ops/_validate.py); these guard direct calls to pyprune._C.
+// The public Python functions validate first (pyprune/ops/_validate.py); these guard calls that reach
+// the kernels another way (torch.ops.pyprune.*, a compiled graph).
 #pragma once
 
+#include <charconv>
+#include <cmath>
 #include <string>
 
 #include <torch/extension.h>
@@ -63,6 +66,35 @@ inline void at_least(const char* op, const char* name, T value, T low) {
 // A dimension index of a 2-D tensor.
 inline void dim01(const char* op, const char* name, int64_t value) {
   TORCH_CHECK(value == 0 || value == 1, op, ": ", name, " must be 0 or 1, got ", value);
+}
+
+// A float as Python's repr writes it (-1.0, 0.5, nan), so C++ and Python errors read alike.
+inline std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[32];
+  std::string s(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  return s.find_first_of(".e") == std::string::npos ? s + ".0" : s;
+}
+
+// Every entry of an activation statistic (a sum of squares, e.g. act_sqnorm) is >= 0; the message
+// is pyprune.ops._validate.sums_of_squares's. Any device: the kernels' callers on CPU and CUDA.
+inline void sums_of_squares(const char* name, const torch::Tensor& value) {
+  const torch::Tensor bad = (value >= 0).logical_not();
+  if (!bad.any().item<bool>()) return;
+  const int64_t column = bad.nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_VALUE(false, name, " must be >= 0 (a sum of squares of activations); got ",
+                    py_float(value[column].item<double>()), " at column ", column);
+}
+
+// Distinct positions in [0, size) of `dim_name`; the messages are pyprune.ops._validate.index_values's.
+inline void index_values(const char* name, const torch::Tensor& value, int64_t size, const std::string& dim_name) {
+  if (value.numel() == 0) return;
+  const int64_t low = value.min().item<int64_t>(), high = value.max().item<int64_t>();
+  TORCH_CHECK_VALUE(low >= 0 && high < size, name, " must hold positions in [0, ", size, ") of ", dim_name,
+                    "; got values in [", low, ", ", high, "]");
+  TORCH_CHECK_VALUE(std::get<0>(at::_unique(value)).numel() == value.numel(), name,
+                    " must not repeat a position");
 }
 
 }  // namespace pyprune_cpu::check

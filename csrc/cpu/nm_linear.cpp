@@ -1,5 +1,6 @@
-// The compressed N:M form on the CPU: decompression, and a GEMV for decode-size inputs that reads
-// only the kept weights.
+// The compressed N:M form on the CPU: decompression, and the nm_linear op: a GEMV for decode-size
+// inputs that reads only the kept weights, blocks decompressed into a reused buffer and multiplied by
+// BLAS for larger ones.
 //
 // Format (pyprune.ops.nm_compress): values [rows, cols·n/m] hold the kept weights of each row in
 // column order; meta [rows, ceil(cols/8)] uint8 is the keep mask, column 8b+j in bit j of byte b
@@ -34,6 +35,12 @@ namespace {
 // Tokens per kernel call: more are taken in chunks of this many, each chunk reading the weights
 // again (the expand kernel is bound by its shuffles and x loads there, not by memory).
 constexpr int64_t kMaxTokens = 8;
+// x with at most this many rows takes the GEMV: AVX-512 kernels read the weights once for all rows,
+// AVX2 ones once per kMaxTokens; which is faster than dense at a given count depends on the CPU, so
+// SparseLinear measures it (pyprune.nn.tuning).
+constexpr int64_t kGemvMaxRows = 256;
+// Larger x: the bytes of W decompressed per BLAS call.
+constexpr int64_t kBlockBytes = int64_t{1} << 21;
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
@@ -284,7 +291,7 @@ void gemv_half_density(const float* x, const T* values, const uint8_t* meta, con
     PYPRUNE_TOKENS(5) PYPRUNE_TOKENS(6) PYPRUNE_TOKENS(7) PYPRUNE_TOKENS(8)
 #undef PYPRUNE_TOKENS
   }
-  TORCH_CHECK(false, "nm_linear_gemv: the AVX2 kernel takes 1 to ", kMaxTokens, " tokens, got ", tokens);
+  TORCH_CHECK(false, "nm_linear: the AVX2 kernel takes 1 to ", kMaxTokens, " tokens, got ", tokens);
 }
 
 #endif
@@ -304,16 +311,37 @@ const char* gemv_path(int64_t tokens, int64_t n, int64_t m, at::ScalarType dtype
 
 void check_gemv_inputs(const torch::Tensor& x, const torch::Tensor& values,
                        const torch::Tensor& meta, int64_t n, int64_t m) {
-  check_compressed("nm_linear_gemv", values, meta, n, m);
+  check_compressed("nm_linear", values, meta, n, m);
   const int64_t cols = values.size(1) / n * m;
-  check::tensor("nm_linear_gemv", "x", x, 2);
-  TORCH_CHECK(x.size(1) == cols, "nm_linear_gemv: x must have ", cols, " columns");
-  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear_gemv: x and values must share a dtype");
+  check::tensor("nm_linear", "x", x, 2);
+  TORCH_CHECK(x.size(1) == cols, "nm_linear: x must have ", cols, " columns");
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nm_linear: x and values must share a dtype");
+}
+
+// x [tokens, cols] @ (W ⊙ mask)ᵀ + bias straight from the compressed form (fp32 accumulation).
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                   int64_t n, int64_t m, const c10::optional<torch::Tensor>& bias);
+
+// Larger x: W decompressed kBlockBytes at a time (a block the allocator reuses, warm in cache) and
+// multiplied by BLAS, so no dense copy of W is ever allocated.
+torch::Tensor blocked(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                      int64_t n, int64_t m, const c10::optional<torch::Tensor>& bias) {
+  const int64_t n_out = values.size(0);
+  const int64_t row_bytes = values.size(1) / n * m * values.element_size();
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / row_bytes);
+  torch::Tensor out_t = torch::empty({n_out, x.size(0)}, x.options());
+  for (int64_t r0 = 0; r0 < n_out; r0 += block) {
+    const int64_t r1 = std::min(n_out, r0 + block);
+    torch::Tensor out_block = out_t.slice(0, r0, r1);
+    at::mm_out(out_block, nm_decompress(values.slice(0, r0, r1), meta.slice(0, r0, r1), n, m), x.t());
+  }
+  if (bias.has_value() && bias->defined()) out_t.add_(bias->unsqueeze(1));
+  return out_t.t().contiguous();
 }
 
 }  // namespace
 
-std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
+std::string nm_linear_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m) {
   check_gemv_inputs(x, values, meta, n, m);
   return gemv_path(x.size(0), n, m, x.scalar_type());
@@ -333,15 +361,30 @@ torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& me
   return dense;
 }
 
-torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
-                             const torch::Tensor& meta, int64_t n, int64_t m,
-                             const c10::optional<torch::Tensor>& bias) {
+torch::Tensor nm_linear(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                        int64_t n, int64_t m, const c10::optional<torch::Tensor>& bias) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!out_shape.empty(), "nm_linear: x must have at least 1 dim");
+  out_shape.back() = values.size(0);
+  if (x.numel() == 0) return torch::empty(out_shape, x.options());  // as F.linear: no kernel
+  const torch::Tensor rows = x.contiguous().reshape({-1, x.size(-1)});
+  const torch::Tensor v = values.contiguous(), mt = meta.contiguous();
+  c10::optional<torch::Tensor> b;
+  if (bias.has_value() && bias->defined()) b = bias->contiguous();
+  const torch::Tensor out = rows.size(0) <= kGemvMaxRows ? gemv(rows, v, mt, n, m, b) : blocked(rows, v, mt, n, m, b);
+  return out.reshape(out_shape);
+}
+
+namespace {
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                   int64_t n, int64_t m, const c10::optional<torch::Tensor>& bias) {
   check_gemv_inputs(x, values, meta, n, m);
   const int64_t rows = values.size(0), cols = values.size(1) / n * m;
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    check::tensor("nm_linear_gemv", "bias", *bias, 1, {x.scalar_type()});
-    TORCH_CHECK(bias->size(0) == rows, "nm_linear_gemv: bias must have ", rows, " entries, got ", bias->size(0));
+    check::tensor("nm_linear", "bias", *bias, 1, {x.scalar_type()});
+    TORCH_CHECK(bias->size(0) == rows, "nm_linear: bias must have ", rows, " entries, got ", bias->size(0));
   }
   const int64_t tokens = x.size(0);
   torch::Tensor y = torch::empty({tokens, rows}, x.options());
@@ -358,7 +401,7 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   }
 #endif
   const torch::Tensor x_float = x.to(at::kFloat).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear_gemv", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "nm_linear", [&] {
     const scalar_t* b = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
 #ifdef PYPRUNE_X86
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -389,5 +432,7 @@ torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values
   });
   return y;
 }
+
+}  // namespace
 
 }  // namespace pyprune_cpu

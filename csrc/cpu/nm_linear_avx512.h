@@ -1,5 +1,5 @@
 // The AVX-512 decode GEMV of half-density N:M weights (nm_linear_avx512.cpp), called by
-// nm_linear_gemv (nm_linear.cpp) where cpu_isa() allows it.
+// nm_linear's GEMV (nm_linear.cpp) where cpu_isa() allows it.
 #pragma once
 
 #include <c10/util/BFloat16.h>

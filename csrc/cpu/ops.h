@@ -1,4 +1,6 @@
-// pyprune._C: the CPU kernels bound in csrc/cpu/bindings.cpp.
+// pyprune._C: the CPU kernels. csrc/cpu/library.cpp registers them under the pyprune ops' schemas,
+// each behind the op's own argument form (any leading dims, non-contiguous reads) where a kernel
+// takes plain 2-D contiguous tensors.
 #pragma once
 
 #include <torch/extension.h>
@@ -34,14 +36,15 @@ torch::Tensor channel_penalty_(const torch::Tensor& grad, const torch::Tensor& w
 // nm_linear.cpp
 torch::Tensor nm_decompress(const torch::Tensor& values, const torch::Tensor& meta, int64_t n,
                             int64_t m);
-torch::Tensor nm_linear_gemv(const torch::Tensor& x, const torch::Tensor& values,
-                             const torch::Tensor& meta, int64_t n, int64_t m,
-                             const c10::optional<torch::Tensor>& bias);
+// The op itself: x [..., cols] of any row count (a GEMV up to 256 rows, decompressed blocks and BLAS
+// beyond).
+torch::Tensor nm_linear(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                        int64_t n, int64_t m, const c10::optional<torch::Tensor>& bias);
 // "avx512_bf16_dot", "avx512_permute", "avx2_permute" (1 token), "avx2_expand" (more, 8 at a time) or
-// "generic": the kernel nm_linear_gemv runs for these arguments.
-std::string nm_linear_gemv_path(const torch::Tensor& x, const torch::Tensor& values,
+// "generic": the kernel nm_linear's GEMV runs for a 2-D x of these rows (at most 256).
+std::string nm_linear_path(const torch::Tensor& x, const torch::Tensor& values,
                                 const torch::Tensor& meta, int64_t n, int64_t m);
-// The instruction-set level of the decode GEMV (nm_linear_isa.h): the detected one, or the one the
+// The instruction-set level of nm_linear's GEMV (nm_linear_isa.h): the detected one, or the one the
 // kernels run (the detected one capped by PYPRUNE_MAX_CPU_ISA / limit_cpu_isa).
 std::string cpu_isa_report(bool detected);
 // Caps the level at `name` (generic, avx2, avx512, avx512_bf16); returns the previous cap.

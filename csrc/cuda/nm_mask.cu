@@ -1,5 +1,5 @@
 // N:M pruning masks on the GPU (pyprune._C_cuda), plain CUDA: no torch headers here (the CPU
-// torch wheel's headers do not go through nvcc); csrc/cuda/bindings.cpp checks the arguments and
+// torch wheel's headers do not go through nvcc); csrc/cuda/library.cpp checks the arguments and
 // calls the extern "C" launcher below on the current stream.
 //
 // Semantics (identical to the CPU kernel and to pyprune.reference.nm_mask): in every group of m

@@ -1,7 +1,7 @@
 """``pyprune tune``: measure, ahead of time, SparseLinear's kernel against dense for every N:M layer
 shape of a model on this CPU, print the machine, its environment and the table with where each
 answer came from, and keep the measurements in the per-user cache that
-``SparseLinear(backend="auto")``, ``sparsify_(faster_at=...)`` and ``pyprune generate`` read
+``SparseLinear(implementation="auto")``, ``sparsify_(faster_at=...)`` and ``pyprune generate`` read
 (otherwise each case is measured the first time a layer meets it)."""
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def run(args) -> int:
           f"pyprune {env['pyprune']}; native kernels {env['native_kernels']}")
     cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]
     print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
-          "backend | source |")
+          "implementation | source |")
     print("|---:|---|---|---|---:|---:|---:|---:|---|---|")
     for layer, pattern, count in groups.values():
         sparse = layer if isinstance(layer, SparseLinear) else SparseLinear.from_dense(layer, pattern)
@@ -73,7 +73,7 @@ def run(args) -> int:
             speedup = entry.get("sparse_speedup_vs_dense", entry.get("sparse_geomean_speedup_vs_dense", ""))
             print(f"| {count} | {sparse.out_features}×{sparse.in_features} | {args.dtype} | {pattern} | "
                   f"{count_tokens} | {entry.get('kernel_ms', '')} | {entry.get('dense_ms', '')} | "
-                  f"{speedup} | {entry['backend']} | {source} |")
+                  f"{speedup} | {dispatch.entry_implementation(entry)} | {source} |")
     print(f"[{tuning.COST['cases'] - cases} cases measured in {tuning.COST['seconds'] - seconds:.2f} s, "
           f"{torch.get_num_threads()} threads; cache {dispatch.cache_path(device)}]")
     return 0

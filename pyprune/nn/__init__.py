@@ -15,7 +15,7 @@
   the same for a whole model's hidden channels (:func:`slice_hidden_channels_`).
 * :mod:`pyprune.nn.measure` — a model's sparsity report (N:M fit per layer), parameter count and
   forward cost, before and after pruning.
-* :mod:`pyprune.nn.dispatch` — the measured table and per-user cache that pick SparseLinear's backend;
+* :mod:`pyprune.nn.dispatch` — the measured table and per-user cache that pick SparseLinear's implementation;
   :mod:`pyprune.nn.tuning` — measures a case on first use.
 """
 from .compact import (grouped_query_heads, keep_attention_heads_, keep_hidden_channels_, keep_mlp_channels_,

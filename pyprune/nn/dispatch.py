@@ -1,4 +1,5 @@
-"""Which backend runs a :class:`~pyprune.nn.SparseLinear` forward, from measurements of this very environment.
+"""Which implementation runs a :class:`~pyprune.nn.SparseLinear` forward, from measurements of this very
+environment.
 
 Every measurement is keyed by its environment (:func:`environment`): the machine (:func:`machine`:
 on a CPU the model name, vendor, family, model and stepping, the instruction-set flags of
@@ -7,7 +8,7 @@ GPU its name and compute capability), torch and pyprune versions, the instructio
 pyprune's native kernels run at (:func:`native_kernels`), and torch's thread count. A hypervisor's ``AMD EPYC`` names every EPYC generation, so a
 name alone never keys: AVX2 Zen 3 and AVX-512-BF16 Zen 4 are other environments. Within one, a case
 (:func:`case_key`) is the dtype, N:M pattern, weight-size bucket (out·in rounded up to a power of
-two) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse backend that
+two) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse implementation that
 measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear``, or ``dense``.
 
 Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries": {case: entry}}``.
@@ -23,10 +24,13 @@ Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries
   A block applies only where its environment equals this process's exactly.
 
 :func:`answer` gives what may be used as is: the cache's entry (source ``cache``), else a prior
-``dense`` entry (``prior``). A prior naming a sparse backend is no answer: the caller measures the
+``dense`` entry (``prior``). A prior naming a sparse implementation is no answer: the caller measures the
 case first where :func:`pyprune.nn.tuning.can_tune` (``measured``, recorded in the cache), and runs
-dense where it cannot (:data:`FALLBACK_BACKEND`, ``fallback``): sparse never runs without a
+dense where it cannot (:data:`FALLBACK_IMPLEMENTATION`, ``fallback``): sparse never runs without a
 measurement of this environment, taken here, saying it pays.
+
+An entry names its implementation in ``implementation``; entries written before that name
+(``backend``, and ``mma_sp`` for ``sparse24_linear``) still read (:func:`entry_implementation`).
 """
 from __future__ import annotations
 
@@ -44,16 +48,19 @@ import torch
 
 from .. import __version__
 from ..files import cache_root, ensure_cache_dir, write_json
-from ..ops import backend
+from ..ops.library import native
 
-#: Every SparseLinear backend. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
+#: Every SparseLinear implementation. ``kernel``: pyprune.ops.nm_linear (Triton on GPU, C++ on CPU);
 #: ``dense``: F.linear on the weight decompressed once and cached (cuBLAS/MKL/oneDNN);
-#: ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors; ``mma_sp``: pyprune's CUDA
-#: 2:4 sparse tensor-core GEMM.
-BACKENDS = ("kernel", "dense", "cusparselt", "cutlass", "mma_sp")
-#: The backend where this environment has no answer of its own: never slower than dense.
-FALLBACK_BACKEND = "dense"
-#: A sparse backend is named only where it measured at least this speedup over dense.
+#: ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors; ``sparse24_linear``:
+#: pyprune.ops.sparse24_linear, pyprune's CUDA 2:4 sparse tensor-core GEMM.
+IMPLEMENTATIONS = ("kernel", "dense", "cusparselt", "cutlass", "sparse24_linear")
+#: Former names of implementations, still read from stored entries and accepted (with a
+#: DeprecationWarning) by SparseLinear until the next release.
+FORMER_NAMES = {"mma_sp": "sparse24_linear"}
+#: The implementation where this environment has no answer of its own: never slower than dense.
+FALLBACK_IMPLEMENTATION = "dense"
+#: A sparse implementation is named only where it measured at least this speedup over dense.
 MIN_SPEEDUP = 1.05
 #: Token counts up to the last are rounded up to the next one; more are ``many``.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -64,7 +71,7 @@ ISA_FLAGS = ("fma", "f16c", "avx2", "avx_vnni", "avx512f", "avx512dq", "avx512bw
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
 #: Where sysfs lists the first CPU's caches (one ``index<i>`` directory per cache).
 SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
-#: Where a layer's backend came from: this environment's cache, the shipped table (a ``dense`` row
+#: Where a layer's implementation came from: this environment's cache, the shipped table (a ``dense`` row
 #: of this very environment), a measurement taken here (a prior naming sparse is one, confirmed or
 #: overruled), or no usable answer at all (dense).
 SOURCES = ("cache", "prior", "measured", "fallback")
@@ -160,10 +167,10 @@ def native_kernels(device: torch.device) -> str:
     ``pyprune._C`` (its ``cpu_isa()``: the CPU's, capped by ``PYPRUNE_MAX_CPU_ISA`` or
     ``limit_cpu_isa``), on a GPU ``built``; ``missing`` where the extension is not built."""
     kind = torch.device(device).type
-    native = backend.native_module(kind) if kind in ("cpu", "cuda") else None
-    if native is None:
+    module = native(kind) if kind in ("cpu", "cuda") else None
+    if module is None:
         return "missing"
-    return native.cpu_isa() if kind == "cpu" else "built"
+    return module.cpu_isa() if kind == "cpu" else "built"
 
 
 def environment(device: torch.device) -> Dict:
@@ -205,8 +212,8 @@ def environment_record(device: torch.device) -> Dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "pyprune": __version__,
-        "native_cpu_kernels": backend.native_module("cpu") is not None,
-        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "native_cpu_kernels": native("cpu") is not None,
+        "native_cuda_kernels": native("cuda") is not None,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:
@@ -251,13 +258,23 @@ def answer(device: torch.device, dtype: torch.dtype, pattern: str, out_features:
            in_features: int, tokens: int) -> Optional[Tuple[Dict, str]]:
     """(entry, source) that may be used as is for this case: this environment's cache entry
     (``cache``), else the shipped table's ``dense`` entry for this very environment (``prior``);
-    else None (a prior naming a sparse backend included: it is measured before it is used)."""
+    else None (a prior naming a sparse implementation included: it is measured before it is used)."""
     key = case_key(dtype, pattern, out_features, in_features, tokens)
     entry = cached_entries(device).get(key)
     if entry is not None:
         return entry, "cache"
     entry = prior_entries(device).get(key)
-    return (entry, "prior") if entry is not None and entry["backend"] == "dense" else None
+    return (entry, "prior") if entry is not None and entry_implementation(entry) == "dense" else None
+
+
+def entry_implementation(entry) -> Optional[str]:
+    """The implementation a stored entry names (``implementation``, or ``backend`` in entries
+    written before; former names mapped to current ones), or None where it names none."""
+    if not isinstance(entry, dict):
+        return None
+    name = entry.get("implementation", entry.get("backend"))
+    name = FORMER_NAMES.get(name, name)
+    return name if name in IMPLEMENTATIONS else None
 
 
 # -- the shipped table (the prior) ---------------------------------------------------------------------
@@ -297,10 +314,10 @@ def _load_table(path: str, stamp: tuple) -> List[Dict]:
                          "(from a timed run of benchmarks/test_sparse_linear.py)")
     for block in blocks:
         for key, entry in block["entries"].items():
-            if not isinstance(entry, dict) or entry.get("backend") not in BACKENDS:
-                raise ValueError(f"dispatch table {path}: entry {key!r} names backend "
-                                 f"{entry.get('backend') if isinstance(entry, dict) else entry!r}; "
-                                 f"allowed: {', '.join(BACKENDS)}")
+            if entry_implementation(entry) is None:
+                named = entry.get("implementation", entry.get("backend")) if isinstance(entry, dict) else entry
+                raise ValueError(f"dispatch table {path}: entry {key!r} names implementation {named!r}; "
+                                 f"allowed: {', '.join(IMPLEMENTATIONS)}")
     return blocks
 
 
@@ -328,7 +345,7 @@ def _read_cache(path: str, env: Dict) -> Dict:
     if not isinstance(payload, dict) or payload.get("environment") != env:
         return {}
     entries = payload.get("entries")
-    return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("backend") in BACKENDS} \
+    return {k: v for k, v in entries.items() if entry_implementation(v) is not None} \
         if isinstance(entries, dict) else {}
 
 
@@ -361,14 +378,14 @@ def _locked(path: str):
 
 
 def record(device: torch.device, entries: Dict[str, Dict]) -> str:
-    """Add ``entries`` ({case key: entry with ``backend``}) to this environment's cache file:
+    """Add ``entries`` ({case key: entry with ``implementation``}) to this environment's cache file:
     under the lock the file is re-read, merged and replaced by a complete new file (written to a
     temporary name beside it, then renamed), so readers never see a partial file and concurrent
     writers keep each other's answers. Returns the file's path."""
     for key, entry in entries.items():
-        if entry.get("backend") not in BACKENDS:
-            raise ValueError(f"entry {key!r}: backend must be one of {', '.join(BACKENDS)}; "
-                             f"got {entry.get('backend')!r}")
+        if entry.get("implementation") not in IMPLEMENTATIONS:
+            raise ValueError(f"entry {key!r}: implementation must be one of {', '.join(IMPLEMENTATIONS)}; "
+                             f"got {entry.get('implementation')!r}")
     path, env = cache_path(device), environment(device)
     ensure_cache_dir(os.path.dirname(path))
     with _locked(path):

@@ -4,18 +4,18 @@ The weight is stored as ``values`` [out, in·n/m] (a parameter) and ``meta`` [ou
 uint8 (the keep mask, a buffer), as :func:`pyprune.ops.nm_compress` produces them: 9/16 of the
 dense bytes for 16-bit 2:4 and 4:8. That pair is the module's whole state (``state_dict`` holds
 ``values``, ``meta``, ``bias`` and ``_extra_state`` = [n, m, in_features], checked on load along
-with the mask's exact n-of-m groups); every faster representation a backend needs is derived from
+with the mask's exact n-of-m groups); every faster representation an implementation needs is derived from
 it, cached, and rebuilt when the values change in place or are replaced. Writes through
 ``values.data`` bypass the version counter: call :meth:`SparseLinear.invalidate` after them.
 
-Backends (:data:`pyprune.nn.dispatch.BACKENDS`); ``backend="auto"`` runs the sparse backend
+Implementations (:data:`pyprune.nn.dispatch.IMPLEMENTATIONS`); ``implementation="auto"`` runs the sparse one
 measured at least 1.05x dense in this environment (machine, torch, pyprune, threads) for the
 dtype, pattern, weight size and token count (:mod:`pyprune.nn.dispatch`): the per-user cache's
 answer, else a ``dense`` row of the shipped table for this very environment. A CPU case without
 either (a shipped row naming ``kernel`` included) is timed on first use, kernel against dense on
 the layer's own weights (:mod:`pyprune.nn.tuning`), and the measurement decides. Where no
 measurement can run (``PYPRUNE_TUNE=0``, a GPU) the layer runs dense; under torch.compile it runs
-the backend eager forwards chose for the same case, else dense:
+the implementation eager forwards chose for the same case, else dense:
 
 * ``kernel``: :func:`pyprune.ops.nm_linear` on the compressed form (Triton on GPU; on CPU the
   C++ kernel: a GEMV over kept weights for <= 256 tokens (AVX-512 or AVX2, chosen at run time),
@@ -25,25 +25,30 @@ the backend eager forwards chose for the same case, else dense:
   as the layer left dense, at the memory of the compressed and the dense form together.
 * ``cusparselt`` / ``cutlass``: torch's 2:4 semi-structured tensors (CUDA, fp16/bf16; one cached
   copy), with the cuSPARSELt algorithm searched once per power-of-two token count.
-* ``mma_sp``: :func:`pyprune.ops.sparse24_linear`, pyprune's CUDA 2:4 sparse tensor-core GEMM
-  (``pyprune._C_cuda``, sm80+).
+* ``sparse24_linear``: :func:`pyprune.ops.sparse24_linear`, pyprune's CUDA 2:4 sparse tensor-core
+  GEMM (``pyprune._C_cuda``, sm80+).
 
 Calls in grad mode where x or a parameter requires grad always run ``kernel`` (the only
-differentiable backend), whatever ``backend`` says.
+differentiable implementation), whatever ``implementation`` says.
+
+``backend=`` / ``.backend`` / ``choose_backend`` and the name ``mma_sp`` are the former names of
+``implementation=`` / ``.implementation`` / ``choose_implementation`` and ``sparse24_linear``; they
+still work, with a DeprecationWarning, until the next release, and saved layers naming them load.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import backend as _backend
 from .. import ops
 from ..ops.conventions import pack_mask, sparse24_mma_meta, unpack_mask
-from ..ops.linear import nm_linear_prechecked
+from ..ops.implementations import call
+from ..ops.library import native
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch, tuning
 from .experts import MATRICES, ExpertLinears, RoutedExperts, experts_of, fused_experts
@@ -62,9 +67,18 @@ def _as_nm(pattern) -> NM:
     return parsed
 
 
-def _check_backend(name: str) -> str:
-    if name != "auto" and name not in dispatch.BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {', '.join(dispatch.BACKENDS)}; got {name!r}")
+def _check_implementation(name: str, backend: Optional[str] = None) -> str:
+    """``name`` checked; ``backend`` (the former keyword) and former names warn and still work."""
+    if backend is not None:
+        warnings.warn("SparseLinear's backend= is deprecated; use implementation=", DeprecationWarning, stacklevel=3)
+        name = backend
+    if name in dispatch.FORMER_NAMES:
+        warnings.warn(f"SparseLinear implementation {name!r} is now called {dispatch.FORMER_NAMES[name]!r}",
+                      DeprecationWarning, stacklevel=3)
+        name = dispatch.FORMER_NAMES[name]
+    if name != "auto" and name not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be 'auto' or one of {', '.join(dispatch.IMPLEMENTATIONS)}; "
+                         f"got {name!r}")
     return name
 
 
@@ -81,13 +95,14 @@ class SparseLinear(nn.Module):
     (what ``load_state_dict`` fills)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, n: int = 2,
-                 m: int = 4, backend: str = "auto", device=None, dtype=None):
+                 m: int = 4, implementation: str = "auto", device=None, dtype=None,
+                 backend: Optional[str] = None):
         super().__init__()
         pattern = NM(n, m)
         pattern.check_layer("SparseLinear", in_features)
         self.in_features, self.out_features = in_features, out_features
         self.n, self.m = n, m
-        self.backend = _check_backend(backend)
+        self.implementation = _check_implementation(implementation, backend)
         factory = {"device": device, "dtype": dtype}
         self.values = nn.Parameter(torch.zeros(out_features, in_features * n // m, **factory))
         mask = torch.zeros(out_features, in_features // m, m, dtype=torch.bool, device=device)
@@ -96,9 +111,9 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._cache: Dict[str, Tuple[tuple, object]] = {}
         self._cusparselt_algorithms: Dict[int, int] = {}
-        #: backend="auto": (backend, what else picked it) per (device, dtype, token bucket)
+        #: implementation="auto": (implementation, what else picked it) per (device, dtype, token bucket)
         self._choices: Dict[tuple, Tuple[str, tuple]] = {}
-        #: backend="auto": (backend, source in dispatch.SOURCES) per token bucket met so far
+        #: implementation="auto": (implementation, source in dispatch.SOURCES) per token bucket met so far
         self.decisions: Dict[str, Tuple[str, str]] = {}
 
     def get_extra_state(self) -> Tensor:
@@ -122,8 +137,19 @@ class SparseLinear(nn.Module):
                                  f"{int(kept[kept != self.n][0])} of {self.m}")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    @property
+    def backend(self) -> str:
+        """Deprecated name of :attr:`implementation`."""
+        warnings.warn("SparseLinear.backend is deprecated; use .implementation", DeprecationWarning, stacklevel=2)
+        return self.implementation
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        warnings.warn("SparseLinear.backend is deprecated; use .implementation", DeprecationWarning, stacklevel=2)
+        self.implementation = _check_implementation(name)
+
     def invalidate(self) -> None:
-        """Drop the cached backend forms (needed only after writes through ``values.data``)."""
+        """Drop the cached forms (needed only after writes through ``values.data``)."""
         self._cache.clear()
         self._cusparselt_algorithms.clear()
         self._choices.clear()
@@ -135,7 +161,8 @@ class SparseLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, pattern: Union[str, NM, Tuple[int, int]] = "2:4",
-                   mask: Optional[Tensor] = None, backend: str = "auto") -> "SparseLinear":
+                   mask: Optional[Tensor] = None, implementation: str = "auto",
+                   backend: Optional[str] = None) -> "SparseLinear":
         """A SparseLinear holding ``linear.weight ⊙ mask`` (and its bias).
 
         Without ``mask`` the weight must already be N:M sparse (as after pruning with that
@@ -155,7 +182,8 @@ class SparseLinear(nn.Module):
             mask = ops.score_nm_mask(weight, pattern.n, pattern.m)  # keeps every nonzero
         values, meta = ops.nm_compress(weight, mask.to(weight.device), pattern.n, pattern.m)
         layer = cls(weight.shape[1], weight.shape[0], linear.bias is not None, n=pattern.n,
-                    m=pattern.m, backend=backend, device="meta", dtype=weight.dtype)
+                    m=pattern.m, implementation=_check_implementation(implementation, backend), device="meta",
+                    dtype=weight.dtype)
         layer.values = nn.Parameter(values, requires_grad=linear.weight.requires_grad)
         layer.meta = meta
         if linear.bias is not None:
@@ -183,21 +211,27 @@ class SparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, pattern={self.pattern}, backend={self.backend}")
+                f"bias={self.bias is not None}, pattern={self.pattern}, implementation={self.implementation}")
 
     def choose_backend(self, x: Tensor) -> str:
-        """The backend this forward runs on (see the module docstring)."""
+        """Deprecated name of :meth:`choose_implementation`."""
+        warnings.warn("SparseLinear.choose_backend is deprecated; use choose_implementation",
+                      DeprecationWarning, stacklevel=2)
+        return self.choose_implementation(x)
+
+    def choose_implementation(self, x: Tensor) -> str:
+        """The implementation this forward runs on (see the module docstring)."""
         tokens = x.numel() // max(x.shape[-1], 1)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.values.requires_grad
                                                   or (self.bias is not None and self.bias.requires_grad))
         if needs_grad:
             return "kernel"
-        name = self.backend
+        name = self.implementation
         if name == "auto":
             bucket = dispatch.token_bucket(tokens)
             case = (x.device, x.dtype, bucket)
             if torch.compiler.is_compiling():  # a graph reads no file: what eager chose, else dense
-                return self._choices.get(case, (dispatch.FALLBACK_BACKEND,))[0]
+                return self._choices.get(case, (dispatch.FALLBACK_IMPLEMENTATION,))[0]
             # remembered per case (a decode step is short, the lookup is not free) and context:
             # what else picks the table, the cache file and the answers in it
             context = (dispatch.table_path(), dispatch.cache_root(), torch.get_num_threads(),
@@ -206,12 +240,12 @@ class SparseLinear(nn.Module):
             if choice is None or choice[1] != context:
                 name, source = _decide(self, self.pattern, x.device, x.dtype, tokens)
                 if not self.supports(name, x):
-                    name, source = dispatch.FALLBACK_BACKEND, "fallback"
+                    name, source = dispatch.FALLBACK_IMPLEMENTATION, "fallback"
                 choice = self._choices[case] = (name, context)
                 self.decisions[bucket] = (name, source)
             name = choice[0]
         elif not self.supports(name, x):
-            raise RuntimeError(f"SparseLinear backend {name!r} cannot run {self.pattern} "
+            raise RuntimeError(f"SparseLinear implementation {name!r} cannot run {self.pattern} "
                                f"{x.dtype} on {x.device.type} here: {self.unsupported_reason(name, x)}")
         return name
 
@@ -227,7 +261,7 @@ class SparseLinear(nn.Module):
         kept = "dense" in self._cache
         entry = tuning.measure(lambda x: self.forward_on("dense", x), lambda x: self.forward_on("kernel", x),
                                tuning.timed_input(self.in_features, tokens, dtype, device))
-        if entry["backend"] != "dense" and not kept:
+        if entry["implementation"] != "dense" and not kept:
             self._cache.pop("dense", None)
         key = dispatch.case_key(dtype, str(self.pattern), self.out_features, self.in_features, tokens)
         return entry, dispatch.record(device, {key: entry})
@@ -242,21 +276,22 @@ class SparseLinear(nn.Module):
             return "it needs CUDA tensors"
         if (self.n, self.m) != (2, 4) or x.dtype not in (torch.float16, torch.bfloat16):
             return "it runs 2:4 fp16/bf16 only"
-        if name == "mma_sp":
+        if name == "sparse24_linear":
             if self.in_features % 32:
                 return "it needs in_features divisible by 32"
             if torch.cuda.get_device_capability(x.device) < (8, 0):
                 return "it needs sparse tensor cores (sm80 or newer)"
-            module = _backend.native_module("cuda")
-            return None if module is not None and hasattr(module, "sparse24_linear") else \
-                "pyprune._C_cuda is not built"
+            return None if native("cuda") is not None else "pyprune._C_cuda is not built"
         if self._semi_structured(name, x) is None:
             return f"torch rejected this weight for {name} (shape or library)"
         return None
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x must have {self.in_features} features in its last dim; got {x.shape[-1]}")
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have {self.in_features} features in its last dim; got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if x.device != self.values.device:
+            raise ValueError(f"x must be on the layer's device {self.values.device}; got {x.device}")
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -267,16 +302,20 @@ class SparseLinear(nn.Module):
                     bias = None if self.bias is None else self.bias.to(dtype)
                     return ops.nm_linear(x.to(dtype), self.values.to(dtype), self.meta, self.n,
                                          self.m, bias)
-        return self.forward_on(self.choose_backend(x), x)
+        if x.dtype != self.values.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.values.dtype}; got {x.dtype}")
+        return self.forward_on(self.choose_implementation(x), x)
 
     def forward_on(self, name: str, x: Tensor) -> Tensor:
-        """The forward on backend ``name`` (chosen and checked by :meth:`choose_backend`)."""
+        """The forward on implementation ``name`` (chosen and checked by :meth:`choose_implementation`)."""
         if name == "kernel":
-            return nm_linear_prechecked(x, self.values, self.meta, self.n, self.m, self.bias)
+            # the op itself: the compressed form and bias are valid by construction and forward
+            # checked x, so pyprune.ops.nm_linear's argument checks would only repeat
+            return call(torch.ops.pyprune.nm_linear.default, x, self.values, self.meta, self.n, self.m, self.bias)
         if name == "dense":
             return F.linear(x, self._cached("dense", lambda: self.weight), self.bias)
-        if name == "mma_sp":
-            meta = self._cached("mma_sp", lambda: sparse24_mma_meta(self.meta, self.in_features))
+        if name == "sparse24_linear":
+            meta = self._cached(name, lambda: sparse24_mma_meta(self.meta, self.in_features))
             return ops.sparse24_linear(x, self.values.detach(), meta, self.bias)
         return F.linear(x, self._semi_structured(name, x), self.bias)
 
@@ -326,7 +365,7 @@ def _with_parameters(module: nn.Module, parameters: Dict[str, nn.Parameter]) -> 
 class SparseExperts(RoutedExperts):
     """A fused MoE experts module (:mod:`pyprune.nn.experts`) whose every expert matrix is N:M
     sparse, held as one :class:`SparseLinear` per expert matrix (``experts.3.gate_up_proj``: the
-    compressed values and metadata, the backends and decisions of any SparseLinear) and run by the
+    compressed values and metadata, the implementations and decisions of any SparseLinear) and run by the
     fused module's routing (:class:`~pyprune.nn.experts.RoutedExperts`). The dense 3-D parameters
     are not kept: the fused module is remembered with its parameters on ``meta``, and
     :meth:`to_fused` rebuilds it with the same weights."""
@@ -338,10 +377,11 @@ class SparseExperts(RoutedExperts):
         object.__setattr__(self, "_fused_shell", shell)  # not a child: no state, no memory
 
     @classmethod
-    def from_fused(cls, fused: nn.Module, pattern: NM, backend: str = "auto") -> "SparseExperts":
+    def from_fused(cls, fused: nn.Module, pattern: NM, implementation: str = "auto") -> "SparseExperts":
         """The experts of ``fused`` (each matrix already ``pattern`` sparse) as SparseLinear layers."""
         views = ExpertLinears(fused)
-        return cls(fused, [{matrix: SparseLinear.from_dense(getattr(expert, matrix), pattern, backend=backend)
+        return cls(fused, [{matrix: SparseLinear.from_dense(getattr(expert, matrix), pattern,
+                                                            implementation=implementation)
                             for matrix in MATRICES} for expert in views])
 
     def to_fused(self) -> nn.Module:
@@ -379,17 +419,17 @@ def _check_tokens(faster_at: Optional[int], allow_none: bool = True) -> Optional
 
 def _decide(module: nn.Module, pattern: NM, device: torch.device, dtype: torch.dtype,
             tokens: int) -> Tuple[str, str]:
-    """(backend, source in :data:`dispatch.SOURCES`) of ``module`` (an nn.Linear or SparseLinear of
+    """(implementation, source in :data:`dispatch.SOURCES`) of ``module`` (an nn.Linear or SparseLinear of
     ``pattern``) at ``tokens`` tokens: :func:`dispatch.answer`, else a measurement taken now where
     :func:`tuning.can_tune` (:meth:`SparseLinear.tune`; a shipped row naming sparse is confirmed or
     overruled so), else dense."""
     found = dispatch.answer(device, dtype, str(pattern), module.out_features, module.in_features, tokens)
     if found is not None:
-        return found[0]["backend"], found[1]
+        return dispatch.entry_implementation(found[0]), found[1]
     if tuning.can_tune(device):
         layer = module if isinstance(module, SparseLinear) else SparseLinear.from_dense(module, pattern)
-        return layer.tune(tokens)[0]["backend"], "measured"
-    return dispatch.FALLBACK_BACKEND, "fallback"
+        return layer.tune(tokens)[0]["implementation"], "measured"
+    return dispatch.FALLBACK_IMPLEMENTATION, "fallback"
 
 
 def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
@@ -402,8 +442,8 @@ def _pays(module: nn.Module, pattern: NM, faster_at: Optional[int]) -> bool:
 
 
 def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] = None, *,
-              backend: str = "auto", skip: Iterable[str] = ("lm_head",),
-              faster_at: Optional[int] = None) -> Dict[str, str]:
+              implementation: str = "auto", skip: Iterable[str] = ("lm_head",),
+              faster_at: Optional[int] = None, backend: Optional[str] = None) -> Dict[str, str]:
     """Replace, in place, every nn.Linear of ``model`` whose weight is N:M sparse by a SparseLinear,
     and every fused MoE experts module (:func:`pyprune.nn.experts.fused_experts`) whose expert
     matrices are all N:M sparse by a :class:`SparseExperts` (one SparseLinear per expert matrix).
@@ -411,7 +451,7 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
     ``pattern`` None detects 2:4, else 4:8, per layer (per experts module); a given pattern converts
     exactly the layers that satisfy it. Layers named in ``skip`` (by the last part of their name)
     stay dense, as do layers that satisfy no pattern, and with ``faster_at=T`` those for which no
-    sparse backend measured faster than dense at T tokens per forward (per expert call for experts)
+    sparse implementation measured faster than dense at T tokens per forward (per expert call for experts)
     in this environment, dtype and shape (its cache, or a measurement taken now on a CPU; a shipped
     row naming sparse is measured first; T = batch size for decode): they would only run dense, at
     the memory of both forms. Routers are nn.Linear layers no method prunes: they satisfy no
@@ -419,7 +459,7 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
     Returns {qualified name: pattern} of the replaced layers (``...experts.3.down_proj`` for experts).
     """
     candidates = DETECTED_PATTERNS if pattern is None else (_as_nm(pattern),)
-    _check_backend(backend)
+    implementation = _check_implementation(implementation, backend)
     _check_tokens(faster_at)
     skip = set(skip)
     plan, replaced = {}, {}
@@ -434,11 +474,12 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
         first = ExpertLinears(fused)[0]  # every expert has its shapes
         if (name.rsplit(".", 1)[-1] not in skip and found is not None
                 and all(_pays(getattr(first, matrix), found, faster_at) for matrix in MATRICES)):
-            experts = SparseExperts.from_fused(fused, found, backend)
+            experts = SparseExperts.from_fused(fused, found, implementation)
             _replace(model, name, experts)
             replaced.update({f"{name}.{layer}": str(found) for layer, _ in experts.layers()})
     for name, found in plan.items():
-        _replace(model, name, SparseLinear.from_dense(model.get_submodule(name), found, backend=backend))
+        _replace(model, name, SparseLinear.from_dense(model.get_submodule(name), found,
+                                                      implementation=implementation))
     return dict({name: str(found) for name, found in plan.items()}, **replaced)
 
 
@@ -494,7 +535,7 @@ def sparse_layers(model: nn.Module) -> Dict[str, Dict]:
     its SparseExperts included)."""
     return {name: {"in_features": module.in_features, "out_features": module.out_features,
                    "bias": module.bias is not None, "n": module.n, "m": module.m,
-                   "backend": module.backend}
+                   "implementation": module.implementation}
             for name, module in model.named_modules() if isinstance(module, SparseLinear)}
 
 
@@ -504,8 +545,10 @@ def sparse_experts(model: nn.Module) -> List[str]:
 
 
 def _empty_layer(spec: Dict, reference_tensor: Tensor) -> SparseLinear:
+    # model dirs saved before the rename name the implementation "backend", perhaps by a former name
+    name = spec.get("implementation", spec.get("backend", "auto"))
     return SparseLinear(spec["in_features"], spec["out_features"], spec["bias"], n=spec["n"], m=spec["m"],
-                        backend=spec.get("backend", "auto"), device=reference_tensor.device,
+                        implementation=dispatch.FORMER_NAMES.get(name, name), device=reference_tensor.device,
                         dtype=reference_tensor.dtype)
 
 

@@ -5,7 +5,7 @@ does not answer (:func:`pyprune.nn.dispatch.answer`) is measured the first time 
 on that layer's own weights and a random input of its token count (at most
 :data:`MAX_TIMED_TOKENS`): a few interleaved rounds of kernel and dense, each call after the
 last-level cache was overwritten (a layer inside a model's forward reads its weight from memory),
-the median per-round ratio deciding. So is a case the shipped table names a sparse backend for,
+the median per-round ratio deciding. So is a case the shipped table names a sparse implementation for,
 even in this very environment: a prior ``kernel`` is confirmed (or overruled) here before it runs;
 a prior ``dense`` is used as is. The answer goes to the cache, so it is measured once per
 environment. Never under ``torch.compile`` (the caller checks), never with ``PYPRUNE_TUNE=0`` (CI,
@@ -101,15 +101,15 @@ def interleaved(baseline: Callable[[], object], candidates: Dict[str, Callable[[
 
 def measure(dense: Callable[[torch.Tensor], torch.Tensor], kernel: Callable[[torch.Tensor], torch.Tensor],
             x: torch.Tensor) -> Dict:
-    """Time ``kernel(x)`` against ``dense(x)`` (each a layer's forward on one backend) and return the
-    cache entry: ``kernel`` where it measured at least :data:`dispatch.MIN_SPEEDUP` times as fast."""
+    """Time ``kernel(x)`` against ``dense(x)`` (each a layer's forward on one implementation) and return
+    the cache entry: ``kernel`` where it measured at least :data:`dispatch.MIN_SPEEDUP` times as fast."""
     begin = time.perf_counter()
     with torch.no_grad():
         dense_s, times, ratios = interleaved(lambda: dense(x), {"kernel": lambda: kernel(x)}, MAX_ROUNDS,
                                              BUDGET_S, MIN_ROUNDS, evict_cpu_cache)
     COST["cases"] += 1
     COST["seconds"] += time.perf_counter() - begin
-    return {"backend": "kernel" if ratios["kernel"] >= dispatch.MIN_SPEEDUP else "dense",
+    return {"implementation": "kernel" if ratios["kernel"] >= dispatch.MIN_SPEEDUP else "dense",
             "sparse_speedup_vs_dense": round(ratios["kernel"], 3), "kernel_ms": round(times["kernel"] * 1e3, 4),
             "dense_ms": round(dense_s * 1e3, 4), "tokens": x.shape[0],
             "measured": datetime.now(timezone.utc).isoformat(timespec="seconds"), "source": "pyprune.nn.tuning"}

@@ -53,8 +53,9 @@ def column_vector(name: str, value: Optional[Tensor], columns: int) -> Optional[
 
 def sums_of_squares(name: str, value: Optional[Tensor]) -> None:
     """Every entry of the activation statistic ``value`` (Σ x², e.g. act_sqnorm) is >= 0: a negative
-    or NaN one is not a statistic (its square root would turn scores into NaN). Called inside the
-    custom ops, where the values are real also under torch.compile."""
+    or NaN one is not a statistic (its square root would turn scores into NaN). Called by the ops'
+    Python kernels, where the values are real also under torch.compile (the C++ kernels check it
+    with csrc/cpu/checks.h's sums_of_squares, in the same words)."""
     if value is None:
         return
     bad = ~(value >= 0)

@@ -10,55 +10,50 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import library, reference
 from .conventions import kept_count
 from . import _validate as check
-from ._dispatch import kernels, native, raise_on_nan_flag, run
+from .implementations import call
+from .library import kernels, raise_on_nan_flag
 
 _SCOPES = ("row", "tensor")
 _NAN_SUBJECT = "scores of v = x + u (and act_sqnorm)"
 
 
-def _kernel_args(v, n, m, sparsity, scope):
-    """(n, m, keep_count, per_row) of the kernels' admm_dual_update_: m = 0 selects top-k."""
-    keep_count = 0 if m else kept_count(v.shape[1] if scope == "row" else v.numel(), sparsity)
-    return n, m, keep_count, scope == "row"
+def _prepared(x, act_sqnorm):
+    """(x, act_sqnorm) as the Python kernels read them: the statistic checked (here, where its
+    values are real also inside a torch.compile graph), fp32 and contiguous."""
+    check.sums_of_squares("act_sqnorm", act_sqnorm)
+    return x.contiguous(), None if act_sqnorm is None else act_sqnorm.float().contiguous()
 
 
-def _triton_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    residual, nan_flag = kernels("admm").admm_dual_update_(v, keep, x, act_sqnorm,
-                                                           *_kernel_args(v, n, m, sparsity, scope))
+def _triton_dual(v, keep, x, act_sqnorm, n, m, keep_count, per_row):
+    residual, nan_flag = kernels("admm").admm_dual_update_(v, keep, *_prepared(x, act_sqnorm), n, m,
+                                                           keep_count, per_row)
     raise_on_nan_flag(nan_flag, _NAN_SUBJECT)
     return residual
 
 
-def _native_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    return native("cpu").admm_dual_update_(v, keep, x, act_sqnorm, *_kernel_args(v, n, m, sparsity, scope))
-
-
-def _reference_dual(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    residual = reference.admm_dual_update_(v, keep, x, act_sqnorm, n, m, sparsity, scope)
+def _reference_dual(v, keep, x, act_sqnorm, n, m, keep_count, per_row):
+    x, act_sqnorm = _prepared(x, act_sqnorm)
+    v.mul_(~keep).add_(x.float())
+    if m:
+        keep.copy_(reference.score_nm_mask(v, n, m, act_sqnorm))
+    else:
+        scores = reference.wanda_score(v, act_sqnorm) if act_sqnorm is not None else reference.magnitude_score(v)
+        rows = scores if per_row else scores.reshape(1, -1)
+        keep.copy_(reference.keep_top(rows, keep_count).reshape(v.shape))
     # the kernels meet NaN scores while selecting; the reference finds them afterwards, same error
     if bool(torch.isnan(v).any()):
         raise ValueError(f"{_NAN_SUBJECT} contain NaN; scores must be finite or ±inf")
-    return residual
+    return (x.float() - v * keep).square().sum()
 
 
-_DUAL_IMPLS = {"reference": _reference_dual, "triton": _triton_dual, "cpu": _native_dual}
-
-
-@torch.library.custom_op("pyprune::admm_dual_update_", mutates_args=("v", "keep"))
-def _admm_dual_update(v: Tensor, keep: Tensor, x: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int,
-                      sparsity: float, scope: str) -> Tensor:
-    check.sums_of_squares("act_sqnorm", act_sqnorm)
-    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
-    return run("admm_dual_update_", _DUAL_IMPLS, v.device, v, keep, x.contiguous(), act_sqnorm, n, m,
-               sparsity, scope)
-
-
-@_admm_dual_update.register_fake
-def _(v, keep, x, act_sqnorm, n, m, sparsity, scope):
-    return torch.empty((), dtype=torch.float32, device=v.device)
+_admm_dual_update = library.define(
+    "admm_dual_update_(Tensor(a!) v, Tensor(b!) keep, Tensor x, Tensor? act_sqnorm, int n, int m, "
+    "int keep_count, bool per_row) -> Tensor",
+    reference=_reference_dual, triton=_triton_dual,
+    fake=lambda v, *args: torch.empty((), dtype=torch.float32, device=v.device))
 
 
 def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[float] = None,
@@ -98,9 +93,10 @@ def admm_dual_update_(v: Tensor, keep: Tensor, x: Tensor, *, sparsity: Optional[
                          f"sparsity={sparsity!r}, n={n!r}, m={m!r}")
     if m is not None:
         check.nm(n, m, x.shape[1], name="x")
-        return _admm_dual_update(v, keep, x, act_sqnorm, n, m, 0.0, "row")
+        return call(_admm_dual_update, v, keep, x, act_sqnorm, n, m, 0, True)
     sparsity = check.sparsity(sparsity)
     check.choice("scope", scope, _SCOPES)
     if (x.shape[1] if scope == "row" else x.numel()) >= 2 ** 32:
         raise ValueError(f"scope={scope!r} selects among {x.numel()} elements; at most 2**32 - 1 are supported")
-    return _admm_dual_update(v, keep, x, act_sqnorm, 0, 0, sparsity, scope)
+    count = x.shape[1] if scope == "row" else x.numel()
+    return call(_admm_dual_update, v, keep, x, act_sqnorm, 0, 0, kept_count(count, sparsity), scope == "row")

@@ -57,7 +57,7 @@ def unpack_mask(meta: Tensor, cols: int) -> Tensor:
 
 
 def sparse24_mma_meta(meta: Tensor, cols: int) -> Tensor:
-    """The 2:4 sparse tensor-core metadata (csrc/cuda/sparse24_mm.cu) of a packed 2:4 keep mask:
+    """The 2:4 sparse tensor-core metadata (csrc/cuda/sparse24_linear.cu) of a packed 2:4 keep mask:
     int16 [rows, cols/16]; word j holds groups 4j..4j+3 of its row, group i in bits 4i..4i+3 as
     (first kept position) | (second kept position) << 2, positions 0..3 in the group."""
     mask = unpack_mask(meta, cols).reshape(meta.shape[0], cols // 4, 4).to(torch.int32)

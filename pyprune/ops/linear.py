@@ -1,75 +1,52 @@
-"""Linear layers over pruned weights: from the compressed N:M form (any backend, or 2:4 on sparse
-tensor cores), and over kept channels only."""
+"""Linear layers over pruned weights: from the compressed N:M form (any implementation, or 2:4 on
+sparse tensor cores), and over kept channels only."""
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import backend, reference
+from . import library, reference
 from .conventions import unpack_mask
 from . import _validate as check
-from ._dispatch import kernels, native, run
-from .nm_format import _nm_decompress, check_compressed
+from .implementations import call
+from .library import kernels
+from .nm_format import SPARSE24_DTYPES, _nm_decompress, check_compressed
 
 
 def _flatten(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _empty_batch(x: Tensor, out_features: int) -> Optional[Tensor]:
-    """The result for an x without rows ([0, in], [2, 0, in]), as F.linear gives it: empty, no
-    kernel launched; None for any other x."""
-    return x.new_empty(*x.shape[:-1], out_features) if x.numel() == 0 else None
+def _over_rows(x: Tensor, out_features: int, kernel, *args) -> Tensor:
+    """``kernel(x as contiguous rows, *args)`` shaped [..., out_features]; for an x without rows
+    ([0, in], [2, 0, in]) the empty result F.linear gives, no kernel launched."""
+    if x.numel() == 0:
+        return x.new_empty(*x.shape[:-1], out_features)
+    return kernel(_flatten(x), *args).reshape(*x.shape[:-1], out_features)
 
 
-def _triton_nm_linear(x, values, meta, n, m, bias):
+def _reference_nm_linear(x, values, meta, n, m, bias):
+    return _over_rows(x, values.shape[0], reference.nm_linear, values.contiguous(), meta.contiguous(), n, m, bias)
+
+
+def _triton_rows(x, values, meta, n, m, bias):
     if m & (m - 1):  # the fused kernels read whole groups' bits, which needs a power-of-two m
         dense = kernels("nm_format").nm_decompress(values, meta, n, m)
         return torch.nn.functional.linear(x, dense, bias)
-    return kernels("linear").nm_linear(x, values, meta, n, m, bias, backend.triton_interpreted())
+    return kernels("linear").nm_linear(x, values, meta, n, m, bias, library.triton_interpreted())
 
 
-#: x with at most this many rows takes the CPU kernel's direct GEMV (csrc/cpu/nm_linear.cpp: AVX-512
-#: kernels read the weights once for all rows, AVX2 ones once per 8; which is faster than dense at a
-#: given count depends on the CPU, so SparseLinear measures it, pyprune.nn.tuning).
-CPU_GEMV_MAX_ROWS = 256
-#: Larger x: W is decompressed this many bytes at a time (a block the allocator reuses, warm in
-#: cache) and multiplied by BLAS, so no dense copy of W is ever allocated.
-CPU_BLOCK_BYTES = 1 << 21
+def _triton_nm_linear(x, values, meta, n, m, bias):
+    return _over_rows(x, values.shape[0], _triton_rows, values.contiguous(), meta.contiguous(), n, m, bias)
 
 
-def _cpu_nm_linear(x, values, meta, n, m, bias):
-    cpu = native("cpu")
-    if x.shape[0] <= CPU_GEMV_MAX_ROWS:
-        return cpu.nm_linear_gemv(x, values, meta, n, m, None if bias is None else bias.contiguous())
-    n_out, row_bytes = values.shape[0], values.shape[1] // n * m * values.element_size()
-    block = max(1, CPU_BLOCK_BYTES // row_bytes)
-    out_t = x.new_empty(n_out, x.shape[0])
-    for r0 in range(0, n_out, block):
-        w = cpu.nm_decompress(values[r0:r0 + block], meta[r0:r0 + block], n, m)
-        torch.mm(w, x.t(), out=out_t[r0:r0 + block])
-    if bias is not None:
-        out_t += bias[:, None]
-    return out_t.t().contiguous()
-
-
-_NM_LINEAR_IMPLS = {"reference": reference.nm_linear, "triton": _triton_nm_linear,
-                    "cpu": _cpu_nm_linear}
-
-
-@torch.library.custom_op("pyprune::nm_linear", mutates_args=())
-def _nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int, bias: Optional[Tensor]) -> Tensor:
-    empty = _empty_batch(x, values.shape[0])
-    if empty is not None:
-        return empty
-    out = run("nm_linear", _NM_LINEAR_IMPLS, x.device, _flatten(x), values.contiguous(),
-              meta.contiguous(), n, m, bias)
-    return out.reshape(*x.shape[:-1], values.shape[0])
-
-
-@_nm_linear.register_fake
-def _(x, values, meta, n, m, bias):
+def _nm_linear_fake(x, values, meta, n, m, bias):
     return x.new_empty(*x.shape[:-1], values.shape[0])
+
+
+_nm_linear = library.define(
+    "nm_linear(Tensor x, Tensor values, Tensor meta, int n, int m, Tensor? bias) -> Tensor",
+    reference=_reference_nm_linear, triton=_triton_nm_linear, fake=_nm_linear_fake)
 
 
 def _nm_linear_setup(ctx, inputs, output):
@@ -95,7 +72,7 @@ def _nm_linear_backward(ctx, grad):
     return grad_x, grad_values, None, None, None, grad_bias
 
 
-_nm_linear.register_autograd(_nm_linear_backward, setup_context=_nm_linear_setup)
+library.register_autograd(_nm_linear, _nm_linear_backward, _nm_linear_setup)
 
 
 def _check_x_and_bias(x: Tensor, weight: Tensor, weight_name: str, in_features: int,
@@ -120,60 +97,28 @@ def nm_linear(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
     """x @ (W ⊙ mask)ᵀ + b, reading W from its compressed N:M form (nm_compress)."""
     check_compressed(values, meta, n, m)
     _check_x_and_bias(x, values, "values", values.shape[1] // n * m, bias, values.shape[0])
-    return _nm_linear(x, values, meta, n, m, bias)
+    return call(_nm_linear, x, values, meta, n, m, bias)
 
 
-def nm_linear_prechecked(x: Tensor, values: Tensor, meta: Tensor, n: int, m: int,
-                         bias: Optional[Tensor] = None) -> Tensor:
-    """:func:`nm_linear` for a caller whose compressed form, bias and x's features are known valid
-    (SparseLinear): a decode-size x on the CPU in plain eager inference goes straight to the C++
-    GEMV, since Python's argument checks, backend choice and custom-op dispatch (~60 us) cost
-    more than the GEMV of a small layer (~20 us for 576x576); anything else is :func:`nm_linear`."""
-    if (x.device.type == "cpu" and x.dtype == values.dtype and 0 < x.numel() <= CPU_GEMV_MAX_ROWS * x.shape[-1]
-            and _plain_eager_inference(x, values, bias) and backend.forced_backend() in (None, "cpu")
-            and native("cpu") is not None):
-        out = native("cpu").nm_linear_gemv(_flatten(x), values, meta, n, m, bias)
-        return out.reshape(*x.shape[:-1], values.shape[0])
-    return nm_linear(x, values, meta, n, m, bias)
+def _reference_sparse24(x, values, mma_meta, bias):
+    return _over_rows(x, values.shape[0], reference.sparse24_linear, values.contiguous(), mma_meta.contiguous(),
+                      None if bias is None else bias.contiguous())
 
 
-def _plain_eager_inference(*tensors: Optional[Tensor]) -> bool:
-    """No autograd, no torch.compile / export tracing, plain tensors or parameters (no fake tensor
-    or other subclass)."""
-    present = [t for t in tensors if t is not None]
-    return (not torch.compiler.is_compiling()
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in present)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in present)))
-
-
-_SPARSE24_IMPLS = {"reference": reference.sparse24_linear,
-                   "cuda": lambda *args: native("cuda").sparse24_linear(*args)}
-_SPARSE24_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@torch.library.custom_op("pyprune::sparse24_linear", mutates_args=())
-def _sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor]) -> Tensor:
-    empty = _empty_batch(x, values.shape[0])
-    if empty is not None:
-        return empty
-    out = run("sparse24_linear", _SPARSE24_IMPLS, x.device, _flatten(x), values.contiguous(),
-              mma_meta.contiguous(), None if bias is None else bias.contiguous())
-    return out.reshape(*x.shape[:-1], values.shape[0])
-
-
-@_sparse24_linear.register_fake
-def _(x, values, mma_meta, bias):
-    return x.new_empty(*x.shape[:-1], values.shape[0])
+_sparse24_linear = library.define(
+    "sparse24_linear(Tensor x, Tensor values, Tensor mma_meta, Tensor? bias) -> Tensor",
+    reference=_reference_sparse24, fake=lambda x, values, mma_meta, bias: x.new_empty(*x.shape[:-1], values.shape[0]))
 
 
 def sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x @ Wᵀ + b for a 2:4 sparse W on sparse tensor cores (CUDA mma.sp, sm80+; the reference on
     other devices). ``values`` [out, in/2] fp16/bf16 as :func:`pyprune.ops.nm_compress` gives them
     for 2:4, ``mma_meta`` [out, in/16] int16 as
-    :func:`pyprune.ops.conventions.sparse24_mma_meta` builds it from nm_compress's meta; in % 32 == 0.
+    :func:`pyprune.ops.conventions.sparse24_mma_meta` builds it from nm_compress's meta (or both
+    from :func:`pyprune.ops.sparse24_compress`); in % 32 == 0.
     Products and sums are fp32, the result is rounded once to x's dtype. Not differentiable."""
     check.tensor("values", values, dims=(2,))
-    if values.dtype not in _SPARSE24_DTYPES:
+    if values.dtype not in SPARSE24_DTYPES:
         raise TypeError(f"values must have dtype float16 or bfloat16; got {values.dtype}")
     in_features = values.shape[1] * 2
     if in_features % 32:
@@ -185,37 +130,35 @@ def sparse24_linear(x: Tensor, values: Tensor, mma_meta: Tensor, bias: Optional[
     check.same_shape("mma_meta", mma_meta, (values.shape[0], in_features // 16), "[out, in/16]")
     _check_x_and_bias(x, values, "values", in_features, bias, values.shape[0])
     check.same_device(values=values, mma_meta=mma_meta)
-    return _sparse24_linear(x, values, mma_meta, bias)
+    return call(_sparse24_linear, x, values, mma_meta, bias)
+
+
+def _sliced_rows(kernel):
+    """The sliced_linear kernel ``kernel`` behind the op's checks and shapes."""
+    def run(x, w, bias, in_index, out_index, check_indices):
+        if check_indices:
+            # Range and repeats depend on the index values, so they are checked here, where the
+            # tensors are real also inside a torch.compile graph (SlicedLinear checks them once).
+            check.index_values("in_index", in_index, w.shape[1], "w's input dim")
+            check.index_values("out_index", out_index, w.shape[0], "w's output dim")
+        n_out = w.shape[0] if out_index is None else out_index.numel()
+        return _over_rows(x, n_out, kernel, w.contiguous(), bias, in_index, out_index)
+    return run
 
 
 def _triton_sliced(x, w, bias, in_index, out_index):
-    return kernels("linear").sliced_linear(x, w, bias, in_index, out_index, backend.triton_interpreted())
+    return kernels("linear").sliced_linear(x, w, bias, in_index, out_index, library.triton_interpreted())
 
 
-_SLICED_IMPLS = {"reference": reference.sliced_linear, "triton": _triton_sliced}
-
-
-@torch.library.custom_op("pyprune::sliced_linear", mutates_args=())
-def _sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], in_index: Optional[Tensor],
-                   out_index: Optional[Tensor], check_indices: bool) -> Tensor:
-    if check_indices:
-        # Range and repeats depend on the index values, so they are checked here, where the
-        # tensors are real also inside a torch.compile graph (SlicedLinear checks them once).
-        check.index_values("in_index", in_index, w.shape[1], "w's input dim")
-        check.index_values("out_index", out_index, w.shape[0], "w's output dim")
-    n_out = w.shape[0] if out_index is None else out_index.numel()
-    empty = _empty_batch(x, n_out)
-    if empty is not None:
-        return empty
-    out = run("sliced_linear", _SLICED_IMPLS, x.device, _flatten(x), w.contiguous(), bias,
-              in_index, out_index)
-    return out.reshape(*x.shape[:-1], n_out)
-
-
-@_sliced_linear.register_fake
-def _(x, w, bias, in_index, out_index, check_indices):
+def _sliced_fake(x, w, bias, in_index, out_index, check_indices):
     n_out = w.shape[0] if out_index is None else out_index.numel()
     return x.new_empty(*x.shape[:-1], n_out)
+
+
+_sliced_linear = library.define(
+    "sliced_linear(Tensor x, Tensor w, Tensor? bias, Tensor? in_index, Tensor? out_index, bool check_indices)"
+    " -> Tensor", reference=_sliced_rows(reference.sliced_linear), triton=_sliced_rows(_triton_sliced),
+    fake=_sliced_fake)
 
 
 def _sliced_setup(ctx, inputs, output):
@@ -241,7 +184,7 @@ def _sliced_backward(ctx, grad):
     return grad_x, grad_w, grad_bias, None, None, None
 
 
-_sliced_linear.register_autograd(_sliced_backward, setup_context=_sliced_setup)
+library.register_autograd(_sliced_linear, _sliced_backward, _sliced_setup)
 
 
 def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
@@ -259,4 +202,4 @@ def sliced_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
     _check_x_and_bias(x, w, "w", in_features, bias, w.shape[0])
     check.same_device(w=w, in_index=in_index, out_index=out_index)
     to_long = lambda index: None if index is None else index.long()  # noqa: E731
-    return _sliced_linear(x, w, bias, to_long(in_index), to_long(out_index), True)
+    return call(_sliced_linear, x, w, bias, to_long(in_index), to_long(out_index), True)

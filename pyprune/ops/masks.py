@@ -8,12 +8,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import library, reference
 from .conventions import ScoreKind, kept_count
 from . import _validate as check
-from ._dispatch import kernels, native, raise_on_nan_flag, run
+from .implementations import call
+from .library import kernels, raise_on_nan_flag
 
 _SCOPES = ("row", "tensor")
+
+
+def _prepared(src: Tensor, act_sqnorm: Optional[Tensor]):
+    """(src, act_sqnorm) as the Python kernels read them: the statistic checked (here, where its
+    values are real also inside a torch.compile graph), fp32 and contiguous."""
+    check.sums_of_squares("act_sqnorm", act_sqnorm)
+    return src.contiguous(), None if act_sqnorm is None else act_sqnorm.float().contiguous()
 
 
 def _reference_score(src: Tensor, act_sqnorm: Optional[Tensor], kind: int) -> Tensor:
@@ -31,67 +39,40 @@ def _nan_subject(kind: int) -> str:
     return "scores" if kind == ScoreKind.GIVEN else "scores of w (and act_sqnorm)"
 
 
-def _triton_nm(src, act_sqnorm, n, m, kind):
-    mask, nan_flag = kernels("masks").nm_mask(src, act_sqnorm, n, m, kind)
-    raise_on_nan_flag(nan_flag, _nan_subject(kind))
-    return mask
-
-
-def _native_nm(name, src, act_sqnorm, n, m, kind):
-    rows = src.reshape(-1, src.shape[-1])
-    return native(name).nm_mask(rows, act_sqnorm, n, m, kind).reshape(src.shape)
-
-
-_NM_IMPLS = {
-    "reference": lambda src, act, n, m, kind: reference.nm_mask(_reference_score(src, act, kind), n, m),
-    "triton": _triton_nm,
-    "cpu": lambda *args: _native_nm("cpu", *args),
-    "cuda": lambda *args: _native_nm("cuda", *args),
-}
-
-
-@torch.library.custom_op("pyprune::nm_mask", mutates_args=())
-def _nm_mask(src: Tensor, act_sqnorm: Optional[Tensor], n: int, m: int, kind: int) -> Tensor:
-    check.sums_of_squares("act_sqnorm", act_sqnorm)
-    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
-    return run("nm_mask", _NM_IMPLS, src.device, src.contiguous(), act_sqnorm, n, m, kind)
-
-
-@_nm_mask.register_fake
-def _(src, act_sqnorm, n, m, kind):
+def _mask_fake(src, *args):
     return torch.empty(src.shape, dtype=torch.bool, device=src.device)
 
 
-def _triton_topk(src, act_sqnorm, keep, per_row, kind):
-    mask, nan_flag = kernels("masks").topk_mask(src, act_sqnorm, keep, per_row, kind)
+def _reference_nm(src, act_sqnorm, n, m, kind):
+    src, act_sqnorm = _prepared(src, act_sqnorm)
+    return reference.nm_mask(_reference_score(src, act_sqnorm, kind), n, m)
+
+
+def _triton_nm(src, act_sqnorm, n, m, kind):
+    mask, nan_flag = kernels("masks").nm_mask(*_prepared(src, act_sqnorm), n, m, kind)
     raise_on_nan_flag(nan_flag, _nan_subject(kind))
     return mask
 
 
+_nm_mask = library.define("nm_mask(Tensor src, Tensor? act_sqnorm, int n, int m, int kind) -> Tensor",
+                          reference=_reference_nm, triton=_triton_nm, fake=_mask_fake)
+
+
 def _reference_topk(src, act_sqnorm, keep, per_row, kind):
-    scores = _reference_score(src, act_sqnorm, kind)
+    scores = _reference_score(*_prepared(src, act_sqnorm), kind)
     rows = scores.reshape(-1, scores.shape[-1]) if per_row else scores.reshape(1, -1)
     return reference.keep_top(rows, keep).reshape(scores.shape)
 
 
-def _native_topk(src, act_sqnorm, keep, per_row, kind):
-    rows = src.reshape(-1, src.shape[-1])
-    return native("cpu").topk_mask(rows, act_sqnorm, keep, per_row, kind).reshape(src.shape)
+def _triton_topk(src, act_sqnorm, keep, per_row, kind):
+    mask, nan_flag = kernels("masks").topk_mask(*_prepared(src, act_sqnorm), keep, per_row, kind)
+    raise_on_nan_flag(nan_flag, _nan_subject(kind))
+    return mask
 
 
-_TOPK_IMPLS = {"reference": _reference_topk, "triton": _triton_topk, "cpu": _native_topk}
-
-
-@torch.library.custom_op("pyprune::topk_mask", mutates_args=())
-def _topk_mask(src: Tensor, act_sqnorm: Optional[Tensor], keep: int, per_row: bool, kind: int) -> Tensor:
-    check.sums_of_squares("act_sqnorm", act_sqnorm)
-    act_sqnorm = None if act_sqnorm is None else act_sqnorm.float().contiguous()
-    return run("topk_mask", _TOPK_IMPLS, src.device, src.contiguous(), act_sqnorm, keep, per_row, kind)
-
-
-@_topk_mask.register_fake
-def _(src, act_sqnorm, keep, per_row, kind):
-    return torch.empty(src.shape, dtype=torch.bool, device=src.device)
+_topk_mask = library.define(
+    "topk_mask(Tensor src, Tensor? act_sqnorm, int keep, bool per_row, int kind) -> Tensor",
+    reference=_reference_topk, triton=_triton_topk, fake=_mask_fake)
 
 
 def _topk(src: Tensor, sparsity: float, scope: str, act_sqnorm: Optional[Tensor], kind: int) -> Tensor:
@@ -100,7 +81,7 @@ def _topk(src: Tensor, sparsity: float, scope: str, act_sqnorm: Optional[Tensor]
     count = src.shape[-1] if scope == "row" else src.numel()
     if count >= 2 ** 32:
         raise ValueError(f"scope={scope!r} selects among {count} elements; at most 2**32 - 1 are supported")
-    return _topk_mask(src, act_sqnorm, kept_count(count, sparsity), scope == "row", kind)
+    return call(_topk_mask, src, act_sqnorm, kept_count(count, sparsity), scope == "row", kind)
 
 
 def topk_mask(scores: Tensor, sparsity: float, scope: str = "row") -> Tensor:
@@ -113,7 +94,7 @@ def nm_mask(scores: Tensor, n: int, m: int) -> Tensor:
     """Keep the n highest of every m consecutive scores along the last dim (any 1 <= n < m <= 32)."""
     check.tensor("scores", scores)
     check.nm(n, m, scores.shape[-1])
-    return _nm_mask(scores, None, n, m, ScoreKind.GIVEN)
+    return call(_nm_mask, scores, None, n, m, ScoreKind.GIVEN)
 
 
 def _fused_args(w: Tensor, act_sqnorm: Optional[Tensor]):
@@ -128,7 +109,7 @@ def score_nm_mask(w: Tensor, n: int, m: int, act_sqnorm: Optional[Tensor] = None
     computed in one pass without writing the scores."""
     kind = _fused_args(w, act_sqnorm)
     check.nm(n, m, w.shape[1], name="w")
-    return _nm_mask(w, act_sqnorm, n, m, kind)
+    return call(_nm_mask, w, act_sqnorm, n, m, kind)
 
 
 def score_topk_mask(w: Tensor, sparsity: float, scope: str = "row",

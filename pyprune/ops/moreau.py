@@ -23,61 +23,46 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend, reference
+from . import library, reference
 from . import _validate as check
-from ._dispatch import kernels, native, run
+from .implementations import call
+from .library import kernels
 
 _GROUP_DIMS = (0, 1)
 _MAX_SEED = 2 ** 63 - 1
 
 
+def _reference_perturb(perturbed, weight, delta, noise_ratio, seed):
+    reference.moreau_perturb_(perturbed, weight.contiguous(), delta, noise_ratio, seed)
+
+
 def _triton_perturb(perturbed, weight, delta, noise_ratio, seed):
-    kernels("moreau").moreau_perturb_(perturbed, weight, delta, noise_ratio, seed,
-                                      backend.triton_interpreted())
+    kernels("moreau").moreau_perturb_(perturbed, weight.contiguous(), delta, noise_ratio, seed,
+                                      library.triton_interpreted())
 
 
-_PERTURB_IMPLS = {
-    "reference": reference.moreau_perturb_,
-    "triton": _triton_perturb,
-    "cpu": lambda *args: native("cpu").moreau_perturb_(*args),
-}
-
-
-@torch.library.custom_op("pyprune::moreau_perturb_", mutates_args=("perturbed",))
-def _moreau_perturb(perturbed: Tensor, weight: Tensor, delta: Tensor, noise_ratio: float,
-                    seed: int) -> None:
-    run("moreau_perturb_", _PERTURB_IMPLS, delta.device, perturbed, weight.contiguous(), delta,
-        noise_ratio, seed)
-
-
-@_moreau_perturb.register_fake
-def _(perturbed, weight, delta, noise_ratio, seed):
+def _no_result_fake(*args):
     return None
+
+
+_moreau_perturb = library.define(
+    "moreau_perturb_(Tensor(a!) perturbed, Tensor weight, Tensor delta, float noise_ratio, int seed) -> ()",
+    reference=_reference_perturb, triton=_triton_perturb, fake=_no_result_fake)
+
+
+def _reference_step(delta, grad, weight, perturbed, *scalars):
+    reference.moreau_step_(delta, grad.contiguous(), weight.contiguous(), perturbed, *scalars)
 
 
 def _triton_step(delta, grad, weight, perturbed, *scalars):
-    kernels("moreau").moreau_step_(delta, grad, weight, perturbed, *scalars,
-                                   backend.triton_interpreted())
+    kernels("moreau").moreau_step_(delta, grad.contiguous(), weight.contiguous(), perturbed, *scalars,
+                                   library.triton_interpreted())
 
 
-_STEP_IMPLS = {
-    "reference": reference.moreau_step_,
-    "triton": _triton_step,
-    "cpu": lambda *args: native("cpu").moreau_step_(*args),
-}
-
-
-@torch.library.custom_op("pyprune::moreau_step_", mutates_args=("delta", "perturbed"))
-def _moreau_step(delta: Tensor, grad: Tensor, weight: Tensor, perturbed: Optional[Tensor],
-                 decay: float, step_size: float, threshold: float, group_dim: int,
-                 noise_ratio: float, seed: int) -> None:
-    run("moreau_step_", _STEP_IMPLS, delta.device, delta, grad.contiguous(), weight.contiguous(),
-        perturbed, decay, step_size, threshold, group_dim, noise_ratio, seed)
-
-
-@_moreau_step.register_fake
-def _(delta, grad, weight, perturbed, decay, step_size, threshold, group_dim, noise_ratio, seed):
-    return None
+_moreau_step = library.define(
+    "moreau_step_(Tensor(a!) delta, Tensor grad, Tensor weight, Tensor(b!)? perturbed, float decay, "
+    "float step_size, float threshold, int group_dim, float noise_ratio, int seed) -> ()",
+    reference=_reference_step, triton=_triton_step, fake=_no_result_fake)
 
 
 def _check_tensors(delta: Tensor, perturbed: Optional[Tensor], **read: Tensor) -> None:
@@ -113,7 +98,7 @@ def moreau_perturb_(perturbed: Tensor, weight: Tensor, delta: Tensor, *, noise_r
     """
     _check_tensors(delta, perturbed, weight=weight)
     noise_ratio, seed = _noise_args(noise_ratio, seed)
-    _moreau_perturb(perturbed, weight, delta, noise_ratio, seed)
+    call(_moreau_perturb, perturbed, weight, delta, noise_ratio, seed)
 
 
 def moreau_step_(delta: Tensor, grad: Tensor, weight: Tensor, perturbed: Optional[Tensor] = None,
@@ -132,5 +117,5 @@ def moreau_step_(delta: Tensor, grad: Tensor, weight: Tensor, perturbed: Optiona
     threshold = check.nonnegative("threshold", check.finite("threshold", threshold))
     check.choice("group_dim", check.integer("group_dim", group_dim), _GROUP_DIMS)
     noise_ratio, seed = _noise_args(noise_ratio, seed)
-    _moreau_step(delta, grad, weight, perturbed, decay, step_size, threshold, group_dim,
+    call(_moreau_step, delta, grad, weight, perturbed, decay, step_size, threshold, group_dim,
                  noise_ratio, seed)

@@ -5,33 +5,41 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import reference
+from . import library, reference
 from . import _validate as check
-from ._dispatch import kernels, native, run
-
-_COMPRESS_IMPLS = {
-    "reference": reference.nm_compress,
-    "triton": lambda w, mask, n, m: kernels("nm_format").nm_compress(w, mask, n, m),
-}
+from .conventions import sparse24_mma_meta
+from .implementations import call
+from .library import kernels
 
 
-@torch.library.custom_op("pyprune::nm_compress", mutates_args=())
-def _nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
-    # The mask's group counts depend on its values, so they are checked here, where the tensors
-    # are real also inside a torch.compile graph (the fake implementation cannot see them).
+def _check_groups(mask: Tensor, n: int, m: int) -> None:
+    """Every group of the mask keeps n: checked in the kernels, where the mask's values are real
+    also inside a torch.compile graph (the fake kernel cannot see them)."""
     kept = mask.reshape(-1, m).sum(dim=1)
     if not bool((kept == n).all()):
         bad = int((kept != n).nonzero()[0, 0])
-        row, group = divmod(bad, w.shape[1] // m)
+        row, group = divmod(bad, mask.shape[1] // m)
         raise ValueError(f"mask must keep exactly n={n} of every m={m} elements; row {row}, group "
                          f"{group} keeps {int(kept[bad])}")
-    return run("nm_compress", _COMPRESS_IMPLS, w.device, w.contiguous(), mask.contiguous(), n, m)
 
 
-@_nm_compress.register_fake
-def _(w, mask, n, m):
+def _reference_compress(w, mask, n, m):
+    _check_groups(mask, n, m)
+    return reference.nm_compress(w.contiguous(), mask.contiguous(), n, m)
+
+
+def _triton_compress(w, mask, n, m):
+    _check_groups(mask, n, m)
+    return kernels("nm_format").nm_compress(w.contiguous(), mask.contiguous(), n, m)
+
+
+def _compress_fake(w, mask, n, m):
     values = w.new_empty(w.shape[0], w.shape[1] * n // m)
     return values, w.new_empty(w.shape[0], (w.shape[1] + 7) // 8, dtype=torch.uint8)
+
+
+_nm_compress = library.define("nm_compress(Tensor w, Tensor mask, int n, int m) -> (Tensor, Tensor)",
+                              reference=_reference_compress, triton=_triton_compress, fake=_compress_fake)
 
 
 def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
@@ -43,7 +51,42 @@ def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor
         raise TypeError(f"mask must be a bool tensor; got {getattr(mask, 'dtype', type(mask).__name__)}")
     check.same_shape("mask", mask, w.shape, "w")
     check.same_device(w=w, mask=mask)
-    return _nm_compress(w, mask, n, m)
+    return call(_nm_compress, w, mask, n, m)
+
+
+def _reference_sparse24_compress(w, mask):
+    _check_groups(mask, 2, 4)
+    values, meta = reference.nm_compress(w.contiguous(), mask.contiguous(), 2, 4)
+    return values, sparse24_mma_meta(meta, w.shape[1])
+
+
+def _sparse24_compress_fake(w, mask):
+    return w.new_empty(w.shape[0], w.shape[1] // 2), w.new_empty(w.shape[0], w.shape[1] // 16, dtype=torch.int16)
+
+
+_sparse24_compress = library.define("sparse24_compress(Tensor w, Tensor mask) -> (Tensor, Tensor)",
+                                    reference=_reference_sparse24_compress, fake=_sparse24_compress_fake)
+
+#: The dtypes of the 2:4 sparse tensor-core form (mma.sp .f16/.bf16).
+SPARSE24_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sparse24_compress(w: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """(values [out, in/2], mma_meta [out, in/16] int16) of ``w ⊙ mask`` for
+    :func:`pyprune.ops.sparse24_linear`: ``mask`` keeps exactly 2 of every 4 consecutive elements
+    of each row; values as :func:`nm_compress` gives them for 2:4, mma_meta as
+    :func:`pyprune.ops.conventions.sparse24_mma_meta` builds it (one CUDA kernel on a GPU).
+    fp16/bf16, in % 32 == 0."""
+    check.tensor("w", w, dims=(2,))
+    if w.dtype not in SPARSE24_DTYPES:
+        raise TypeError(f"w must have dtype float16 or bfloat16; got {w.dtype}")
+    if w.shape[1] % 32:
+        raise ValueError(f"w must have a multiple of 32 columns; got {w.shape[1]}")
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor; got {getattr(mask, 'dtype', type(mask).__name__)}")
+    check.same_shape("mask", mask, w.shape, "w")
+    check.same_device(w=w, mask=mask)
+    return call(_sparse24_compress, w, mask)
 
 
 def check_compressed(values: Tensor, meta: Tensor, n: int, m: int) -> None:
@@ -63,25 +106,19 @@ def check_compressed(values: Tensor, meta: Tensor, n: int, m: int) -> None:
     check.same_device(values=values, meta=meta)
 
 
-_DECOMPRESS_IMPLS = {
-    "reference": reference.nm_decompress,
-    "cpu": lambda values, meta, n, m: native("cpu").nm_decompress(values, meta, n, m),
-    "triton": lambda values, meta, n, m: kernels("nm_format").nm_decompress(values, meta, n, m),
-}
-
-
-@torch.library.custom_op("pyprune::nm_decompress", mutates_args=())
-def _nm_decompress(values: Tensor, meta: Tensor, n: int, m: int) -> Tensor:
-    return run("nm_decompress", _DECOMPRESS_IMPLS, values.device, values.contiguous(),
-               meta.contiguous(), n, m)
-
-
-@_nm_decompress.register_fake
-def _(values, meta, n, m):
+def _decompress_fake(values, meta, n, m):
     return values.new_empty(values.shape[0], values.shape[1] // n * m)
+
+
+_nm_decompress = library.define(
+    "nm_decompress(Tensor values, Tensor meta, int n, int m) -> Tensor",
+    reference=lambda values, meta, n, m: reference.nm_decompress(values.contiguous(), meta.contiguous(), n, m),
+    triton=lambda values, meta, n, m: kernels("nm_format").nm_decompress(values.contiguous(),
+                                                                        meta.contiguous(), n, m),
+    fake=_decompress_fake)
 
 
 def nm_decompress(values: Tensor, meta: Tensor, n: int, m: int) -> Tensor:
     """Dense ``w ⊙ mask`` [out, in] from the compressed form."""
     check_compressed(values, meta, n, m)
-    return _nm_decompress(values, meta, n, m)
+    return call(_nm_decompress, values, meta, n, m)

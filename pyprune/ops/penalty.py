@@ -5,11 +5,24 @@ gradient-sized temporary is made."""
 import torch
 from torch import Tensor
 
-from . import backend, reference
+from . import library, reference
 from . import _validate as check
-from ._dispatch import kernels, native, run
+from .implementations import call
+from .library import kernels
 
 NORMS = ("l2", "l1")
+
+
+def _penalty_kernel(kernel):
+    """``kernel(grad, weight, channels, dim, lam, l1)`` behind the op's value checks and 1-D form."""
+    def run(grad, weight, channels, dim, lam, norm):
+        # Range and repeats depend on the values, so they are checked here, where the tensors are
+        # real also inside a torch.compile graph; still before grad is touched.
+        check.index_values("channels", channels, weight.shape[dim], f"weight's dim {dim}")
+        if weight.dim() == 1:  # one row whose columns are the channels
+            grad, weight, dim = grad.unsqueeze(0), weight.unsqueeze(0), 1
+        return kernel(grad, weight.contiguous(), channels.contiguous(), dim, lam, norm == "l1")
+    return run
 
 
 def _reference(grad, weight, channels, dim, lam, l1):
@@ -18,31 +31,16 @@ def _reference(grad, weight, channels, dim, lam, l1):
 
 def _triton(grad, weight, channels, dim, lam, l1):
     return kernels("penalty").channel_penalty_(grad, weight, channels, dim, lam, l1,
-                                               backend.triton_interpreted())
+                                               library.triton_interpreted())
 
 
-_PENALTY_IMPLS = {
-    "reference": _reference,
-    "triton": _triton,
-    "cpu": lambda *args: native("cpu").channel_penalty_(*args),
-}
-
-
-@torch.library.custom_op("pyprune::channel_penalty_", mutates_args=("grad",))
-def _channel_penalty(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, lam: float,
-                     norm: str) -> Tensor:
-    # Range and repeats depend on the values, so they are checked here, where the tensors are
-    # real also inside a torch.compile graph; still before grad is touched.
-    check.index_values("channels", channels, weight.shape[dim], f"weight's dim {dim}")
-    if weight.dim() == 1:  # one row whose columns are the channels
-        grad, weight, dim = grad.unsqueeze(0), weight.unsqueeze(0), 1
-    return run("channel_penalty_", _PENALTY_IMPLS, weight.device, grad, weight.contiguous(),
-               channels.contiguous(), dim, lam, norm == "l1")
-
-
-@_channel_penalty.register_fake
-def _(grad, weight, channels, dim, lam, norm):
+def _penalty_fake(grad, weight, channels, dim, lam, norm):
     return torch.empty(channels.shape[0], dtype=torch.float32, device=weight.device)
+
+
+_channel_penalty = library.define(
+    "channel_penalty_(Tensor(a!) grad, Tensor weight, Tensor channels, int dim, float lam, str norm) -> Tensor",
+    reference=_penalty_kernel(_reference), triton=_penalty_kernel(_triton), fake=_penalty_fake)
 
 
 def channel_penalty_(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, lam: float,
@@ -73,4 +71,4 @@ def channel_penalty_(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, l
     lam = check.nonnegative("lam", check.finite("lam", lam))
     check.choice("norm", norm, NORMS)
     # The op is a gradient step, not a differentiable function: the norms carry no history.
-    return _channel_penalty(grad, weight.detach(), channels.long(), dim, lam, norm)
+    return call(_channel_penalty, grad, weight.detach(), channels.long(), dim, lam, norm)

@@ -2,46 +2,33 @@
 import torch
 from torch import Tensor
 
-from . import reference
+from . import library, reference
 from . import _validate as check
-from ._dispatch import kernels, run
-
-_SOFT_IMPLS = {
-    "reference": reference.soft_threshold,
-    "triton": lambda x, alpha: kernels("prox").soft_threshold(x, alpha),
-}
+from .implementations import call
+from .library import kernels
 
 
-@torch.library.custom_op("pyprune::soft_threshold", mutates_args=())
-def _soft_threshold(x: Tensor, alpha: float) -> Tensor:
-    return run("soft_threshold", _SOFT_IMPLS, x.device, x.contiguous(), alpha)
-
-
-@_soft_threshold.register_fake
-def _(x, alpha):
+def _like_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_soft_threshold = library.define(
+    "soft_threshold(Tensor x, float alpha) -> Tensor",
+    reference=lambda x, alpha: reference.soft_threshold(x.contiguous(), alpha),
+    triton=lambda x, alpha: kernels("prox").soft_threshold(x.contiguous(), alpha), fake=_like_fake)
 
 
 def soft_threshold(x: Tensor, alpha: float) -> Tensor:
     """prox of α‖·‖₁: sign(x)·max(|x| − α, 0), in fp32, returned in x's dtype."""
     check.tensor("x", x)
-    return _soft_threshold(x, check.nonnegative("alpha", alpha))
+    return call(_soft_threshold, x, check.nonnegative("alpha", alpha))
 
 
-_GROUP_IMPLS = {
-    "reference": reference.group_soft_threshold,
-    "triton": lambda x, alpha, group_dim: kernels("prox").group_soft_threshold(x, alpha, group_dim),
-}
-
-
-@torch.library.custom_op("pyprune::group_soft_threshold", mutates_args=())
-def _group_soft_threshold(x: Tensor, alpha: float, group_dim: int) -> Tensor:
-    return run("group_soft_threshold", _GROUP_IMPLS, x.device, x.contiguous(), alpha, group_dim)
-
-
-@_group_soft_threshold.register_fake
-def _(x, alpha, group_dim):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+_group_soft_threshold = library.define(
+    "group_soft_threshold(Tensor x, float alpha, int group_dim) -> Tensor",
+    reference=lambda x, alpha, group_dim: reference.group_soft_threshold(x.contiguous(), alpha, group_dim),
+    triton=lambda x, alpha, group_dim: kernels("prox").group_soft_threshold(x.contiguous(), alpha, group_dim),
+    fake=_like_fake)
 
 
 def group_soft_threshold(x: Tensor, alpha: float, group_dim: int = 0) -> Tensor:
@@ -50,4 +37,4 @@ def group_soft_threshold(x: Tensor, alpha: float, group_dim: int = 0) -> Tensor:
     (rows), group_dim=1 input channels (columns). One kernel reduces and shrinks every group."""
     check.tensor("x", x)
     group_dim = check.dim_index("group_dim", group_dim, x.dim())
-    return _group_soft_threshold(x, check.nonnegative("alpha", alpha), group_dim)
+    return call(_group_soft_threshold, x, check.nonnegative("alpha", alpha), group_dim)

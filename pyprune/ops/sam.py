@@ -7,46 +7,34 @@ from typing import List
 import torch
 from torch import Tensor
 
-from . import backend, reference
+from . import library, reference
 from . import _validate as check
-from ._dispatch import kernels, native, run
+from .implementations import call
+from .library import kernels
 
 
 def _triton_perturb(*args):
-    return kernels("sam").sam_perturb_(*args, backend.triton_interpreted())
+    return kernels("sam").sam_perturb_(*args, library.triton_interpreted())
+
+
+def _reference_step(*args):
+    reference.sam_adam_step_(*args)
 
 
 def _triton_step(*args):
-    kernels("sam").sam_adam_step_(*args, backend.triton_interpreted())
+    kernels("sam").sam_adam_step_(*args, library.triton_interpreted())
 
 
-_PERTURB_IMPLS = {"reference": reference.sam_perturb_, "triton": _triton_perturb,
-                  "cpu": lambda *args: native("cpu").sam_perturb_(*args)}
-_STEP_IMPLS = {"reference": reference.sam_adam_step_, "triton": _triton_step,
-               "cpu": lambda *args: native("cpu").sam_adam_step_(*args)}
+_sam_perturb = library.define(
+    "sam_perturb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, float rho) -> Tensor",
+    reference=reference.sam_perturb_, triton=_triton_perturb,
+    fake=lambda params, grads, anchors, rho: torch.empty((), dtype=torch.float32, device=params[0].device))
 
-
-@torch.library.custom_op("pyprune::sam_perturb_", mutates_args=("params", "anchors"))
-def _sam_perturb(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], rho: float) -> Tensor:
-    return run("sam_perturb_", _PERTURB_IMPLS, params[0].device, params, grads, anchors, rho)
-
-
-@_sam_perturb.register_fake
-def _(params, grads, anchors, rho):
-    return torch.empty((), dtype=torch.float32, device=params[0].device)
-
-
-@torch.library.custom_op("pyprune::sam_adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
-def _sam_adam_step(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], vs: List[Tensor],
-                   keeps: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], lr: float,
-                   beta1: float, beta2: float, eps: float, weight_decay: float, lam: float, step: int) -> None:
-    run("sam_adam_step_", _STEP_IMPLS, params[0].device, params, grads, anchors, vs, keeps, exp_avgs,
-        exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, lam, step)
-
-
-@_sam_adam_step.register_fake
-def _(params, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, lam, step):
-    return None
+_sam_adam_step = library.define(
+    "sam_adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor[] anchors, Tensor[] vs, Tensor[] keeps, "
+    "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, "
+    "float weight_decay, float lam, int step) -> ()",
+    reference=_reference_step, triton=_triton_step, fake=lambda *args: None)
 
 
 def _tensor_lists(names, lists, dtypes=None):
@@ -80,7 +68,7 @@ def sam_perturb_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor
     for i, (p, anchor) in enumerate(zip(params, anchors)):
         check.dtype(f"anchors[{i}]", anchor, p.dtype)
     rho = check.nonnegative("rho", check.finite("rho", rho))
-    return _sam_perturb(list(params), list(grads), list(anchors), rho)
+    return call(_sam_perturb, list(params), list(grads), list(anchors), rho)
 
 
 def sam_adam_step_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor], vs: List[Tensor],
@@ -111,5 +99,5 @@ def sam_adam_step_(params: List[Tensor], grads: List[Tensor], anchors: List[Tens
     step = check.integer("step", step)
     if step < 1:
         raise ValueError(f"step must be >= 1 (Adam's bias correction counts from 1); got {step}")
-    _sam_adam_step(list(params), list(grads), list(anchors), list(vs), list(keeps), list(exp_avgs),
+    call(_sam_adam_step, list(params), list(grads), list(anchors), list(vs), list(keeps), list(exp_avgs),
                    list(exp_avg_sqs), lr, beta1, beta2, eps, weight_decay, lam, step)

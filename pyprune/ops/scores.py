@@ -5,13 +5,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend, reference
+from . import library, reference
 from . import _validate as check
 from .conventions import ScoreKind
-from ._dispatch import kernels, native, run
+from .implementations import call
+from .library import kernels
 
 
-def _reference_score(src: Tensor, aux, kind: int) -> Tensor:
+def _prepared(src: Tensor, aux: Optional[Tensor], kind: int):
+    """(src, aux) contiguous; a Wanda statistic checked here, where its values are real also
+    inside a torch.compile graph."""
+    if kind == ScoreKind.WANDA:
+        check.sums_of_squares("act_sqnorm", aux)
+    return src.contiguous(), None if aux is None else aux.contiguous()
+
+
+def _reference_score(src: Tensor, aux: Optional[Tensor], kind: int) -> Tensor:
+    src, aux = _prepared(src, aux, kind)
     if kind == ScoreKind.MAGNITUDE:
         return reference.magnitude_score(src)
     if kind == ScoreKind.WANDA:
@@ -19,29 +29,22 @@ def _reference_score(src: Tensor, aux, kind: int) -> Tensor:
     return reference.taylor_score(src, aux)
 
 
-_SCORE_IMPLS = {
-    "reference": _reference_score,
-    "triton": lambda src, aux, kind: kernels("scores").score(src, aux, kind),
-}
+def _triton_score(src: Tensor, aux: Optional[Tensor], kind: int) -> Tensor:
+    return kernels("scores").score(*_prepared(src, aux, kind), kind)
 
 
-@torch.library.custom_op("pyprune::score", mutates_args=())
-def _score(src: Tensor, aux: Optional[Tensor], kind: int) -> Tensor:
-    if kind == ScoreKind.WANDA:
-        check.sums_of_squares("act_sqnorm", aux)
-    return run("score", _SCORE_IMPLS, src.device, src.contiguous(),
-               None if aux is None else aux.contiguous(), kind)
-
-
-@_score.register_fake
-def _(src, aux, kind):
+def _score_fake(src, aux, kind):
     return torch.empty(src.shape, dtype=torch.float32, device=src.device)
+
+
+_score = library.define("score(Tensor src, Tensor? aux, int kind) -> Tensor",
+                        reference=_reference_score, triton=_triton_score, fake=_score_fake)
 
 
 def magnitude_score(w: Tensor) -> Tensor:
     """|W| in fp32."""
     check.tensor("w", w)
-    return _score(w, None, ScoreKind.MAGNITUDE)
+    return call(_score, w, None, ScoreKind.MAGNITUDE)
 
 
 def wanda_score(w: Tensor, act_sqnorm: Tensor) -> Tensor:
@@ -49,7 +52,7 @@ def wanda_score(w: Tensor, act_sqnorm: Tensor) -> Tensor:
     check.tensor("w", w, dims=(2,))
     check.column_vector("act_sqnorm", act_sqnorm, w.shape[1])
     check.same_device(w=w, act_sqnorm=act_sqnorm)
-    return _score(w, act_sqnorm.float(), ScoreKind.WANDA)
+    return call(_score, w, act_sqnorm.float(), ScoreKind.WANDA)
 
 
 def taylor_score(w: Tensor, grad: Tensor) -> Tensor:
@@ -58,18 +61,28 @@ def taylor_score(w: Tensor, grad: Tensor) -> Tensor:
     check.tensor("grad", grad)
     check.same_shape("grad", grad, w.shape, "w")
     check.same_device(w=w, grad=grad)
-    return _score(w, grad, ScoreKind.TAYLOR)
+    return call(_score, w, grad, ScoreKind.TAYLOR)
 
 
-_SQNORM_IMPLS = {
-    "reference": reference.accumulate_sqnorm_,
-    "triton": lambda acc, x: kernels("scores").accumulate_sqnorm_(acc, x),
-}
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-@torch.library.custom_op("pyprune::accumulate_sqnorm_", mutates_args=("acc",))
-def _accumulate_sqnorm(acc: Tensor, x: Tensor) -> None:
-    run("accumulate_sqnorm_", _SQNORM_IMPLS, x.device, acc, x.reshape(-1, x.shape[-1]).contiguous())
+def _accumulate_fake(acc, *args):
+    return None
+
+
+def _reference_sqnorm(acc, x):
+    reference.accumulate_sqnorm_(acc, _rows(x))
+
+
+def _triton_sqnorm(acc, x):
+    kernels("scores").accumulate_sqnorm_(acc, _rows(x))
+
+
+_accumulate_sqnorm = library.define("accumulate_sqnorm_(Tensor(a!) acc, Tensor x) -> ()",
+                                    reference=_reference_sqnorm, triton=_triton_sqnorm,
+                                    fake=_accumulate_fake)
 
 
 def accumulate_sqnorm_(acc: Tensor, x: Tensor) -> Tensor:
@@ -85,27 +98,21 @@ def accumulate_sqnorm_(acc: Tensor, x: Tensor) -> Tensor:
         raise ValueError(f"acc must have one entry per feature of x ({x.shape[-1]}); got {acc.shape[0]}")
     check.contiguous("acc", acc)
     check.same_device(acc=acc, x=x)
-    _accumulate_sqnorm(acc, x)
+    call(_accumulate_sqnorm, acc, x)
     return acc
 
 
-_ABS_OUTER_IMPLS = {
-    "reference": reference.accumulate_abs_outer_,
-    "triton": lambda acc, a, b, alpha: kernels("scores").accumulate_abs_outer_(
-        acc, a, b, alpha, backend.triton_interpreted()),
-    "cpu": lambda acc, a, b, alpha: native("cpu").accumulate_abs_outer_(acc, a, b, alpha),
-}
+def _reference_abs_outer(acc, a, b, alpha):
+    reference.accumulate_abs_outer_(acc, _rows(a), _rows(b), alpha)
 
 
-@torch.library.custom_op("pyprune::accumulate_abs_outer_", mutates_args=("acc",))
-def _accumulate_abs_outer(acc: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
-    run("accumulate_abs_outer_", _ABS_OUTER_IMPLS, acc.device, acc,
-        a.reshape(-1, a.shape[-1]).contiguous(), b.reshape(-1, b.shape[-1]).contiguous(), alpha)
+def _triton_abs_outer(acc, a, b, alpha):
+    kernels("scores").accumulate_abs_outer_(acc, _rows(a), _rows(b), alpha, library.triton_interpreted())
 
 
-@_accumulate_abs_outer.register_fake
-def _(acc, a, b, alpha):
-    return None
+_accumulate_abs_outer = library.define(
+    "accumulate_abs_outer_(Tensor(a!) acc, Tensor a, Tensor b, float alpha) -> ()",
+    reference=_reference_abs_outer, triton=_triton_abs_outer, fake=_accumulate_fake)
 
 
 def accumulate_abs_outer_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
@@ -130,5 +137,5 @@ def accumulate_abs_outer_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0)
     check.same_device(acc=acc, a=a, b=b)
     check.disjoint(("acc",), acc=acc, a=a, b=b)
     alpha = check.finite("alpha", alpha)
-    _accumulate_abs_outer(acc, a, b, alpha)
+    call(_accumulate_abs_outer, acc, a, b, alpha)
     return acc

@@ -411,10 +411,10 @@ def test_tune_prints_the_machine_its_environment_and_where_each_answer_came_from
     key = lambda out, tokens: dispatch.case_key(torch.float32, "2:4", out, 64, tokens)  # noqa: E731
     table = tmp_path / "table.json"  # q/o 64x64, k/v 32x64; one token
     table.write_text(json.dumps({"environments": [
-        {"environment": here, "entries": {key(64, 1): {"backend": "dense"}, key(32, 1): {"backend": "kernel"}}},
-        {"environment": another, "entries": {key(128, 1): {"backend": "dense"}}}]}))
+        {"environment": here, "entries": {key(64, 1): {"implementation": "dense"}, key(32, 1): {"implementation": "kernel"}}},
+        {"environment": another, "entries": {key(128, 1): {"implementation": "dense"}}}]}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
-    dispatch.record(cpu, {key(64, 3): {"backend": "dense", "kernel_ms": 0.5, "dense_ms": 0.4}})
+    dispatch.record(cpu, {key(64, 3): {"implementation": "dense", "kernel_ms": 0.5, "dense_ms": 0.4}})
     assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     machine = here["machine"]

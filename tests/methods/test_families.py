@@ -48,7 +48,7 @@ def test_a_pruned_model_keeps_its_logits_through_sparse_layers_save_load_and_fro
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-form", dtype=torch.float32).eval()
         assert torch.equal(plain(input_ids=tokens).logits, logits)
         sparse = copy.deepcopy(model)
-        replaced = sparsify_(sparse, "2:4", backend="kernel")
+        replaced = sparsify_(sparse, "2:4", implementation="kernel")
         assert len(replaced) == len(report["layers"])
         torch.testing.assert_close(sparse(input_ids=tokens).logits, logits, rtol=1e-4, atol=1e-4)
         pyprune.save(sparse, None, str(tmp_path / "sparse-form"), report)

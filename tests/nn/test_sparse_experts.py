@@ -38,14 +38,14 @@ def test_sparse_experts_run_the_kernel_with_the_masked_model_s_logits_and_less_m
     model = _pruned(family, dtype)
     dense = copy.deepcopy(model)
     expected, dense_bytes = _logits(model), _bytes(model)
-    replaced = sparsify_(model, backend="kernel")  # the sparse kernel on every machine, whatever the table says
+    replaced = sparsify_(model, implementation="kernel")  # the sparse kernel on every machine, whatever the table says
     experts = [f"model.layers.{i}.mlp.experts.{e}.{m}" for i in range(2) for e in range(4)
                for m in ("gate_up_proj", "down_proj")]
     assert set(experts) <= set(replaced) and set(replaced.values()) == {"2:4"}
     for block, dense_block in zip(decoder_blocks(model), decoder_blocks(dense)):
         assert isinstance(block.mlp.experts, SparseExperts)
         layers = dict(block.mlp.experts.layers())
-        assert len(layers) == 8 and all(isinstance(layer, SparseLinear) and layer.backend == "kernel"
+        assert len(layers) == 8 and all(isinstance(layer, SparseLinear) and layer.implementation == "kernel"
                                         for layer in layers.values())
         assert torch.equal(layers["3.down_proj"].weight, dense_block.mlp.experts.down_proj[3])
         assert type(block.mlp.gate) is type(dense_block.mlp.gate)  # routers stay as they are

@@ -1,5 +1,5 @@
 """SparseLinear is a drop-in nn.Linear for N:M weights: same outputs as the dense masked layer on
-every backend that runs here, the state of the compressed form only, save/load through pyprune,
+every implementation that runs here, the state of the compressed form only, save/load through pyprune,
 and sparsify_ on a pruned model."""
 import json
 import os
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pyprune
+from pyprune import ops
 from pyprune.ops import reference as R
 from pyprune.nn import SparseLinear, densify_slower_, dispatch, sparsify_
 from pyprune.nn.sparse import detect_pattern, sparse_layers
@@ -30,11 +31,11 @@ def _pruned_linear(in_features, out_features, n, m, dtype=torch.float32, bias=Tr
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", PATTERNS)
-@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+@pytest.mark.parametrize("implementation", ["auto", "kernel", "dense"])
 @pytest.mark.parametrize("shape", [(2, 5, 64), (1, 64), (3, 1, 64)])
-def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
+def test_forward_matches_the_dense_masked_layer(dtype, n, m, implementation, shape):
     linear, _ = _pruned_linear(64, 40, n, m, dtype)
-    layer = SparseLinear.from_dense(linear, (n, m), backend=backend)
+    layer = SparseLinear.from_dense(linear, (n, m), implementation=implementation)
     x = randn(shape, dtype, seed=1)
     with torch.no_grad():
         assert_linear_close(layer(x), x, linear.weight, linear.bias)
@@ -42,14 +43,14 @@ def test_forward_matches_the_dense_masked_layer(dtype, n, m, backend, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
+@pytest.mark.parametrize("implementation", ["auto", "kernel", "dense"])
 @pytest.mark.parametrize("shape", [(0, 64), (3, 0, 64), (64,), (2, 1, 3, 64)])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_takes_every_shape_nn_linear_takes(dtype, backend, shape, grad):
+def test_takes_every_shape_nn_linear_takes(dtype, implementation, shape, grad):
     """A drop-in nn.Linear: an empty batch gives an empty result, a 1-D x one row of outputs, any
     leading dims are kept; the same shape, dtype and values as the dense masked nn.Linear."""
     linear, _ = _pruned_linear(64, 40, 2, 4, dtype)
-    layer = SparseLinear.from_dense(linear, "2:4", backend=backend)
+    layer = SparseLinear.from_dense(linear, "2:4", implementation=implementation)
     x = randn(shape, dtype, seed=1).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         out, expected = layer(x), linear(x)
@@ -66,12 +67,12 @@ def test_takes_every_shape_nn_linear_takes(dtype, backend, shape, grad):
 @pytest.mark.parametrize("in_features", [72, 600])  # 8 columns past the last 16-column block; 600 > 512
 @pytest.mark.parametrize("tokens", [1, 3, 12, 17])  # the kernel takes 8 tokens at a time: 12 = 8 + 4, 17 = 8 + 8 + 1
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
-def test_kernel_backend_column_tail_and_token_chunks(dtype, n, m, in_features, tokens, grad):
+def test_kernel_implementation_column_tail_and_token_chunks(dtype, n, m, in_features, tokens, grad):
     """The sparse kernel on shapes the model layers above do not have: a column count that is not
-    a multiple of 16, an odd row count, token counts past one 8-token chunk; in plain inference (the
-    CPU GEMV) and with autograd on (the custom op)."""
+    a multiple of 16, an odd row count, token counts past one 8-token chunk; in plain inference and
+    with autograd on (the op's backward formula)."""
     linear, _ = _pruned_linear(in_features, 37, n, m, dtype)
-    layer = SparseLinear.from_dense(linear, (n, m), backend="kernel")
+    layer = SparseLinear.from_dense(linear, (n, m), implementation="kernel")
     x = randn((tokens, in_features), dtype, seed=3).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         out = layer(x)
@@ -110,7 +111,7 @@ def test_from_dense_keeps_every_nonzero_of_a_sparser_weight():
 
 @pytest.mark.parametrize("bad,match", [
     (dict(pattern="0.5"), "pattern must be N:M"),
-    (dict(pattern="3:4", backend="fast"), "backend must be 'auto' or one of kernel, dense"),
+    (dict(pattern="3:4", implementation="fast"), "implementation must be 'auto' or one of kernel, dense"),
     (dict(pattern="2:3"), "M=3 to divide the input features"),
 ])
 def test_bad_arguments_name_the_argument(bad, match):
@@ -146,18 +147,18 @@ def test_load_refuses_another_pattern_or_a_broken_mask():
         SparseLinear(64, 8, n=4, m=8).load_state_dict(broken)
 
 
-def test_deepcopy_and_pickle_drop_backend_caches():
+def test_deepcopy_and_pickle_drop_implementation_caches():
     import copy
     import pickle
     linear, _ = _pruned_linear(64, 8, 2, 4)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    layer = SparseLinear.from_dense(linear, "2:4", implementation="dense")
     layer._cache["dense"] = ("key", torch.zeros(1000))
     assert copy.deepcopy(layer)._cache == {} and pickle.loads(pickle.dumps(layer))._cache == {}
     assert layer._cache  # the original keeps its cache
 
 
-def test_backend_cache_follows_the_stored_weight():
-    # The cache behind the GPU backends (SparseLinear._cached, which cusparselt, cutlass and mma_sp
+def test_implementation_cache_follows_the_stored_weight():
+    # The cache behind the GPU implementations (SparseLinear._cached, which cusparselt, cutlass and sparse24_linear
     # use), exercised on CPU: one build per state of values and meta.
     linear, _ = _pruned_linear(64, 8, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
@@ -194,7 +195,7 @@ def test_backend_cache_follows_the_stored_weight():
 
 def test_training_keeps_the_pattern():
     linear, mask = _pruned_linear(32, 8, 2, 4)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    layer = SparseLinear.from_dense(linear, "2:4", implementation="dense")
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     for step in range(3):
         loss = layer(randn((4, 32), seed=step)).square().sum()
@@ -205,9 +206,9 @@ def test_training_keeps_the_pattern():
     assert not torch.equal(layer.weight, linear.weight)
 
 
-def test_gpu_only_backends_refuse_cpu_tensors_clearly():
+def test_gpu_only_implementations_refuse_cpu_tensors_clearly():
     linear, _ = _pruned_linear(64, 16, 2, 4, torch.float16)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="cusparselt")
+    layer = SparseLinear.from_dense(linear, "2:4", implementation="cusparselt")
     with torch.no_grad(), pytest.raises(RuntimeError, match="cusparselt.*needs CUDA tensors"):
         layer(randn((1, 64), torch.float16))
 
@@ -216,33 +217,33 @@ def _dispatch_key(layer, dtype, tokens):
     return dispatch.case_key(dtype, str(layer.pattern), layer.out_features, layer.in_features, tokens)
 
 
-def test_this_machines_measurements_pick_the_backend(tmp_path, monkeypatch):
+def test_this_machines_measurements_pick_the_implementation(tmp_path, monkeypatch):
     linear, _ = _pruned_linear(64, 16, 2, 4)
     layer = SparseLinear.from_dense(linear, "2:4")
     cpu = torch.device("cpu")
-    dispatch.record(cpu, {_dispatch_key(layer, torch.float32, 1): {"backend": "kernel"},
-                          _dispatch_key(layer, torch.float32, 4): {"backend": "dense"},
-                          _dispatch_key(layer, torch.float32, 64): {"backend": "cutlass"}})
+    dispatch.record(cpu, {_dispatch_key(layer, torch.float32, 1): {"implementation": "kernel"},
+                          _dispatch_key(layer, torch.float32, 4): {"implementation": "dense"},
+                          _dispatch_key(layer, torch.float32, 64): {"implementation": "cutlass"}})
     # the same rows shipped for another machine of the same name (other ISA flags): never read
     other = dict(dispatch.environment(cpu), machine=dict(dispatch.machine(cpu), flags=["avx2", "f16c", "fma"]))
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"environments": [{"environment": other, "entries": {
-        _dispatch_key(layer, torch.float32, t): {"backend": "kernel"} for t in (2, 8)}}]}))
+        _dispatch_key(layer, torch.float32, t): {"implementation": "kernel"} for t in (2, 8)}}]}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(path))
     with torch.no_grad():
-        assert layer.choose_backend(torch.zeros(1, 64)) == "kernel"
-        assert layer.choose_backend(torch.zeros(3, 64)) == "dense"  # 3 tokens: the bucket of 4
+        assert layer.choose_implementation(torch.zeros(1, 64)) == "kernel"
+        assert layer.choose_implementation(torch.zeros(3, 64)) == "dense"  # 3 tokens: the bucket of 4
         # the measured winner cannot run on CPU: dense, never slower than dense
-        assert layer.choose_backend(torch.zeros(33, 64)) == "dense"
+        assert layer.choose_implementation(torch.zeros(33, 64)) == "dense"
         # no answer for 2 tokens (another machine's row only), for bf16, for another weight size: dense
-        assert layer.choose_backend(torch.zeros(2, 64)) == "dense"
+        assert layer.choose_implementation(torch.zeros(2, 64)) == "dense"
         assert layer.decisions == {"1": ("kernel", "cache"), "4": ("dense", "cache"), "64": ("dense", "fallback"),
                                    "2": ("dense", "fallback")}
-        assert layer.choose_backend(torch.zeros(1, 64, dtype=torch.bfloat16)) == "dense"
+        assert layer.choose_implementation(torch.zeros(1, 64, dtype=torch.bfloat16)) == "dense"
         wide = SparseLinear.from_dense(_pruned_linear(128, 16, 2, 4)[0], "2:4")
-        assert wide.choose_backend(torch.zeros(1, 128)) == "dense"
+        assert wide.choose_implementation(torch.zeros(1, 128)) == "dense"
     x = torch.zeros(4, 64, requires_grad=True)
-    assert layer.choose_backend(x) == "kernel"  # gradients always go through the kernel
+    assert layer.choose_implementation(x) == "kernel"  # gradients always go through the kernel
 
 
 def test_dispatch_keys_and_the_machine_key():
@@ -258,9 +259,9 @@ def test_dispatch_keys_and_the_machine_key():
     assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
 
 
-def test_dense_backend_caches_the_decompressed_weight_until_values_change():
+def test_dense_implementation_caches_the_decompressed_weight_until_values_change():
     linear, _ = _pruned_linear(64, 16, 2, 4)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    layer = SparseLinear.from_dense(linear, "2:4", implementation="dense")
     x = randn((2, 64))
     with torch.no_grad():
         first = layer(x)
@@ -291,7 +292,7 @@ def test_sparsify_replaces_the_pruned_layers_and_keeps_the_logits():
     tokens = random_tokens((2, 12), seed=5)
     with torch.no_grad():
         before = model(input_ids=tokens).logits
-    replaced = sparsify_(model, backend="kernel")  # the sparse kernel on every machine, whatever the table says
+    replaced = sparsify_(model, implementation="kernel")  # the sparse kernel on every machine, whatever the table says
     assert len(replaced) == 2 * 7 and set(replaced.values()) == {"2:4"}
     assert isinstance(model.model.layers[0].mlp.down_proj, SparseLinear)
     assert type(model.lm_head) is nn.Linear
@@ -307,7 +308,7 @@ def test_sparsify_leaves_dense_layers_alone():
 
 def test_sparsify_faster_at_converts_only_the_layers_measured_to_pay():
     """``faster_at=T``: a layer becomes SparseLinear only where this machine's measurements name a
-    sparse backend at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns
+    sparse implementation at T tokens for its dtype, pattern and weight size; ``densify_slower_`` turns
     back the SparseLinear layers that have no such answer. Logits are unchanged either way."""
     model = _nm_pruned_llama()
     tokens = random_tokens((2, 12), seed=7)
@@ -315,7 +316,7 @@ def test_sparsify_faster_at_converts_only_the_layers_measured_to_pay():
         before = model(input_ids=tokens).logits
     k_proj = model.model.layers[0].self_attn.k_proj  # k and v: the only weights of 2^11 elements
     dispatch.record(torch.device("cpu"), {dispatch.case_key(torch.float32, "2:4", k_proj.out_features,
-                                                            k_proj.in_features, 1): {"backend": "kernel"}})
+                                                            k_proj.in_features, 1): {"implementation": "kernel"}})
     paying = {f"model.layers.{i}.self_attn.{kind}_proj" for i in (0, 1) for kind in "kv"}
     assert set(sparsify_(model, faster_at=1)) == paying
     assert sparsify_(model, faster_at=4) == {}  # no answer for 4 tokens
@@ -355,14 +356,14 @@ def test_save_and_load_restore_the_same_sparse_layers(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["kernel", "dense", "cusparselt", "cutlass", "mma_sp"])
+@pytest.mark.parametrize("implementation", ["kernel", "dense", "cusparselt", "cutlass", "sparse24_linear"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
+def test_cuda_implementations_match_the_dense_masked_layer(dtype, implementation, tokens):
     linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
-    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", implementation=implementation)
     x = randn((tokens, 256), dtype, seed=7).cuda()
-    if not layer.supports(backend, x):
-        pytest.skip(f"{backend} is not available here: {layer.unsupported_reason(backend, x)}")
+    if not layer.supports(implementation, x):
+        pytest.skip(f"{implementation} is not available here: {layer.unsupported_reason(implementation, x)}")
     with torch.no_grad():
         expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
@@ -370,17 +371,17 @@ def test_cuda_backends_match_the_dense_masked_layer(dtype, backend, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["cusparselt", "cutlass", "mma_sp"])
-def test_cuda_backend_caches_follow_value_and_mask_updates(backend):
-    # These backends keep a form derived from values/meta (_cache[backend]); it must be rebuilt
+@pytest.mark.parametrize("implementation", ["cusparselt", "cutlass", "sparse24_linear"])
+def test_cuda_implementation_caches_follow_value_and_mask_updates(implementation):
+    # These implementations keep a form derived from values/meta (_cache[implementation]); it must be rebuilt
     # when either changes in place, and after invalidate() for writes through .data.
     dtype = torch.float16
     linear, _ = _pruned_linear(256, 128, 2, 4, dtype)
-    layer = SparseLinear.from_dense(linear.cuda(), "2:4", backend=backend)
+    layer = SparseLinear.from_dense(linear.cuda(), "2:4", implementation=implementation)
     other = SparseLinear.from_dense(_pruned_linear(256, 128, 2, 4, dtype, seed=5)[0].cuda(), "2:4")
     x = randn((8, 256), dtype, seed=3).cuda()
-    if not layer.supports(backend, x):
-        pytest.skip(f"{backend} is not available on this GPU: {layer.unsupported_reason(backend, x)}")
+    if not layer.supports(implementation, x):
+        pytest.skip(f"{implementation} is not available on this GPU: {layer.unsupported_reason(implementation, x)}")
 
     def expected(weight):
         return nn.functional.linear(x.float(), weight.float(), layer.bias.float())
@@ -388,14 +389,14 @@ def test_cuda_backend_caches_follow_value_and_mask_updates(backend):
     weight = layer.weight
     with torch.no_grad():
         torch.testing.assert_close(layer(x).float(), expected(weight), rtol=2e-2, atol=2e-2)
-        entry = layer._cache[backend]
+        entry = layer._cache[implementation]
         layer(x)
-        assert layer._cache[backend] is entry  # built once, then reused
+        assert layer._cache[implementation] is entry  # built once, then reused
         layer.values.mul_(2)
         torch.testing.assert_close(layer(x).float(), expected(2 * weight), rtol=2e-2, atol=2e-2)
-        assert layer._cache[backend] is not entry
+        assert layer._cache[implementation] is not entry
         layer.values.data.mul_(0.5)  # bypasses the version counter
-        if backend != "mma_sp":  # (mma_sp caches only the mask's layout, and reads values directly)
+        if implementation != "sparse24_linear":  # (sparse24_linear caches only the mask's layout, and reads values directly)
             stale = layer(x).float()  # the cached copy still holds the doubled values
             torch.testing.assert_close(stale, expected(2 * weight), rtol=2e-2, atol=2e-2)
         layer.invalidate()
@@ -405,25 +406,60 @@ def test_cuda_backend_caches_follow_value_and_mask_updates(backend):
         torch.testing.assert_close(layer(x).float(), expected(other.weight), rtol=2e-2, atol=2e-2)
 
 
+def test_model_dirs_saved_with_backend_fields_still_load(tmp_path):
+    """Manifests written before the rename name each layer's implementation ``backend``, and
+    sparse24_linear ``mma_sp``."""
+    model = _nm_pruned_llama(4, 8)
+    sparsify_(model, implementation="kernel")
+    pyprune.save(model, None, str(tmp_path / "out"))
+    path = tmp_path / "out" / "pyprune.json"
+    manifest = json.loads(path.read_text())
+    names = sorted(manifest["sparse_layers"])
+    for spec in manifest["sparse_layers"].values():
+        spec["backend"] = spec.pop("implementation")
+    manifest["sparse_layers"][names[0]]["backend"] = "mma_sp"
+    path.write_text(json.dumps(manifest))
+    loaded, _ = pyprune.load(str(tmp_path / "out"))
+    found = {name: m.implementation for name, m in loaded.named_modules() if isinstance(m, SparseLinear)}
+    assert found == dict({name: "kernel" for name in names}, **{names[0]: "sparse24_linear"})
+
+
+def test_former_names_warn_and_still_work():
+    linear, _ = _pruned_linear(64, 40, 2, 4)
+    with pytest.warns(DeprecationWarning, match="backend= is deprecated"):
+        layer = SparseLinear.from_dense(linear, "2:4", backend="dense")
+    assert layer.implementation == "dense"
+    with pytest.warns(DeprecationWarning, match="backend is deprecated"):
+        assert layer.backend == "dense"
+    with pytest.warns(DeprecationWarning, match="backend is deprecated"):
+        layer.backend = "kernel"
+    assert layer.implementation == "kernel"
+    with pytest.warns(DeprecationWarning, match="choose_backend is deprecated"):
+        assert layer.choose_backend(torch.zeros(1, 64)) == "kernel"
+    with pytest.warns(DeprecationWarning, match="'mma_sp' is now called 'sparse24_linear'"):
+        assert SparseLinear(64, 8, implementation="mma_sp").implementation == "sparse24_linear"
+    with pytest.warns(DeprecationWarning, match="backend= is deprecated"):
+        assert len(sparsify_(_nm_pruned_llama(), backend="kernel")) == 14
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,out_features,in_features", [(1, 24, 64), (13, 130, 96), (70, 64, 512)])
-def test_mma_sp_kernel_and_compress(dtype, tokens, out_features, in_features):
-    from pyprune.ops import backend
-    cuda = backend.native_module("cuda")
-    if cuda is None:  # setup.py builds it wherever CUDA is usable
+def test_sparse24_compress_and_linear_cuda_kernels(dtype, tokens, out_features, in_features):
+    from pyprune.ops.library import native
+    if native("cuda") is None:  # setup.py builds it wherever CUDA is usable
         pytest.fail("a CUDA device is here but pyprune._C_cuda is not built; reinstall with "
                     "`pip install --no-build-isolation -e .`", pytrace=False)
     w = randn((out_features, in_features), dtype, seed=8).cuda()
     mask = R.nm_mask(w.float().abs(), 2, 4)
-    values, meta = cuda.sparse24_compress(w, mask)
+    values, meta = ops.sparse24_compress(w, mask)
     ref_values, packed = R.nm_compress(w, mask, 2, 4)
     assert torch.equal(values, ref_values)
     assert torch.equal(meta, R.sparse24_mma_meta(packed, in_features))
     x, bias = randn((tokens, in_features), dtype, seed=9).cuda(), randn((out_features,), dtype, seed=10).cuda()
     expected = nn.functional.linear(x.float(), (w * mask).float(), bias.float())
-    torch.testing.assert_close(cuda.sparse24_linear(x, values, meta, bias).float(), expected,
+    torch.testing.assert_close(ops.sparse24_linear(x, values, meta, bias).float(), expected,
                                rtol=2e-2, atol=2e-2)
 
 
@@ -437,10 +473,10 @@ def test_compaction_refuses_sparse_layers():
     assert isinstance(block.mlp.gate_proj, SparseLinear) and block.mlp.gate_proj.out_features == 128
 
 
-@pytest.mark.parametrize("backend", ["auto", "kernel", "dense"])
-def test_traces_into_one_graph_under_torch_compile(backend):
+@pytest.mark.parametrize("implementation", ["auto", "kernel", "dense"])
+def test_traces_into_one_graph_under_torch_compile(implementation):
     linear, _ = _pruned_linear(64, 32, 2, 4)
-    layer = SparseLinear.from_dense(linear, "2:4", backend=backend)
+    layer = SparseLinear.from_dense(linear, "2:4", implementation=implementation)
     x = randn((3, 64), seed=11)
     with torch.no_grad():
         compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
@@ -451,19 +487,19 @@ def test_generate_with_sparse_layers_matches_dense():
     model = _nm_pruned_llama()
     prompt = random_tokens((1, 6), seed=12)
     dense_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    sparsify_(model, backend="kernel")  # the sparse kernel on every machine, whatever the table says
+    sparsify_(model, implementation="kernel")  # the sparse kernel on every machine, whatever the table says
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), dense_tokens)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64), (20, 64)])  # GEMV, GEMV, tl.dot kernel
-def test_kernel_backend_runs_the_triton_kernels(dtype, shape):
-    from pyprune.ops import use_backend
+def test_kernel_implementation_runs_the_triton_kernels(dtype, shape):
+    from pyprune.ops import use_implementation
     linear, _ = _pruned_linear(64, 48, 2, 4, dtype)
-    layer = SparseLinear.from_dense(linear, "2:4", backend="kernel")
+    layer = SparseLinear.from_dense(linear, "2:4", implementation="kernel")
     x = randn(shape, dtype, seed=13)
-    with torch.no_grad(), use_backend("triton"):
+    with torch.no_grad(), use_implementation("triton"):
         got = layer(x)
     assert_linear_close(got, x, linear.weight, linear.bias)
 
@@ -482,24 +518,19 @@ def test_autocast_casts_like_nn_linear_and_trains_the_stored_values():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_inference_skips_the_custom_op_and_matches_it(dtype, monkeypatch):
-    # no grad, eager, CPU, <= 64 tokens: straight to the C++ GEMV (the op's dispatch costs more
-    # than a small layer's GEMV); with gradients the custom op (and its autograd) still runs
-    from pyprune.ops import linear as linear_ops
+def test_kernel_forward_is_the_nm_linear_op(dtype):
+    """The kernel implementation calls torch.ops.pyprune.nm_linear (on CPU tensors the dispatcher
+    runs the C++ kernel: its GEMV, and BLAS on decompressed blocks past 256 tokens): the result of
+    pyprune.ops.nm_linear, with and without autograd; x's dtype and device are checked first."""
     dense, _ = _pruned_linear(96, 40, 2, 4, dtype=dtype)
-    layer = SparseLinear.from_dense(dense, "2:4", backend="kernel")
-    x = randn((3, 5, 96), dtype=dtype, seed=4)
-    with torch.no_grad():
-        expected = linear_ops._nm_linear(x, layer.values, layer.meta, 2, 4, layer.bias)
-
-    def refuse(*args):
-        raise AssertionError("the custom op ran")
-
-    monkeypatch.setattr(linear_ops, "_nm_linear", refuse)
-    with torch.no_grad():
-        got = layer(x)
-    assert got.shape == (3, 5, 40) and torch.equal(got, expected)
-    with pytest.raises(AssertionError, match="the custom op ran"):
-        layer(x)  # values require grad: autograd needs the op
-    with torch.no_grad(), pytest.raises(AssertionError, match="the custom op ran"):
-        layer(randn((257, 96), dtype=dtype, seed=5))  # past the GEMV's 256 tokens
+    layer = SparseLinear.from_dense(dense, "2:4", implementation="kernel")
+    for x in (randn((3, 5, 96), dtype, seed=4), randn((257, 96), dtype, seed=5)):
+        expected = ops.nm_linear(x, layer.values.detach(), layer.meta, 2, 4, layer.bias.detach())
+        with torch.no_grad():
+            assert torch.equal(layer(x), expected)
+        out = layer(x)  # values require grad: the op's autograd formula runs
+        assert out.grad_fn is not None and torch.equal(out.detach(), expected)
+    with pytest.raises(TypeError, match="x must have the layer's dtype"):
+        layer(x.double())
+    with pytest.raises(ValueError, match="x must be on the layer's device"):
+        layer(x.to("meta"))

@@ -1,4 +1,4 @@
-"""Tune on first use: SparseLinear(backend="auto") times kernel against dense where this
+"""Tune on first use: SparseLinear(implementation="auto") times kernel against dense where this
 environment has no answer of its own, keeps the answer in a cache keyed by the whole environment
 (the CPU's model, family / model / stepping, ISA flags and last-level cache, torch, pyprune, thread
 count; written atomically, safe with concurrent writers), never times with PYPRUNE_TUNE=0 or while
@@ -17,7 +17,7 @@ import torch
 from pyprune import ops
 from pyprune.nn import SparseLinear, dispatch, sparsify_, tuning
 from pyprune.nn import sparse as sparse_module
-from pyprune.ops import backend
+from pyprune.ops.library import native as native_module
 
 CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ def timings(monkeypatch, tmp_path):
 
 def _choose(layer, tokens=1, dtype=torch.float32):
     with torch.no_grad():
-        return layer.choose_backend(torch.zeros(tokens, layer.in_features, dtype=dtype))
+        return layer.choose_implementation(torch.zeros(tokens, layer.in_features, dtype=dtype))
 
 
 def _present_cpu(monkeypatch, cpu):
@@ -87,7 +87,7 @@ def test_first_use_measures_once_and_keeps_the_answer(timings, speedup, expected
     assert layer.decisions == {"1": (expected, "measured")}
     key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
     entry = dispatch.cached_entries(CPU)[key]
-    assert entry["backend"] == expected and entry["sparse_speedup_vs_dense"] == speedup
+    assert entry["implementation"] == expected and entry["sparse_speedup_vs_dense"] == speedup
     assert entry["kernel_ms"] > 0 and entry["dense_ms"] > 0 and entry["tokens"] == 1
     other = _layer(seed=1)
     assert _choose(other) == expected  # a new layer of the same bucket: the cache answers
@@ -112,23 +112,23 @@ def test_notices_off_measures_without_the_notice(timings, capsys):
 
 
 def test_cache_file_is_replaced_atomically_and_read_back(timings, monkeypatch):
-    path = dispatch.record(CPU, {"k|1": {"backend": "kernel"}})
+    path = dispatch.record(CPU, {"k|1": {"implementation": "kernel"}})
     payload = json.loads(open(path, encoding="utf-8").read())
-    assert payload == {"environment": dispatch.environment(CPU), "entries": {"k|1": {"backend": "kernel"}}}
+    assert payload == {"environment": dispatch.environment(CPU), "entries": {"k|1": {"implementation": "kernel"}}}
     assert path == dispatch.cache_path(CPU) and path.startswith(dispatch.cache_root())
-    assert dispatch.cached_entries(CPU) == {"k|1": {"backend": "kernel"}}
+    assert dispatch.cached_entries(CPU) == {"k|1": {"implementation": "kernel"}}
 
     def crash(*args):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        dispatch.record(CPU, {"k|2": {"backend": "dense"}})
+        dispatch.record(CPU, {"k|2": {"implementation": "dense"}})
     monkeypatch.undo()
     assert json.loads(open(path, encoding="utf-8").read()) == payload  # the old file, whole
     assert sorted(os.listdir(os.path.dirname(path))) == sorted([os.path.basename(path),
                                                                 os.path.basename(path) + ".lock"])
-    with pytest.raises(ValueError, match="backend must be one of"):
-        dispatch.record(CPU, {"k|3": {"backend": "fast"}})
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        dispatch.record(CPU, {"k|3": {"implementation": "fast"}})
 
 
 _WORKER = """
@@ -141,7 +141,7 @@ with torch.no_grad():
     linear.weight.mul_(ops.score_nm_mask(linear.weight, 2, 4))
 SparseLinear.from_dense(linear, "2:4").tune(1)  # the same key in both processes
 for i in range(40):
-    dispatch.record(torch.device("cpu"), {f"{sys.argv[1]}|{i}": {"backend": "dense"}})
+    dispatch.record(torch.device("cpu"), {f"{sys.argv[1]}|{i}": {"implementation": "dense"}})
 """
 
 
@@ -159,7 +159,7 @@ def test_two_processes_tuning_at_once_keep_a_valid_file_with_every_answer(timing
     finally:
         torch.set_num_threads(threads)
     entries = json.loads(open(path, encoding="utf-8").read())["entries"]
-    assert entries[dispatch.case_key(torch.float32, "2:4", 32, 64, 1)]["backend"] in ("kernel", "dense")
+    assert entries[dispatch.case_key(torch.float32, "2:4", 32, 64, 1)]["implementation"] in ("kernel", "dense")
     assert {f"{name}|{i}" for name in "ab" for i in range(40)} <= set(entries)
 
 
@@ -174,7 +174,7 @@ OTHER = {"flags": {"flags": ["avx2", "f16c", "fma"]}, "model_number": {"model_nu
 @contextlib.contextmanager
 def _other_environment(part):
     """This process's environment with ``part`` (a key of OTHER) changed, for the block."""
-    threads, native, cap = torch.get_num_threads(), backend.native_module("cpu"), None
+    threads, native, cap = torch.get_num_threads(), native_module("cpu"), None
     with pytest.MonkeyPatch.context() as patch:
         try:
             if part == "torch":
@@ -252,15 +252,15 @@ def test_the_off_switch_never_times(timings, monkeypatch, tmp_path):
     key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
     # a shipped row of this very environment naming the kernel: unconfirmed, so not used
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
-                                                        {key: {"backend": "kernel"}}))
+                                                        {key: {"implementation": "kernel"}}))
     layer = _layer()
-    assert _choose(layer) == dispatch.FALLBACK_BACKEND and layer.decisions == {"1": ("dense", "fallback")}
+    assert _choose(layer) == dispatch.FALLBACK_IMPLEMENTATION and layer.decisions == {"1": ("dense", "fallback")}
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     with torch.no_grad():
         model[0].weight.mul_(ops.score_nm_mask(model[0].weight, 2, 4))
     assert sparsify_(model, faster_at=1) == {}  # no measurement says sparse pays: left dense
     assert timings["calls"] == 0 and not os.path.exists(dispatch.cache_path(CPU))
-    dispatch.record(CPU, {key: {"backend": "kernel"}})
+    dispatch.record(CPU, {key: {"implementation": "kernel"}})
     layer = _layer()
     assert _choose(layer) == "kernel" and timings["calls"] == 0  # switched off, this machine's cache answers
     assert layer.decisions == {"1": ("kernel", "cache")} and set(sparsify_(model, faster_at=1)) == {"0"}
@@ -290,14 +290,14 @@ class _Tiny(torch.nn.Module):
 
 def test_under_torch_compile_a_layer_never_times_and_runs_dense_unless_eager_decided(timings, monkeypatch):
     """While torch.compile traces no file is read and nothing is timed: a case eager forwards
-    decided keeps that backend in the graph, any other runs dense, a cache's kernel answer too."""
-    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 32, 64, t): {"backend": "kernel"} for t in (1, 3)})
+    decided keeps that implementation in the graph, any other runs dense, a cache's kernel answer too."""
+    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 32, 64, t): {"implementation": "kernel"} for t in (1, 3)})
     timings["speedup"] = 2.0  # what a measurement would say, were one taken
     module = _Tiny()
     x = torch.randn(3, 64)
     kernel_calls = []
-    real = sparse_module.nm_linear_prechecked
-    monkeypatch.setattr(sparse_module, "nm_linear_prechecked", lambda *a: kernel_calls.append(1) or real(*a))
+    real = sparse_module.call  # how the kernel implementation calls the nm_linear op
+    monkeypatch.setattr(sparse_module, "call", lambda *a: kernel_calls.append(1) or real(*a))
     with torch.no_grad():
         out = torch.compile(module, backend="eager")(x)
         assert timings["calls"] == 0 and module.sparse.decisions == {} and module.sparse._choices == {}
@@ -317,7 +317,7 @@ def test_a_shipped_row_applies_only_in_its_own_environment(timings, tmp_path, mo
     zen3 = dispatch.environment(CPU)
     _present_cpu(monkeypatch, dispatch.cpu_identity(ZEN4, 32 << 20))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", zen3,
-                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+                                                        {one: {"implementation": "kernel"}, four: {"implementation": "dense"}}))
     monkeypatch.setenv("PYPRUNE_TUNE", "0")
     layer = _layer()
     assert _choose(layer, 1) == _choose(layer, 4) == "dense" and timings["calls"] == 0
@@ -336,7 +336,7 @@ def test_no_part_of_another_environment_lets_its_rows_apply(timings, tmp_path, m
         other = dispatch.environment(CPU)
     monkeypatch.setenv("PYPRUNE_TUNE", "0")
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", other,
-                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+                                                        {one: {"implementation": "kernel"}, four: {"implementation": "dense"}}))
     assert other != dispatch.environment(CPU) and dispatch.prior_entries(CPU) == {}
     layer = _layer()
     assert _choose(layer, 1) == _choose(layer, 4) == "dense"
@@ -350,12 +350,12 @@ def test_a_shipped_kernel_row_of_this_environment_is_measured_before_it_runs(tim
     confirms it (the measurement wins and goes to the cache); a prior ``dense`` row runs as is."""
     one, four = (dispatch.case_key(torch.float32, "2:4", 32, 64, t) for t in (1, 4))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
-                                                        {one: {"backend": "kernel"}, four: {"backend": "dense"}}))
+                                                        {one: {"implementation": "kernel"}, four: {"implementation": "dense"}}))
     timings["speedup"] = speedup
     layer = _layer()
     assert _choose(layer, 4) == "dense" and timings["calls"] == 0 and layer.decisions == {"4": ("dense", "prior")}
     assert _choose(layer, 1) == expected and timings["calls"] == 1 and layer.decisions["1"] == (expected, "measured")
-    assert dispatch.cached_entries(CPU)[one]["backend"] == expected and four not in dispatch.cached_entries(CPU)
+    assert dispatch.cached_entries(CPU)[one]["implementation"] == expected and four not in dispatch.cached_entries(CPU)
     other = _layer(seed=1)
     assert _choose(other, 1) == expected and timings["calls"] == 1 and other.decisions == {"1": (expected, "cache")}
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
@@ -368,21 +368,21 @@ def test_a_shipped_kernel_row_of_this_environment_is_measured_before_it_runs(tim
 def test_the_cache_overrides_the_shipped_table(timings, tmp_path, monkeypatch):
     key = dispatch.case_key(torch.float32, "2:4", 32, 64, 1)
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", _table(tmp_path / "table.json", dispatch.environment(CPU),
-                                                        {key: {"backend": "dense"}}))
-    dispatch.record(CPU, {key: {"backend": "kernel"}})
+                                                        {key: {"implementation": "dense"}}))
+    dispatch.record(CPU, {key: {"implementation": "kernel"}})
     layer = _layer()
     assert _choose(layer) == "kernel" and timings["calls"] == 0 and layer.decisions == {"1": ("kernel", "cache")}
 
 
-def test_a_table_without_environments_or_with_an_unknown_backend_is_refused(tmp_path, monkeypatch):
+def test_a_table_without_environments_or_with_an_unknown_implementation_is_refused(tmp_path, monkeypatch):
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"entries": {"cpu/avx2/AMD EPYC|float32|2:4|2^11|1": {"backend": "kernel"}}}))
+    old.write_text(json.dumps({"entries": {"cpu/avx2/AMD EPYC|float32|2:4|2^11|1": {"implementation": "kernel"}}}))
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(old))
     with pytest.raises(ValueError, match=r"dispatch table .*old.json must be \{\"environments\""):
         _choose(_layer())
-    with pytest.raises(ValueError, match=r"dispatch table .*bad.json: entry 'float32\|2:4\|2\^11\|1' names backend "
+    with pytest.raises(ValueError, match=r"dispatch table .*bad.json: entry 'float32\|2:4\|2\^11\|1' names implementation "
                                          r"'fast'; allowed: kernel, dense"):
-        dispatch.table(_table(tmp_path / "bad.json", {}, {"float32|2:4|2^11|1": {"backend": "fast"}}))
+        dispatch.table(_table(tmp_path / "bad.json", {}, {"float32|2:4|2^11|1": {"implementation": "fast"}}))
     assert dispatch.table(str(tmp_path / "absent.json")) == []
     # every shipped block names the whole environment it was measured in, as this process's is named
     own = dispatch.environment(torch.device("cpu"))
@@ -404,11 +404,11 @@ def test_interleaved_rounds_alternate_and_respect_the_bounds():
     assert calls.count("b") == 6  # no budget: every round
 
 
-def test_dense_backend_at_prefill_size_decompresses_once(monkeypatch):
-    """M = 256 on the dense backend: F.linear on the cached dense weight, never a new copy per call."""
+def test_dense_implementation_at_prefill_size_decompresses_once(monkeypatch):
+    """M = 256 on the dense implementation: F.linear on the cached dense weight, never a new copy per call."""
     import pyprune.ops as pyprune_ops
     layer = _layer(256, 64)
-    layer.backend = "dense"
+    layer.implementation = "dense"
     decompressions = []
     real = pyprune_ops.nm_decompress
     monkeypatch.setattr(pyprune_ops, "nm_decompress", lambda *a: decompressions.append(1) or real(*a))

@@ -1,5 +1,5 @@
-"""Shared by the op family tests: the kernel backends that implement an op, the property-test
-set-up (hypothesis settings, N:M problems, the backends they run on) and awkward shapes and
+"""Shared by the op family tests: the kernel implementations of an op, the property-test set-up
+(hypothesis settings, N:M problems, the implementations they run on) and awkward shapes and
 compressed weights."""
 import pytest
 import torch
@@ -8,23 +8,23 @@ from hypothesis import strategies as st
 
 import pyprune.ops.reference as ref
 from pyprune import ops
-from tests.helpers import HAS_CUDA, NATIVE_BACKENDS
+from tests.helpers import HAS_CUDA, NATIVE_IMPLEMENTATIONS
 
 #: pyprune._C_cuda (the native CUDA kernels), on a GPU only.
-CUDA_BACKEND = pytest.param(("cuda", "cuda"), id="cuda",
-                            marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")])
+CUDA_IMPLEMENTATION = pytest.param(("cuda", "cuda"), id="cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")])
 
 
-def kernel_backends(*impls):
-    """(backend, device) params of the non-reference backends implementing every op whose
-    implementation dict (backend -> callable) is given; feed them to the ``device`` fixture
+def kernel_implementations(*op_names):
+    """(implementation, device) params of the non-reference implementations every op of
+    ``op_names`` has (:data:`pyprune.ops.IMPLEMENTATIONS`); feed them to the ``device`` fixture
     (tests/ops/conftest.py) with ``indirect=True``."""
-    names = set.intersection(*(set(i) for i in impls))
-    return [p for p in NATIVE_BACKENDS + [CUDA_BACKEND] if p.values[0][0] in names]
+    names = set.intersection(*(set(ops.IMPLEMENTATIONS[op]) for op in op_names))
+    return [p for p in NATIVE_IMPLEMENTATIONS + [CUDA_IMPLEMENTATION] if p.values[0][0] in names]
 
 
-#: The property tests run on the automatic choice and on the Triton kernels.
-PROPERTY_BACKENDS = ["auto", "triton"]
+#: The property tests run on the dispatcher's choice and on the Triton kernels.
+PROPERTY_IMPLEMENTATIONS = ["auto", "triton"]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,9 +43,9 @@ def nm_problems(draw):
     return scores.to(dtype).to(DEVICE), n, m
 
 
-def property_backend(name):
-    """use_backend for a name of PROPERTY_BACKENDS ("auto": the automatic choice)."""
-    return ops.use_backend(None if name == "auto" else name)
+def property_implementation(name):
+    """use_implementation for a name of PROPERTY_IMPLEMENTATIONS ("auto": the dispatcher's choice)."""
+    return ops.use_implementation(None if name == "auto" else name)
 
 
 def awkward_shapes(m):

@@ -1,7 +1,7 @@
 """SAFE's dual update pyprune.ops.admm_dual_update_ (z-step + u-step on the compact (v, keep)
-state, spec §1.8 and K6) on every backend.
+state, spec §1.8 and K6) on every implementation.
 
-Each backend (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
+Each implementation (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
 pyprune.ops.reference: keep bit for bit (ties everywhere: v and x on a few integer levels, ±0.0,
 act_sqnorm columns that are 0), v to fp32 (it is x.float() + u: equal in practice), the residual
 ‖x − z‖² to fp32 summation tolerance, on awkward shapes (one row, odd rows, widths off every
@@ -14,7 +14,7 @@ import torch
 
 from pyprune import ops
 from pyprune.ops import reference as R
-from tests.helpers import BACKENDS, DTYPES, NATIVE_BACKENDS, tied_scores
+from tests.helpers import IMPLEMENTATIONS, DTYPES, NATIVE_IMPLEMENTATIONS, tied_scores
 
 NM_PATTERNS = [dict(n=2, m=4), dict(n=4, m=8), dict(n=3, m=8)]
 TOPK_PATTERNS = [dict(sparsity=0.5, scope="row"), dict(sparsity=0.7, scope="tensor")]
@@ -51,12 +51,12 @@ def _pattern_args(pattern):
     return 0, 0, pattern["sparsity"], pattern["scope"]
 
 
-def _run(backend_device, v, keep, x, act, pattern):
-    """The op on ``backend_device`` on copies of the state; returns (v, keep, residual) on the CPU."""
-    name, device = backend_device
+def _run(implementation_device, v, keep, x, act, pattern):
+    """The op on ``implementation_device`` on copies of the state; returns (v, keep, residual) on the CPU."""
+    name, device = implementation_device
     v, keep, x = v.clone().to(device), keep.clone().to(device), x.to(device)
     act = None if act is None else act.to(device)
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         residual = ops.admm_dual_update_(v, keep, x, act_sqnorm=act, **pattern)
     assert residual.dtype == torch.float32 and residual.shape == () and residual.device == v.device
     return v.cpu(), keep.cpu(), residual.cpu()
@@ -103,46 +103,46 @@ def _cases(patterns, shapes):
                                        id=f"{label}-{shape[0]}x{shape[1]}-{str(dtype)[6:]}-{'wanda' if with_act else 'magnitude'}")
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("pattern,shape,dtype,with_act",
                          list(_cases(NM_PATTERNS, NM_SHAPES)) + list(_cases(TOPK_PATTERNS, TOPK_SHAPES)))
-def test_update_matches_reference(backend_device, pattern, shape, dtype, with_act):
+def test_update_matches_reference(implementation_device, pattern, shape, dtype, with_act):
     v, keep, x, act = _state(shape, dtype, seed=sum(shape), with_act=with_act)
-    got = _run(backend_device, v, keep, x, act, pattern)
+    got = _run(implementation_device, v, keep, x, act, pattern)
     _assert_step(got, _expected(v, keep, x, act, pattern), v, keep, x, pattern)
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("pattern,dtype,with_act", [
     (dict(n=2, m=4), torch.float32, False), (dict(n=2, m=4), torch.bfloat16, True),
     (dict(n=3, m=8), torch.float16, True), (dict(sparsity=0.5, scope="row"), torch.bfloat16, True),
     (dict(sparsity=0.5, scope="tensor"), torch.float32, False)], ids=str)
-def test_large_state_matches_reference(backend_device, pattern, dtype, with_act):
+def test_large_state_matches_reference(implementation_device, pattern, dtype, with_act):
     """Several threads, many C++ blocks and Triton programs; Gaussian values (few ties). The
     interpreter takes about half a minute per top-k call here: fewer cases."""
     g = _generator(3)
     v, keep = torch.randn(LARGE, generator=g), torch.rand(LARGE, generator=g) < 0.5
     x = torch.randn(LARGE, generator=g).to(dtype)
     act = torch.rand(LARGE[1], generator=g) * 4 if with_act else None
-    got = _run(backend_device, v, keep, x, act, pattern)
+    got = _run(implementation_device, v, keep, x, act, pattern)
     _assert_step(got, _expected(v, keep, x, act, pattern), v, keep, x, pattern)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("pattern", NM_PATTERNS + TOPK_PATTERNS, ids=str)
-def test_consecutive_calls_carry_the_state(backend_device, pattern):
+def test_consecutive_calls_carry_the_state(implementation_device, pattern):
     """SAFE's loop from v = 0, keep = False: each call's u is the previous call's v⊙¬keep."""
     shape = (7, 40)
     g = _generator(5)
     v, keep = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
     v_ref, keep_ref = v.clone(), keep.clone()
     act = torch.rand(shape[1], generator=g)
-    name, device = backend_device
+    name, device = implementation_device
     v, keep = v.to(device), keep.to(device)
     for step in range(3):
         x = torch.randn(shape, generator=g).to(torch.bfloat16)  # x moves between dual updates
         v_old, keep_old = v.cpu().clone(), keep.cpu().clone()
-        with ops.use_backend(name):
+        with ops.use_implementation(name):
             residual = ops.admm_dual_update_(v, keep, x.to(device), act_sqnorm=act.to(device), **pattern)
         residual_ref = R.admm_dual_update_(v_ref, keep_ref, x, act, *_pattern_args(pattern))
         _assert_step((v.cpu(), keep.cpu(), residual.cpu()), (v_ref, keep_ref, residual_ref), v_old, keep_old,
@@ -153,8 +153,8 @@ def test_consecutive_calls_carry_the_state(backend_device, pattern):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf·0
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_signed_zeros_and_infinities(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_signed_zeros_and_infinities(implementation_device):
     """v·0 as in the reference: a kept -2.0 leaves -0.0 (+ x = -0.0 stays -0.0), and -0.0 ties
     with +0.0 (lower index kept); ±inf are scores like any other (three tie at inf)."""
     inf = float("inf")
@@ -162,7 +162,7 @@ def test_signed_zeros_and_infinities(backend_device):
     keep = torch.tensor([[True, True, False, False, False, False, False, False]])
     x = torch.tensor([[-0.0, 0.0, -3.0, 1.5, 0.0, -inf, 0.5, 0.0]])
     pattern = dict(n=2, m=4)
-    v_new, keep_new, _ = _run(backend_device, v, keep, x, None, pattern)
+    v_new, keep_new, _ = _run(implementation_device, v, keep, x, None, pattern)
     v_ref, keep_ref, _ = _expected(v, keep, x, None, pattern)
     assert torch.equal(v_ref, torch.tensor([[-0.0, 0.0, 0.0, 0.5, inf, -inf, 2.5, -inf]]))
     assert torch.equal(keep_ref, torch.tensor([[True, False, False, True, True, True, False, False]]))
@@ -171,29 +171,29 @@ def test_signed_zeros_and_infinities(backend_device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in sqrt:RuntimeWarning")  # the interpreter's
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("pattern", [dict(n=2, m=4), dict(sparsity=0.5, scope="row"),
                                      dict(sparsity=0.5, scope="tensor")], ids=str)
-def test_nan_scores_raise(backend_device, pattern):
+def test_nan_scores_raise(implementation_device, pattern):
     """A NaN in x (diverged training) gives NaN scores: ValueError, as for the mask ops; a negative
     act_sqnorm is refused before any score is computed."""
     v, keep, x, act = _state((3, 8), torch.float32, seed=1, with_act=True)
     x[1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"scores of v = x \+ u \(and act_sqnorm\) contain NaN"):
-        _run(backend_device, v, keep, x, None, pattern)
+        _run(implementation_device, v, keep, x, None, pattern)
     x[1, 2] = 0.0
     act[3] = -1.0
     with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 \(a sum of squares of activations\); got -1.0 "
                                          "at column 3"):
-        _run(backend_device, v, keep, x, act, pattern)
+        _run(implementation_device, v, keep, x, act, pattern)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("scope", ["row", "tensor"])
-def test_sparsity_zero_keeps_everything(backend_device, scope):
+def test_sparsity_zero_keeps_everything(implementation_device, scope):
     """z = v = x + u_old, so the residual is ‖u_old‖²."""
     v, keep, x, _ = _state((4, 9), torch.float32, seed=2, with_act=False)
-    _, keep_new, residual = _run(backend_device, v, keep, x, None, dict(sparsity=0.0, scope=scope))
+    _, keep_new, residual = _run(implementation_device, v, keep, x, None, dict(sparsity=0.0, scope=scope))
     assert bool(keep_new.all())
     torch.testing.assert_close(residual, (v * ~keep).square().sum())
 
@@ -250,12 +250,13 @@ def test_failed_call_leaves_the_state_untouched():
     assert torch.equal(v, before[0]) and torch.equal(keep, before[1])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_opcheck(backend):
+@pytest.mark.parametrize("implementation", ["reference", "cpu"])
+def test_opcheck(implementation):
     v, keep, x, act = _state((6, 16), torch.bfloat16, seed=4, with_act=True)
-    with ops.use_backend(backend):
-        for args in ((v, keep, x, act, 2, 4, 0.0, "row"), (v, keep, x, None, 0, 0, 0.5, "row"),
-                     (v, keep, x, act, 0, 0, 0.3, "tensor")):
+    with ops.use_implementation(implementation):
+        # (n, m, keep_count, per_row): 2:4; half of each row; 70% of the tensor
+        for args in ((v, keep, x, act, 2, 4, 0, True), (v, keep, x, None, 0, 0, 8, True),
+                     (v, keep, x, act, 0, 0, 67, False)):
             torch.library.opcheck(torch.ops.pyprune.admm_dual_update_.default, args)
 
 

@@ -1,4 +1,4 @@
-"""pyprune.ops linear (nm_linear, sliced_linear, sparse24_linear) on every backend that implements
+"""pyprune.ops linear (nm_linear, sliced_linear, sparse24_linear) on every implementation that implements
 it: the kernels against the dense masked / sliced matmul within the fp32-accumulation bound, the
 gradients against autograd of the dense product, the C++ decode GEMV called directly (every token
 count and awkward shape of its generic, AVX2 and AVX-512 kernels, each level where the CPU has it), and sparse24_linear's reference from the
@@ -13,14 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from pyprune import ops
-from pyprune.ops import linear
 from pyprune.ops import reference as R
-from pyprune.ops.backend import native_module
+from pyprune.ops.library import native
 from pyprune.ops.conventions import sparse24_mma_meta
 from tests.helpers import HAS_CUDA, assert_close, assert_linear_close, randn
-from tests.ops.common import awkward_shapes, compressed, kernel_backends
+from tests.ops.common import awkward_shapes, compressed, kernel_implementations
 
-C = native_module("cpu")
+C = native("cpu")  # its helpers (cpu_isa, nm_linear_path)
+#: On CPU tensors the ops run pyprune._C's kernels (tests/ops/test_registration.py).
+K = torch.ops.pyprune
 pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NM = [(2, 4), (4, 8), (1, 2), (3, 8), (5, 16), (7, 32), (3, 6)]
@@ -29,10 +30,10 @@ SPARSE24_SHAPES = [(1, 24, 64), (13, 130, 96), (70, 64, 512)]  # tokens, out_fea
 
 
 # ----------------------------------------------------------------------------------------------
-# Every kernel backend through the public API.
+# Every kernel implementation through the public API.
 
 
-@pytest.mark.parametrize("device", kernel_backends(linear._NM_LINEAR_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_linear"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (9, 32)])
 @pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 24), (5, 96, 70), (37, 96, 70)])
@@ -40,11 +41,18 @@ def test_nm_linear(device, dtype, n, m, rows, in_features, out_features):
     _check_nm_linear(device, dtype, n, m, rows, in_features // m * m, out_features)
 
 
-@pytest.mark.parametrize("device", kernel_backends(linear._NM_LINEAR_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_linear"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
 def test_nm_linear_4096_wide_gemv(device, dtype, n, m):
     _check_nm_linear(device, dtype, n, m, 2, 4096, 20)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nm_linear_cpu_past_the_gemv_rows(cpu_extension_is_built, dtype):
+    """Over 256 rows the CPU kernel multiplies W decompressed 2 MiB of rows at a time (here two
+    blocks and a partial one) with BLAS."""
+    _check_nm_linear("cpu", dtype, 2, 4, 300, 1024, 1100 if dtype == torch.float32 else 2200)
 
 
 def _check_nm_linear(device, dtype, n, m, rows, in_features, out_features):
@@ -58,7 +66,7 @@ def _check_nm_linear(device, dtype, n, m, rows, in_features, out_features):
 
 
 @pytest.mark.parametrize("device", [pytest.param(("reference", "cpu"), id="reference"),
-                                    *kernel_backends(linear._NM_LINEAR_IMPLS)], indirect=True)
+                                    *kernel_implementations("nm_linear")], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (64,), (2, 1, 3, 64)])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
@@ -80,7 +88,7 @@ def test_nm_linear_takes_every_shape_nn_linear_takes(device, dtype, shape, grad)
 
 
 @pytest.mark.parametrize("device", [pytest.param(("reference", "cpu"), id="reference"),
-                                    *kernel_backends(linear._SLICED_IMPLS)], indirect=True)
+                                    *kernel_implementations("sliced_linear")], indirect=True)
 @pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (8,)])
 def test_sliced_linear_takes_empty_batches_and_1d_inputs(device, shape):
     w, bias = randn((50, 40), seed=17).to(device), randn((50,), seed=18).to(device)
@@ -92,7 +100,7 @@ def test_sliced_linear_takes_empty_batches_and_1d_inputs(device, shape):
     assert_close(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize("device", kernel_backends(linear._SLICED_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("sliced_linear"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_in,with_out", [(True, True), (True, False), (False, True), (False, False)])
 def test_sliced_linear(device, dtype, with_in, with_out):
@@ -152,7 +160,7 @@ def test_sliced_linear_gradients_reach_only_the_kept_block(dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# pyprune._C: the CPU decode GEMV called directly (fp32 accumulation).
+# pyprune._C's nm_linear on CPU tensors, its decode GEMV (up to 256 rows; fp32 accumulation).
 
 
 @pytest.mark.parametrize("n,m", NM)
@@ -166,7 +174,7 @@ def test_nm_linear_gemv_matches_dense_masked_matmul(dtype, n, m, tokens):
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(tokens, shape[1], generator=gen).to(dtype)
         bias = torch.randn(shape[0], generator=gen).to(dtype)
-        got = C.nm_linear_gemv(x, values, meta, n, m, bias)
+        got = K.nm_linear(x, values, meta, n, m, bias)
         assert got.dtype == dtype and got.shape == (tokens, shape[0])
         assert_linear_close(got, x, w * mask, bias)
 
@@ -213,7 +221,7 @@ def cpu_isa(request):
 def test_cpu_isa_limit_names_the_allowed_levels_and_env_caps_it():
     with pytest.raises(ValueError, match="generic, avx2, avx512, avx512_bf16; got 'sse'"):
         C.limit_cpu_isa("sse")
-    code = "from pyprune.ops.backend import native_module as n; print(n('cpu').cpu_isa())"
+    code = "from pyprune.ops.library import native as n; print(n('cpu').cpu_isa())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYPRUNE_MAX_CPU_ISA": "generic"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "generic"
@@ -246,9 +254,9 @@ def test_half_density_kernels_every_token_count_and_awkward_shape(cpu_isa, dtype
         w, mask, values, meta = compressed(shape, dtype, n, m, seed=7)
         x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
         bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9)).to(dtype)
-        assert C.nm_linear_gemv_path(x, values, meta, n, m) == _expected_path(cpu_isa, dtype, tokens)
-        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, bias), x, w * mask, bias)
-        assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+        assert C.nm_linear_path(x, values, meta, n, m) == _expected_path(cpu_isa, dtype, tokens)
+        assert_linear_close(K.nm_linear(x, values, meta, n, m, bias), x, w * mask, bias)
+        assert_linear_close(K.nm_linear(x, values, meta, n, m, None), x, w * mask)
 
 
 @pytest.mark.parametrize("cpu_isa", list(ISA_LEVELS), indirect=True)
@@ -261,7 +269,7 @@ def test_bf16_gemv_is_as_close_to_the_exact_product_as_torchs_bf16_linear(cpu_is
         w, mask, values, meta = compressed(shape, torch.bfloat16, n, m, seed=3)
         x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
         exact = x.double() @ (w * mask).double().t()
-        kernel_error = (C.nm_linear_gemv(x, values, meta, n, m, None).double() - exact).abs().max()
+        kernel_error = (K.nm_linear(x, values, meta, n, m, None).double() - exact).abs().max()
         torch_error = (F.linear(x, w * mask).double() - exact).abs().max()
         assert kernel_error <= torch_error * 1.01, (shape, float(kernel_error), float(torch_error))
 
@@ -271,15 +279,15 @@ def test_other_gemv_shapes_take_the_generic_kernel(tokens, n, m, cols):
     # 3:6 is half density too, but its groups straddle mask bytes (the lane tables need 4 of 8)
     w, mask, values, meta = compressed((5, cols), torch.float32, n, m)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(10))
-    assert C.nm_linear_gemv_path(x, values, meta, n, m) == "generic"
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+    assert C.nm_linear_path(x, values, meta, n, m) == "generic"
+    assert_linear_close(K.nm_linear(x, values, meta, n, m, None), x, w * mask)
 
 
 def test_double_takes_the_generic_kernel():
     w, mask, values, meta = compressed((5, 64), torch.float64, 2, 4)
     x = torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
-    assert C.nm_linear_gemv_path(x, values, meta, 2, 4) == "generic"
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, 2, 4, None), x, w * mask)
+    assert C.nm_linear_path(x, values, meta, 2, 4) == "generic"
+    assert_linear_close(K.nm_linear(x, values, meta, 2, 4, None), x, w * mask)
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
@@ -290,24 +298,24 @@ def test_nm_linear_gemv_check_catches_one_dropped_weight(dtype, n, m, tokens):
     # one of median contribution to the first token) fails the check on 4096-wide rows.
     w, mask, values, meta = compressed((64, 4096 - 4096 % m), dtype, n, m, seed=5)
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
-    assert_linear_close(C.nm_linear_gemv(x, values, meta, n, m, None), x, w * mask)
+    assert_linear_close(K.nm_linear(x, values, meta, n, m, None), x, w * mask)
     contribution = (x[0].float() * (w * mask).float()).abs().masked_fill(~mask, float("inf"))
     median_column = contribution.sort(dim=1).indices[:, values.shape[1] // 2]
     dropped = values.clone()
     slot = (mask.cumsum(dim=1) - 1).gather(1, median_column[:, None]).squeeze(1)
     dropped[torch.arange(w.shape[0]), slot] = 0
     with pytest.raises(AssertionError, match="beyond the"):
-        assert_linear_close(C.nm_linear_gemv(x, dropped, meta, n, m, None), x, w * mask)
+        assert_linear_close(K.nm_linear(x, dropped, meta, n, m, None), x, w * mask)
 
 
 def test_nm_linear_gemv_bad_arguments():
     _, _, values, meta = compressed((4, 16), torch.float32, 2, 4)
     with pytest.raises(RuntimeError, match="x must have 16 columns"):
-        C.nm_linear_gemv(torch.zeros(1, 12), values, meta, 2, 4, None)
+        K.nm_linear(torch.zeros(1, 12), values, meta, 2, 4, None)
     with pytest.raises(RuntimeError, match="meta must be"):
-        C.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
+        K.nm_decompress(values, meta[:, :1].contiguous(), 2, 4)
     with pytest.raises(RuntimeError, match="x must have 16 columns"):
-        C.nm_linear_gemv_path(torch.zeros(1, 12), values, meta, 2, 4)
+        C.nm_linear_path(torch.zeros(1, 12), values, meta, 2, 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +339,7 @@ def test_sparse24_linear_reference_is_the_dense_masked_product(dtype, tokens, ou
     x, dense, bias, values, mma_meta = _sparse24_problem(dtype, tokens, out_features, in_features)
     bias = bias if with_bias else None
     expected = F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(dtype)
-    with ops.use_backend("reference"):
+    with ops.use_implementation("reference"):
         out = ops.sparse24_linear(x, values, mma_meta, bias)
     assert out.dtype == dtype and out.shape == (tokens, out_features)
     assert torch.equal(out, expected)
@@ -352,9 +360,9 @@ def test_sparse24_linear_cuda_kernel_matches_the_reference(dtype, tokens, out_fe
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.fail("sparse24_linear needs sm80 or newer; run the gpu tests on such a device", pytrace=False)
     x, _, bias, values, mma_meta = _sparse24_problem(dtype, tokens, out_features, in_features, device="cuda")
-    with ops.use_backend("reference"):
+    with ops.use_implementation("reference"):
         expected = ops.sparse24_linear(x, values, mma_meta, bias)
-    with ops.use_backend("cuda"):
+    with ops.use_implementation("cuda"):
         out = ops.sparse24_linear(x, values, mma_meta, bias)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 

@@ -1,5 +1,5 @@
 """pyprune.ops mask selection (nm_mask, score_nm_mask, topk_mask, score_topk_mask) on every
-backend that implements it: the kernels through the public API against the reference (masks exactly
+implementation that implements it: the kernels through the public API against the reference (masks exactly
 equal, fp32/fp16/bf16, awkward shapes), properties over random problems (exact counts,
 idempotence), then the C++ kernels (pyprune._C) and the CUDA kernel (pyprune._C_cuda) called
 directly, bit for bit against the reference on every score kind. Without a GPU the Triton kernels
@@ -11,24 +11,24 @@ from hypothesis import strategies as st
 
 import pyprune.ops.reference as ref
 from pyprune import ops
-from pyprune.ops import masks
 from pyprune.ops import reference as R
-from pyprune.ops.backend import native_module
+from pyprune.ops.library import native
 from pyprune.ops.conventions import ScoreKind
 from tests.helpers import DTYPES, rand, randn, tied_scores
-from tests.ops.common import (DEVICE, PROPERTY_BACKENDS, SETTINGS, awkward_shapes, kernel_backends, nm_problems,
-                              property_backend)
+from tests.ops.common import (DEVICE, PROPERTY_IMPLEMENTATIONS, SETTINGS, awkward_shapes, kernel_implementations,
+                              nm_problems, property_implementation)
 
-C = native_module("cpu")
+#: On CPU tensors the ops run pyprune._C's kernels (tests/ops/test_registration.py).
+C = torch.ops.pyprune
 pytestmark = pytest.mark.usefixtures("cpu_extension_is_built")
 KERNEL_NM = [(2, 4), (4, 8), (1, 2), (3, 6), (5, 16), (7, 32)]
 
 
 # ----------------------------------------------------------------------------------------------
-# Every kernel backend through the public API against the reference.
+# Every kernel implementation through the public API against the reference.
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_mask"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", KERNEL_NM)
 def test_nm_mask_exact(device, dtype, n, m):
@@ -37,7 +37,7 @@ def test_nm_mask_exact(device, dtype, n, m):
         assert torch.equal(ops.nm_mask(scores, n, m), R.nm_mask(scores, n, m)), shape
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_mask"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (3, 6)])
 def test_score_nm_mask_exact(device, dtype, n, m):
@@ -47,7 +47,7 @@ def test_score_nm_mask_exact(device, dtype, n, m):
     assert torch.equal(ops.score_nm_mask(w, n, m, sqnorm), R.score_nm_mask(w, n, m, sqnorm))
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_mask"), indirect=True)
 def test_nm_mask_with_infinities(device):
     scores = torch.tensor([[float("inf"), 1.0, float("-inf"), float("inf"),
                             float("-inf"), float("-inf"), 0.0, -0.0]], device=device)
@@ -55,7 +55,7 @@ def test_nm_mask_with_infinities(device):
     assert torch.equal(ops.nm_mask(scores, 2, 4).cpu(), expected)
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("topk_mask"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scope", ["row", "tensor"])
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.999])
@@ -65,14 +65,14 @@ def test_topk_mask_exact(device, dtype, scope, sparsity):
         assert torch.equal(ops.topk_mask(scores, sparsity, scope), R.topk_mask(scores, sparsity, scope))
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("topk_mask"), indirect=True)
 @pytest.mark.parametrize("scope", ["row", "tensor"])
 def test_topk_mask_wide_rows(device, scope):
     scores = randn((2, 4096), torch.bfloat16, seed=8).to(device)  # bf16 values tie often
     assert torch.equal(ops.topk_mask(scores, 0.5, scope), R.topk_mask(scores, 0.5, scope))
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("topk_mask"), indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_score_topk_mask_exact(device, dtype):
     w = randn((5, 70), dtype, seed=9).to(device)
@@ -83,7 +83,7 @@ def test_score_topk_mask_exact(device, dtype):
                            R.score_topk_mask(w, 0.3, scope, sqnorm))
 
 
-@pytest.mark.parametrize("device", kernel_backends(masks._NM_IMPLS, masks._TOPK_IMPLS), indirect=True)
+@pytest.mark.parametrize("device", kernel_implementations("nm_mask", "topk_mask"), indirect=True)
 @pytest.mark.parametrize("op", ["nm_mask", "topk_mask"])
 def test_nan_scores_raise(device, op):
     scores = torch.ones(3, 8, device=device)
@@ -96,12 +96,12 @@ def test_nan_scores_raise(device, op):
 # Properties over random problems (hypothesis), on the automatic choice and on the kernels.
 
 
-@pytest.mark.parametrize("backend", PROPERTY_BACKENDS)
+@pytest.mark.parametrize("implementation", PROPERTY_IMPLEMENTATIONS)
 @SETTINGS
 @given(problem=nm_problems())
-def test_nm_mask_keeps_exactly_n_and_is_idempotent(backend, problem):
+def test_nm_mask_keeps_exactly_n_and_is_idempotent(implementation, problem):
     scores, n, m = problem
-    with property_backend(backend):
+    with property_implementation(implementation):
         mask = ops.nm_mask(scores, n, m)
         assert bool((mask.reshape(-1, m).sum(dim=1) == n).all())
         assert torch.equal(mask, R.nm_mask(scores, n, m))
@@ -124,17 +124,17 @@ def topk_problems(draw):
 
 # On CPU tensors "auto" runs the C++ kernel too (tests/test_ops_api.py checks that it is chosen);
 # "cpu" forces it, so the comparison with the reference cannot silently run the reference.
-TOPK_BACKENDS = PROPERTY_BACKENDS + (["cpu"] if DEVICE == "cpu" else [])
+TOPK_IMPLEMENTATIONS = PROPERTY_IMPLEMENTATIONS + (["cpu"] if DEVICE == "cpu" else [])
 
 
 # 12 examples, not 25: the Triton interpreter takes ~2 s per example here (CI time); the fixed awkward
-# shapes of test_score_topk_mask_exact cover every dtype on every backend.
-@pytest.mark.parametrize("backend", TOPK_BACKENDS)
+# shapes of test_score_topk_mask_exact cover every dtype on every implementation.
+@pytest.mark.parametrize("implementation", TOPK_IMPLEMENTATIONS)
 @settings(SETTINGS, max_examples=12)
 @given(problem=topk_problems(), sparsity=st.floats(0.0, 0.999), scope=st.sampled_from(["row", "tensor"]))
-def test_topk_mask_counts_are_exact(backend, problem, sparsity, scope):
+def test_topk_mask_counts_are_exact(implementation, problem, sparsity, scope):
     scores, act_sqnorm = problem
-    with property_backend(backend):
+    with property_implementation(implementation):
         mask = ops.topk_mask(scores, sparsity, scope)
         fused = ops.score_topk_mask(scores, sparsity, scope, act_sqnorm)
     rows, cols = scores.shape
@@ -267,14 +267,16 @@ def test_nan_raises(dtype, kind):
 
 
 def test_wanda_nan_from_act_sqnorm():
+    """A negative or NaN statistic is refused before the kernel runs (it would score NaN); inf·0
+    scores NaN in the kernel."""
     x = torch.randn(2, 8)
     bad_act = torch.rand(8)
     bad_act[3] = -1.0  # sqrt(-1) = NaN
-    with pytest.raises(ValueError, match=NAN_MSG):
+    with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 .*; got -1.0 at column 3"):
         C.nm_mask(x, bad_act, 2, 4, 2)
     nan_act = torch.rand(8)
     nan_act[6] = float("nan")
-    with pytest.raises(ValueError, match=NAN_MSG):
+    with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 .*; got nan at column 6"):
         C.nm_mask(x, nan_act, 4, 8, 2)
     inf_w = x.clone()
     inf_w[1, 2] = float("inf")
@@ -313,12 +315,13 @@ def test_bad_arguments():
         C.nm_mask(x, None, 2, 4, 2)  # Wanda without act_sqnorm
     with pytest.raises(RuntimeError):
         C.nm_mask(x, torch.rand(4), 2, 4, 2)  # act_sqnorm of the wrong length
-    with pytest.raises(RuntimeError):
-        C.nm_mask(torch.randn(8, 4).t(), None, 2, 4, 0)  # not contiguous
+    transposed = torch.randn(8, 4).t()  # the op reads any layout and leading dims
+    assert torch.equal(C.nm_mask(transposed, None, 2, 4, 0), C.nm_mask(transposed.contiguous(), None, 2, 4, 0))
+    assert torch.equal(C.nm_mask(x.reshape(2, 2, 8), None, 2, 4, 0), C.nm_mask(x, None, 2, 4, 0).reshape(2, 2, 8))
 
 
 def test_openmp_threads():
-    t = C.openmp_threads()
+    t = native("cpu").openmp_threads()
     assert isinstance(t, int) and t >= 1
 
 
@@ -468,10 +471,10 @@ def test_topk_nan_raises(dtype, kind, per_row):
 @pytest.mark.parametrize("per_row", SCOPES, ids=["row", "tensor"])
 def test_topk_wanda_nan_from_act_sqnorm(per_row):
     x = torch.randn(2, 8)
-    for col, value in [(3, -1.0), (6, float("nan"))]:  # sqrt(-1) = NaN; NaN
+    for col, value in [(3, -1.0), (6, float("nan"))]:  # refused before the kernel runs
         act = torch.rand(8)
         act[col] = value
-        with pytest.raises(ValueError, match=NAN_MSG):
+        with pytest.raises(ValueError, match=rf"act_sqnorm must be >= 0 .*; got {value} at column {col}"):
             C.topk_mask(x, act, 4, per_row, 2)
     inf_w = x.clone()
     inf_w[1, 2] = float("inf")
@@ -490,14 +493,16 @@ def test_topk_empty_and_bad_arguments():
         (lambda: C.topk_mask(x, None, 33, False, 0), r"keep must be in \[0, 32\]"),
         (lambda: C.topk_mask(x, None, -1, True, 0), "keep must be in"),
         (lambda: C.topk_mask(x.double(), None, 2, True, 0), "dtype must be"),
-        (lambda: C.topk_mask(x[0], None, 2, True, 0), "must be 2-D"),
-        (lambda: C.topk_mask(torch.randn(8, 4).t(), None, 2, True, 0), "contiguous"),
         (lambda: C.topk_mask(x, None, 2, True, 2), "needs act_sqnorm"),
         (lambda: C.topk_mask(x, torch.rand(4), 2, True, 2), "act_sqnorm must be 1-D of length 8"),
         (lambda: C.topk_mask(x, None, 2, True, 3), "score_kind must be 0 \\(GIVEN\\), 1 \\(MAGNITUDE\\) or 2 \\(WANDA\\), got 3"),
     ]:
         with pytest.raises(RuntimeError, match=message):
             call()
+    transposed = torch.randn(8, 4).t()  # the op reads any layout; a 1-D src is one row
+    assert torch.equal(C.topk_mask(transposed, None, 2, True, 0),
+                       C.topk_mask(transposed.contiguous(), None, 2, True, 0))
+    assert torch.equal(C.topk_mask(x[0], None, 2, True, 0), C.topk_mask(x[:1], None, 2, True, 0)[0])
 
 
 def test_topk_storage_offset_views():
@@ -517,13 +522,13 @@ def test_topk_storage_offset_views():
 # pyprune._C_cuda: the same contract on CUDA tensors (only where a GPU and the extension exist).
 
 def _cuda_module():
+    """torch.ops.pyprune, whose ops run pyprune._C_cuda's kernels on CUDA tensors."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    module = native_module("cuda")
-    if module is None:  # setup.py builds it wherever CUDA is usable
+    if native("cuda") is None:  # setup.py builds it wherever CUDA is usable
         pytest.fail("a CUDA device is here but pyprune._C_cuda is not built; reinstall with "
                     "`pip install --no-build-isolation -e .`", pytrace=False)
-    return module
+    return torch.ops.pyprune
 
 
 def _check_cuda(CC, src, act, n, m, kind):

@@ -1,6 +1,6 @@
-"""MoreauPruner's fused step (pyprune.ops.moreau_step_ / moreau_perturb_) on every backend.
+"""MoreauPruner's fused step (pyprune.ops.moreau_step_ / moreau_perturb_) on every implementation.
 
-Each backend (the reference, the C++ kernel, the Triton kernel in the interpreter or on a GPU) is
+Each implementation (the reference, the C++ kernel, the Triton kernel in the interpreter or on a GPU) is
 checked against an fp64 oracle written here from the spec (§1.5–1.6), with z taken from
 pyprune.ops.reference.standard_normal. The generator is checked on its own: Philox words bit-exact
 against Triton's tl.randint4x and a published answer, z within float rounding, and the
@@ -13,13 +13,13 @@ import torch
 
 from pyprune import ops
 from pyprune.ops import reference as R
-from pyprune.ops.backend import native_module
-from tests.helpers import BACKENDS, DTYPES, HAS_CUDA
+from pyprune.ops.library import native
+from tests.helpers import IMPLEMENTATIONS, DTYPES, HAS_CUDA
 
 SMALL_SHAPES = [(1, 1), (1, 300), (300, 1), (37, 129), (3, 4096)]
 LARGE_SHAPES = [(576, 1536)]
 DECAY, STEP_SIZE, NOISE_RATIO = 0.999, 0.05, 0.05
-#: Largest |z_backend − z_reference|: the words and uniforms are exact, log/cos differ by a few ulp.
+#: Largest |z_implementation − z_reference|: the words and uniforms are exact, log/cos differ by a few ulp.
 Z_TOLERANCE = 2e-6
 #: (rtol, atol) of the perturbed weights: one rounding step of the output dtype.
 ONE_ROUNDING = {torch.float32: (1e-5, 1e-6), torch.float16: (2.0 ** -10, 1e-5),
@@ -101,10 +101,10 @@ def _assert_perturbed(actual, expected64, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected64, rtol=rtol, atol=atol)
 
 
-def _run_step(backend, device, delta, grad, weight, perturbed, **kwargs):
+def _run_step(implementation, device, delta, grad, weight, perturbed, **kwargs):
     delta, grad, weight = delta.to(device), grad.to(device), weight.to(device)
     perturbed = None if perturbed is None else perturbed.to(device)
-    with ops.use_backend(backend):
+    with ops.use_implementation(implementation):
         out = ops.moreau_step_(delta, grad, weight, perturbed, **kwargs)
     assert out is None
     return delta, perturbed
@@ -129,16 +129,16 @@ def _step_cases():
 
 # ---- the step against the oracle ----------------------------------------------------------------
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape,dtype,kind,group_dim", list(_step_cases()))
-def test_step_matches_oracle(backend_device, shape, dtype, kind, group_dim):
-    backend, device = backend_device
+def test_step_matches_oracle(implementation_device, shape, dtype, kind, group_dim):
+    implementation, device = implementation_device
     delta, grad, weight = _inputs(shape, dtype, group_dim, seed=sum(shape))
     threshold = _threshold(kind, _displaced64(delta, grad), group_dim)
     expected = _expected_delta(delta, grad, threshold, group_dim)
     perturbed = torch.full(shape, float("nan"), dtype=dtype)
     weight_before = weight.clone()
-    delta, perturbed = _run_step(backend, device, delta, grad, weight, perturbed, decay=DECAY,
+    delta, perturbed = _run_step(implementation, device, delta, grad, weight, perturbed, decay=DECAY,
                                  step_size=STEP_SIZE, threshold=threshold, group_dim=group_dim,
                                  noise_ratio=NOISE_RATIO, seed=12345)
     _assert_delta(delta, expected)
@@ -151,41 +151,41 @@ def test_step_matches_oracle(backend_device, shape, dtype, kind, group_dim):
         assert not bool(delta.any())
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", SMALL_SHAPES)
 @pytest.mark.parametrize("kind,group_dim", [("none", 0), ("some", 0), ("some", 1)])
-def test_step_without_perturbed_writes_delta_only(backend_device, shape, kind, group_dim):
-    backend, device = backend_device
+def test_step_without_perturbed_writes_delta_only(implementation_device, shape, kind, group_dim):
+    implementation, device = implementation_device
     delta, grad, weight = _inputs(shape, torch.float32, group_dim, seed=7)
     threshold = _threshold(kind, _displaced64(delta, grad), group_dim)
     expected = _expected_delta(delta, grad, threshold, group_dim)
     grad_before, weight_before = grad.clone(), weight.clone()
-    delta, _ = _run_step(backend, device, delta, grad, weight, None, decay=DECAY,
+    delta, _ = _run_step(implementation, device, delta, grad, weight, None, decay=DECAY,
                          step_size=STEP_SIZE, threshold=threshold, group_dim=group_dim)
     _assert_delta(delta, expected)
     assert torch.equal(grad, grad_before) and torch.equal(weight, weight_before)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_mixed_dtypes_and_non_contiguous_reads(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_mixed_dtypes_and_non_contiguous_reads(implementation_device):
     """grad bf16, weight fp16 (a transposed view), perturbed fp32: each is loaded/stored as is."""
-    backend, device = backend_device
+    implementation, device = implementation_device
     delta, grad, _ = _inputs((40, 70), torch.bfloat16, 0, seed=3)
     weight = torch.randn(70, 40, generator=_generator(4)).to(torch.float16).t()
     threshold = _threshold("some", _displaced64(delta, grad), 0)
     expected = _expected_delta(delta, grad, threshold, 0)
     perturbed = torch.empty(40, 70)
-    delta, perturbed = _run_step(backend, device, delta, grad, weight, perturbed, decay=DECAY,
+    delta, perturbed = _run_step(implementation, device, delta, grad, weight, perturbed, decay=DECAY,
                                  step_size=STEP_SIZE, threshold=threshold, group_dim=0, seed=9)
     _assert_delta(delta, expected)
     _assert_perturbed(perturbed, _expected_perturbed(weight, expected, 0.05, 9), torch.float32)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_steps_chain_like_the_method(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_steps_chain_like_the_method(implementation_device):
     """Five steps from δ = 0 with a new seed each: δ and the final perturbed weights follow the
     oracle (the model's weight tensor always holds the next perturbed weights)."""
-    backend, device = backend_device
+    implementation, device = implementation_device
     shape = (24, 56)
     g = _generator(5)
     weight = torch.randn(shape, generator=g).to(torch.bfloat16)
@@ -196,32 +196,32 @@ def test_steps_chain_like_the_method(backend_device):
     for step in range(5):
         grad = torch.randn(shape, generator=g).to(torch.bfloat16)
         expected = _expected_delta(expected, grad, 0.01, 1, decay=0.99, step_size=0.1)
-        with ops.use_backend(backend):
+        with ops.use_implementation(implementation):
             ops.moreau_step_(delta, grad.to(device), weight_d, perturbed, decay=0.99, step_size=0.1,
                              threshold=0.01, group_dim=1, seed=1000 + step)
         _assert_delta(delta, expected)
     _assert_perturbed(perturbed, _expected_perturbed(weight, expected, 0.05, 1004), torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", SMALL_SHAPES + LARGE_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_perturb_matches_oracle(backend_device, shape, dtype):
-    backend, device = backend_device
+def test_perturb_matches_oracle(implementation_device, shape, dtype):
+    implementation, device = implementation_device
     delta, _, weight = _inputs(shape, dtype, 0, seed=11)
     perturbed = torch.empty(shape, dtype=dtype, device=device)
-    with ops.use_backend(backend):
+    with ops.use_implementation(implementation):
         ops.moreau_perturb_(perturbed, weight.to(device), delta.to(device), noise_ratio=0.3, seed=77)
     _assert_perturbed(perturbed, _expected_perturbed(weight, delta.double(), 0.3, 77), dtype)
 
 
 # ---- the generator ------------------------------------------------------------------------------
 
-def _z(backend, device, shape, seed):
+def _z(implementation, device, shape, seed):
     """z itself, through the public op: with W = 1, δ = −1 and noise_ratio 1 the perturbed
     weights are (1 − 1) + 1·z = z exactly in fp32."""
     perturbed = torch.empty(shape, device=device)
-    with ops.use_backend(backend):
+    with ops.use_implementation(implementation):
         ops.moreau_perturb_(perturbed, torch.ones(shape, device=device),
                             torch.full(shape, -1.0, device=device), noise_ratio=1.0, seed=seed)
     return perturbed.cpu()
@@ -240,7 +240,7 @@ _SEEDS = [0, 1, 2 ** 31 + 7, 2 ** 32, 2 ** 40 + 5, 2 ** 63 - 1]
 
 @pytest.mark.parametrize("seed", _SEEDS)
 def test_philox_words_cpu_kernel_exact(seed):
-    words = native_module("cpu").philox_uint32(seed, _OFFSETS)
+    words = native("cpu").philox_uint32(seed, _OFFSETS)
     expected = R.philox_uint32(seed, _OFFSETS)
     assert torch.equal(words[:, 0], expected[0]) and torch.equal(words[:, 1], expected[1])
 
@@ -255,12 +255,12 @@ def test_philox_words_triton_exact(seed):
     assert torch.equal(words[0], expected[0]) and torch.equal(words[1], expected[1])
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_z_matches_reference(backend_device):
-    backend, device = backend_device
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_z_matches_reference(implementation_device):
+    implementation, device = implementation_device
     shape = (257, 1031)
     expected = R.standard_normal(31337, torch.arange(shape[0] * shape[1]).reshape(shape))
-    z = _z(backend, device, shape, 31337)
+    z = _z(implementation, device, shape, 31337)
     assert float((z - expected).abs().max()) <= Z_TOLERANCE
 
 
@@ -353,11 +353,11 @@ def test_failed_call_leaves_inputs_untouched():
     assert torch.equal(delta, before[0]) and torch.equal(perturbed, before[1])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_opcheck(backend):
+@pytest.mark.parametrize("implementation", ["reference", "cpu"])
+def test_opcheck(implementation):
     delta, grad, weight = _inputs((5, 9), torch.bfloat16, 1, seed=2)
     perturbed = torch.empty(5, 9, dtype=torch.bfloat16)
-    with ops.use_backend(backend):
+    with ops.use_implementation(implementation):
         torch.library.opcheck(torch.ops.pyprune.moreau_step_.default,
                               (delta, grad, weight, perturbed, 0.99, 0.1, 0.05, 1, 0.05, 3))
         torch.library.opcheck(torch.ops.pyprune.moreau_step_.default,

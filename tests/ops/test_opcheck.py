@@ -1,4 +1,4 @@
-"""torch.library.opcheck for every pyprune custom op, on every backend that runs on CPU tensors
+"""torch.library.opcheck for every pyprune op, on every implementation that runs on CPU tensors
 (reference, the C++ kernels, Triton in the interpreter): schema and mutation declarations, the
 fake implementation against the real one, autograd registration (nm_linear, sliced_linear carry
 their own backward) and AOT dispatch. The list of ops comes from the registry, so a new op
@@ -8,7 +8,7 @@ import torch
 
 import pyprune.ops  # noqa: F401 (registers the ops)
 from pyprune import ops
-from pyprune.ops import linear, masks, nm_format, prox, scores
+from pyprune.ops import nm_format
 from pyprune.ops.conventions import ScoreKind, sparse24_mma_meta
 from tests.helpers import randn
 
@@ -38,54 +38,55 @@ def _sparse24_form(dtype):
 
 
 def _cases():
-    """op name -> (the implementations dict it dispatches over, a list of argument tuples)."""
+    """op name -> a list of argument tuples."""
     act = randn((16,), seed=3).abs()
     values, meta = _nm_form(grad=True)
     index_in, index_out = torch.tensor([0, 3, 5, 9, 15]), torch.tensor([7, 1, 2])
+    w24 = _w((8, 32), torch.float16)
     return {
-        "score": (scores._SCORE_IMPLS, [(_w(), None, ScoreKind.MAGNITUDE), (_w(), act, ScoreKind.WANDA),
-                                        (_w(dtype=torch.bfloat16), _w(seed=1), ScoreKind.TAYLOR)]),
-        "accumulate_sqnorm_": (scores._SQNORM_IMPLS, [(torch.zeros(16), _w((2, 3, 16), torch.bfloat16))]),
-        "nm_mask": (masks._NM_IMPLS, [(_w(), None, 2, 4, ScoreKind.GIVEN), (_w(), act, 3, 8, ScoreKind.WANDA)]),
-        "topk_mask": (masks._TOPK_IMPLS, [(_w((2, 8)), None, 3, True, ScoreKind.GIVEN),  # 2 rows: the interpreter
-                                          (_w(dtype=torch.float16), act, 50, False, ScoreKind.WANDA)]),
-        "soft_threshold": (prox._SOFT_IMPLS, [(_w(), 0.3)]),
-        "group_soft_threshold": (prox._GROUP_IMPLS, [(_w(), 0.5, 0), (_w(), 0.5, 1)]),
-        "nm_compress": (nm_format._COMPRESS_IMPLS, [(_w(), ops.nm_mask(_w(seed=2), 2, 4), 2, 4)]),
-        "nm_decompress": (nm_format._DECOMPRESS_IMPLS, [_nm_form()[:2] + (2, 4)]),
-        "nm_linear": (linear._NM_LINEAR_IMPLS, [(_w((3, 16), grad=True), values, meta, 2, 4, None),
-                                                (_w((2, 5, 16), grad=True), values, meta, 2, 4,
-                                                 _w((8,), seed=4, grad=True))]),
-        "sparse24_linear": (linear._SPARSE24_IMPLS, [
+        "score": [(_w(), None, ScoreKind.MAGNITUDE), (_w(), act, ScoreKind.WANDA),
+                  (_w(dtype=torch.bfloat16), _w(seed=1), ScoreKind.TAYLOR)],
+        "accumulate_sqnorm_": [(torch.zeros(16), _w((2, 3, 16), torch.bfloat16))],
+        "nm_mask": [(_w(), None, 2, 4, ScoreKind.GIVEN), (_w(), act, 3, 8, ScoreKind.WANDA)],
+        "topk_mask": [(_w((2, 8)), None, 3, True, ScoreKind.GIVEN),  # 2 rows: the interpreter
+                      (_w(dtype=torch.float16), act, 50, False, ScoreKind.WANDA)],
+        "soft_threshold": [(_w(), 0.3)],
+        "group_soft_threshold": [(_w(), 0.5, 0), (_w(), 0.5, 1)],
+        "nm_compress": [(_w(), ops.nm_mask(_w(seed=2), 2, 4), 2, 4)],
+        "nm_decompress": [_nm_form()[:2] + (2, 4)],
+        "sparse24_compress": [(w24, ops.score_nm_mask(w24, 2, 4))],
+        "nm_linear": [(_w((3, 16), grad=True), values, meta, 2, 4, None),
+                      (_w((2, 5, 16), grad=True), values, meta, 2, 4, _w((8,), seed=4, grad=True))],
+        "sparse24_linear": [
             (_w((3, 32), torch.float16),) + _sparse24_form(torch.float16) + (None,),
-            (_w((2, 5, 32), torch.bfloat16),) + _sparse24_form(torch.bfloat16) + (_w((8,), torch.bfloat16, seed=4),)]),
-        "sliced_linear": (linear._SLICED_IMPLS, [
+            (_w((2, 5, 32), torch.bfloat16),) + _sparse24_form(torch.bfloat16) + (_w((8,), torch.bfloat16, seed=4),)],
+        "sliced_linear": [
             (_w((4, 5), grad=True), _w(grad=True), _w((8,), seed=4, grad=True), index_in, index_out, True),
             (_w((2, 3, 16), grad=True), _w(grad=True), None, None, index_out, False),
-            (_w((4, 5), grad=True), _w(grad=True), None, index_in, None, True)]),
+            (_w((4, 5), grad=True), _w(grad=True), None, index_in, None, True)],
     }
 
 
 def _registered():
-    """Every custom op pyprune registers (the 'pyprune' namespace of torch.ops)."""
+    """Every op pyprune registers (the 'pyprune' namespace of torch.ops)."""
     return sorted(name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
                   if name.startswith("pyprune::"))
 
 
 def test_every_registered_op_has_an_opcheck():
-    assert len(_registered()) >= 17
+    assert len(_registered()) >= 19
     assert set(_registered()) == set(_cases()) | set(CHECKED_ELSEWHERE)
 
 
 def _params():
-    for name, (impls, args_list) in _cases().items():
-        for backend in sorted(set(impls) - {"cuda"}):
+    for name, args_list in _cases().items():
+        for implementation in sorted(set(ops.IMPLEMENTATIONS[name]) - {"cuda"}):
             for i in range(len(args_list)):
-                yield pytest.param(name, backend, i, id=f"{name}-{backend}-{i}")
+                yield pytest.param(name, implementation, i, id=f"{name}-{implementation}-{i}")
 
 
-@pytest.mark.parametrize("name,backend,case", list(_params()))
-def test_opcheck(name, backend, case):
-    args = _cases()[name][1][case]
-    with ops.use_backend(backend):
+@pytest.mark.parametrize("name,implementation,case", list(_params()))
+def test_opcheck(name, implementation, case):
+    args = _cases()[name][case]
+    with ops.use_implementation(implementation):
         torch.library.opcheck(getattr(torch.ops.pyprune, name).default, args)

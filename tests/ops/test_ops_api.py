@@ -1,4 +1,4 @@
-"""The public op API: argument validation, backend choice, torch.compile tracing."""
+"""The public op API: argument validation, forcing an implementation, torch.compile tracing."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
-from pyprune.ops import backend
+import warnings
+
+from pyprune.ops import implementations
 from pyprune import ops
 from pyprune.ops import reference as R
 from pyprune.ops.conventions import sparse24_mma_meta
@@ -63,20 +65,22 @@ def test_bad_arguments_name_the_argument(call, error, message):
         call()
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("implementation", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("statistic", [-1.0, float("nan")])
-def test_every_op_taking_act_sqnorm_refuses_a_negative_or_nan_one_on_every_backend(backend_name, statistic):
+def test_every_op_taking_act_sqnorm_refuses_a_negative_or_nan_one_on_every_implementation(implementation, statistic):
     """act_sqnorm is a sum of squares: a negative (or NaN) entry would make Wanda scores NaN, so
-    every op that reads it refuses it, naming it and the column, on every backend."""
+    every op that reads it refuses it, naming it and the column, on every implementation."""
     sqnorm = torch.rand(8) + 0.1
     sqnorm[5] = statistic
-    calls = {"wanda_score": lambda: ops.wanda_score(W, sqnorm),
-             "score_nm_mask": lambda: ops.score_nm_mask(W, 2, 4, sqnorm),
-             "score_topk_mask": lambda: ops.score_topk_mask(W, 0.5, "row", sqnorm),
+    calls = {"score": lambda: ops.wanda_score(W, sqnorm),
+             "nm_mask": lambda: ops.score_nm_mask(W, 2, 4, sqnorm),
+             "topk_mask": lambda: ops.score_topk_mask(W, 0.5, "row", sqnorm),
              "admm_dual_update_": lambda: ops.admm_dual_update_(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bool),
                                                                 W, n=2, m=4, act_sqnorm=sqnorm)}
-    for name, call in calls.items():
-        with ops.use_backend(backend_name):
+    for op, call in calls.items():
+        if implementation not in ops.IMPLEMENTATIONS[op]:
+            continue
+        with ops.use_implementation(implementation):
             with pytest.raises(ValueError, match=r"act_sqnorm must be >= 0 \(a sum of squares of activations\); "
                                                  rf"got {statistic} at column 5"):
                 call()
@@ -95,46 +99,72 @@ def test_non_contiguous_inputs_are_accepted_where_they_are_read_only():
     assert torch.equal(ops.score_nm_mask(wt, 2, 4), R.score_nm_mask(wt.contiguous(), 2, 4))
 
 
-def test_forced_backend_is_strict():
-    with ops.use_backend("cuda"):
-        with pytest.raises(RuntimeError, match="cannot run op 'nm_mask' on cpu"):
+def test_forced_implementation_is_strict():
+    with ops.use_implementation("cuda"):
+        with pytest.raises(RuntimeError, match="implementation 'cuda' cannot run op 'nm_mask' on cpu"):
             ops.nm_mask(W, 2, 4)
-    with ops.use_backend("cpu"):
+    with ops.use_implementation("cpu"):
         with pytest.raises(RuntimeError, match="has no 'cpu' implementation"):
             ops.soft_threshold(W, 0.1)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        with ops.use_backend("fast"):
+        with pytest.raises(RuntimeError, match="has no 'cpu' implementation"):  # the op called directly
+            torch.ops.pyprune.soft_threshold(W, 0.1)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        with ops.use_implementation("fast"):
             pass
 
 
-def test_reference_backend_and_automatic_choice_agree():
+def test_forcing_nests_and_none_restores_the_dispatchers_choice():
+    with ops.use_implementation("cuda"):
+        with ops.use_implementation(None):
+            assert torch.equal(ops.nm_mask(W, 2, 4), R.nm_mask(W, 2, 4))
+        with pytest.raises(RuntimeError, match="cannot run"):
+            ops.nm_mask(W, 2, 4)
+    assert implementations.forced_implementation() is None
+
+
+def test_forced_reference_runs_the_reference_under_autograd():
+    """Forcing works below autograd: nm_linear's backward formula still applies."""
+    w = torch.randn(8, 16)
+    values, meta = R.nm_compress(w, R.nm_mask(w.abs(), 2, 4), 2, 4)
+    x = torch.randn(3, 16, requires_grad=True)
+    with ops.use_implementation("reference"):
+        ops.nm_linear(x, values, meta, 2, 4).sum().backward()
+    torch.testing.assert_close(x.grad, R.nm_decompress(values, meta, 2, 4).sum(dim=0).expand(3, 16))
+
+
+def test_reference_implementation_and_dispatchers_choice_agree():
     scores = torch.randint(0, 3, (16, 64)).float()
-    with ops.use_backend("reference"):
+    with ops.use_implementation("reference"):
         forced = ops.nm_mask(scores, 2, 4)
     assert torch.equal(forced, ops.nm_mask(scores, 2, 4))
 
 
-def test_environment_variable_selects_the_backend(monkeypatch):
+def test_environment_variable_selects_the_implementation(monkeypatch):
+    monkeypatch.setenv("PYPRUNE_IMPLEMENTATION", "cuda")
+    assert implementations.forced_implementation() == "cuda"
+    with pytest.raises(RuntimeError, match="implementation 'cuda' cannot run"):
+        ops.nm_mask(W, 2, 4)
+    monkeypatch.setenv("PYPRUNE_IMPLEMENTATION", "bogus")
+    with pytest.raises(ValueError, match="PYPRUNE_IMPLEMENTATION must be one of reference, triton, cpu, cuda"):
+        ops.nm_mask(W, 2, 4)
+
+
+def test_former_names_still_force_with_a_deprecation_warning(monkeypatch):
     monkeypatch.setenv("PYPRUNE_BACKEND", "cuda")
-    assert backend.forced_backend() == "cuda"
-    with pytest.raises(RuntimeError, match="backend 'cuda' cannot run"):
+    with pytest.warns(DeprecationWarning, match="PYPRUNE_BACKEND is deprecated"):
+        with pytest.raises(RuntimeError, match="implementation 'cuda' cannot run"):
+            ops.nm_mask(W, 2, 4)
+    monkeypatch.delenv("PYPRUNE_BACKEND")
+    with pytest.warns(DeprecationWarning, match="use_backend is deprecated"):
+        forcing = ops.use_backend("cuda")
+    with forcing, pytest.raises(RuntimeError, match="cannot run"):
         ops.nm_mask(W, 2, 4)
-    monkeypatch.setenv("PYPRUNE_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="PYPRUNE_BACKEND must be one of reference, triton, cuda, cpu"):
-        ops.nm_mask(W, 2, 4)
-
-
-def test_cpu_tensors_use_the_native_kernel_when_built():
-    impls = {"reference": "ref", "cpu": "native"}
-    chosen = backend.select("nm_mask", impls, torch.device("cpu"))
-    assert chosen == ("native" if backend.native_module("cpu") is not None else "ref")
-
-
-def test_cpu_masks_run_the_native_kernels():
-    from pyprune.ops import masks
-    assert backend.native_module("cpu") is not None, "pyprune._C is part of the install"
-    for op, impls in [("nm_mask", masks._NM_IMPLS), ("topk_mask", masks._TOPK_IMPLS)]:
-        assert backend.select(op, impls, torch.device("cpu")) is impls["cpu"], op
+    with pytest.warns(DeprecationWarning, match="BACKENDS is deprecated"):
+        assert ops.BACKENDS == implementations.NAMES
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names do not warn
+        with ops.use_implementation("reference"):
+            ops.nm_mask(W, 2, 4)
 
 
 def test_ops_trace_under_torch_compile():
@@ -220,6 +250,7 @@ def _compile_cases(dtype):
                                             ops.group_soft_threshold(x, 1.5, 1)), (w,)),
         "nm_compress": (lambda w, mask: ops.nm_compress(w, mask, 2, 4), (w, mask)),
         "nm_decompress": (lambda v, meta: ops.nm_decompress(v, meta, 2, 4), (values, meta)),
+        "sparse24_compress": (ops.sparse24_compress, (w24, R.nm_mask(w24.float().abs(), 2, 4))),
         "nm_linear": (lambda x, v, meta, b: ops.nm_linear(x, v, meta, 2, 4, b), (x, values, meta, bias)),
         "sparse24_linear": (lambda x, v, meta, b: ops.sparse24_linear(x, v, meta, b),
                             (randn((2, 3, 32), half, seed=17), values24, sparse24_mma_meta(meta24, 32),
@@ -239,7 +270,7 @@ def _compile_cases(dtype):
     }
 
 
-PUBLIC_OPS = sorted(set(ops.__all__) - {"BACKENDS", "use_backend"})
+PUBLIC_OPS = sorted(set(ops.__all__) - {"IMPLEMENTATIONS", "use_implementation"})
 
 
 def test_every_public_op_has_a_compile_case():
@@ -274,5 +305,5 @@ def test_every_public_op_traces_into_one_graph(name, dtype):
 def test_importing_pyprune_does_not_import_triton_kernels():
     code = "import sys, pyprune.ops; print(any(k.startswith('pyprune.ops.kernels.') for k in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYPRUNE_BACKEND": ""})
+                         env={**os.environ, "PYPRUNE_IMPLEMENTATION": ""})
     assert out.stdout.strip() == "False"

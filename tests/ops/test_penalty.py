@@ -1,19 +1,17 @@
-"""DReSS's channel penalty pyprune.ops.channel_penalty_ on every backend.
+"""DReSS's channel penalty pyprune.ops.channel_penalty_ on every implementation.
 
-Each backend (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
+Each implementation (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
 pyprune.ops.reference: norms to fp32 tolerance, the gradient to its dtype's tolerance, unselected
-slices bit for bit. The reference itself, and every backend, is checked against autograd: adding
+slices bit for bit. The reference itself, and every implementation, is checked against autograd: adding
 lam·Σ_c ‖W[slice c]‖ to the loss and backpropagating gives the same gradient as the op applied
 after loss.backward().
 """
 import pytest
 import torch
 
-from pyprune.ops import backend
 from pyprune import ops
 from pyprune.ops import reference as R
-from pyprune.ops import penalty
-from tests.helpers import BACKENDS, DTYPES, NATIVE_BACKENDS, assert_close
+from tests.helpers import IMPLEMENTATIONS, DTYPES, NATIVE_IMPLEMENTATIONS, assert_close
 
 NORMS = ("l2", "l1")
 LAM = 0.37
@@ -58,10 +56,10 @@ def _unselected(extent, channels):
     return keep.nonzero().flatten()
 
 
-def _run(backend_device, grad, weight, channels, dim, norm, lam=LAM):
-    name, device = backend_device
+def _run(implementation_device, grad, weight, channels, dim, norm, lam=LAM):
+    name, device = implementation_device
     grad, weight, channels = grad.to(device), weight.to(device), channels.to(device)
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         norms = ops.channel_penalty_(grad, weight, channels, dim, lam, norm)
     return grad.cpu(), norms.cpu()
 
@@ -79,15 +77,15 @@ def _cases():
                 yield pytest.param(shape, dim, dtype, selection, id=name)
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape,dim,dtype,selection", list(_cases()))
-def test_matches_reference(backend_device, shape, dim, dtype, selection):
+def test_matches_reference(implementation_device, shape, dim, dtype, selection):
     weight, grad, channels = _inputs(shape, dim, dtype, dtype, selection, seed=sum(shape))
     zero_channel = int(channels[1])
     for norm in NORMS:
         expected = grad.clone()
         expected_norms = R.channel_penalty_(expected, weight, channels, dim, LAM, norm)
-        got, norms = _run(backend_device, grad.clone(), weight, channels, dim, norm)
+        got, norms = _run(implementation_device, grad.clone(), weight, channels, dim, norm)
         assert norms.dtype == torch.float32 and norms.shape == (channels.numel(),)
         torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=1e-6)
         assert got.dtype == dtype
@@ -101,16 +99,16 @@ def test_matches_reference(backend_device, shape, dim, dtype, selection):
         assert torch.equal(_bits(got.index_select(dim, others)), _bits(grad.index_select(dim, others))), norm
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("weight_dtype,grad_dtype", [(torch.bfloat16, torch.float32),
                                                      (torch.float32, torch.float16)])
-def test_weight_and_grad_dtypes_differ(backend_device, weight_dtype, grad_dtype):
+def test_weight_and_grad_dtypes_differ(implementation_device, weight_dtype, grad_dtype):
     for dim in (0, 1):
         weight, grad, channels = _inputs((37, 50), dim, weight_dtype, grad_dtype, "spread", seed=dim)
         for norm in NORMS:
             expected = grad.clone()
             expected_norms = R.channel_penalty_(expected, weight, channels, dim, LAM, norm)
-            got, norms = _run(backend_device, grad.clone(), weight, channels, dim, norm)
+            got, norms = _run(implementation_device, grad.clone(), weight, channels, dim, norm)
             torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=1e-6)
             assert got.dtype == grad_dtype
             assert_close(got, expected, grad_dtype)
@@ -124,10 +122,10 @@ def _penalty64(weight, channels, dim, norm):
     return (torch.linalg.vector_norm(slices, ord=order, dim=others) if others else slices.abs()).sum()
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape,dim", [((129, 65), 0), ((129, 65), 1), ((100,), 0)])
 @pytest.mark.parametrize("norm", NORMS)
-def test_equals_autograd_of_the_penalty_after_backward(backend_device, shape, dim, norm):
+def test_equals_autograd_of_the_penalty_after_backward(implementation_device, shape, dim, norm):
     """The use in DReSS's training loop: the op after loss.backward() equals backpropagating
     loss + lam·Σ‖W[slice c]‖ (the zero slice included: autograd's norm has gradient 0 there)."""
     weight, _, channels = _inputs(shape, dim, torch.float32, torch.float32, "spread", seed=3)
@@ -139,10 +137,10 @@ def test_equals_autograd_of_the_penalty_after_backward(backend_device, shape, di
     expected = weight.double().requires_grad_()
     (loss(expected, x.double()) + LAM * _penalty64(expected, channels, dim, norm)).backward()
 
-    name, device = backend_device
+    name, device = implementation_device
     param = torch.nn.Parameter(weight.to(device))
     loss(param, x.to(device)).backward()
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         norms = ops.channel_penalty_(param.grad, param, channels.to(device), dim, LAM, norm)
     assert not norms.requires_grad  # for logging; the step is already in param.grad
     torch.testing.assert_close(param.grad.cpu().double(), expected.grad, rtol=1e-5, atol=1e-6)
@@ -150,8 +148,8 @@ def test_equals_autograd_of_the_penalty_after_backward(backend_device, shape, di
                                LAM * _penalty64(weight.double(), channels, dim, norm), rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
-def test_strided_weight_and_int32_channels(backend_device):
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
+def test_strided_weight_and_int32_channels(implementation_device):
     """A transposed weight is read as its values (from a contiguous copy); int32 indices are
     the same positions as int64 ones."""
     base = torch.randn(40, 24, generator=_generator(5))
@@ -159,15 +157,15 @@ def test_strided_weight_and_int32_channels(backend_device):
     channels = torch.tensor([39, 3, 17, 0, 22])
     expected = grad.clone()
     expected_norms = R.channel_penalty_(expected, weight.contiguous(), channels, 1, LAM)
-    got, norms = _run(backend_device, grad.clone(), weight, channels.int(), 1, "l2")
+    got, norms = _run(implementation_device, grad.clone(), weight, channels.int(), 1, "l2")
     torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=1e-6)
     assert_close(got, expected, torch.float32)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_lam_zero_leaves_grad_and_returns_norms(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_lam_zero_leaves_grad_and_returns_norms(implementation_device):
     weight, grad, channels = _inputs((9, 13), 1, torch.float16, torch.float16, "spread")
-    got, norms = _run(backend_device, grad.clone(), weight, channels, 1, "l2", lam=0.0)
+    got, norms = _run(implementation_device, grad.clone(), weight, channels, 1, "l2", lam=0.0)
     assert torch.equal(_bits(got), _bits(grad))
     torch.testing.assert_close(norms, weight.float()[:, channels].norm(dim=0), rtol=1e-5, atol=1e-6)
 
@@ -185,11 +183,6 @@ def test_cpu_kernel_does_not_depend_on_the_thread_count(shape, dim):
         torch.set_num_threads(threads)
     (grad_1, norms_1), (grad_2, norms_2) = results
     assert torch.equal(_bits(grad_1), _bits(grad_2)) and torch.equal(_bits(norms_1), _bits(norms_2))
-
-
-def test_cpu_tensors_run_the_native_kernel():
-    impls = penalty._PENALTY_IMPLS
-    assert backend.select("channel_penalty_", impls, torch.device("cpu")) is impls["cpu"]
 
 
 # ---- argument checks, tracing -------------------------------------------------------------------
@@ -243,7 +236,7 @@ def test_bad_arguments_name_the_argument(call, error, message):
 def test_failed_call_leaves_grad_untouched(name):
     grad = torch.randn(4, 8)
     before = grad.clone()
-    with ops.use_backend(name), pytest.raises(ValueError, match="must not repeat"):
+    with ops.use_implementation(name), pytest.raises(ValueError, match="must not repeat"):
         ops.channel_penalty_(grad, W, torch.tensor([6, 2, 6]), 1, 0.1)
     assert torch.equal(grad, before)
 
@@ -251,7 +244,7 @@ def test_failed_call_leaves_grad_untouched(name):
 @pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_opcheck(name):
     weight, grad, channels = _inputs((9, 13), 0, torch.bfloat16, torch.float32, "spread", seed=7)
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         for dim, norm in ((0, "l2"), (1, "l1")):
             torch.library.opcheck(torch.ops.pyprune.channel_penalty_.default,
                                   (grad.clone(), weight, channels, dim, LAM, norm))

@@ -1,10 +1,10 @@
-"""SAFE's x-step ops pyprune.ops.sam_perturb_ / sam_adam_step_ on every backend.
+"""SAFE's x-step ops pyprune.ops.sam_perturb_ / sam_adam_step_ on every implementation.
 
-Each backend (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
+Each implementation (the C++ kernel, the Triton kernel in the interpreter or on a GPU) is checked against
 pyprune.ops.reference on lists of tensors of awkward sizes (one element, sizes off every block and
 chunk, a tensor of several chunks), in every dtype and in mixed-dtype lists: the norm to fp32
 tolerance, anchors bit for bit, x and the Adam moments to their dtype's tolerance, over several
-consecutive steps with the moments carried. Every backend, the reference included, is also checked
+consecutive steps with the moments carried. Every implementation, the reference included, is also checked
 against an fp64 oracle written here from the spec (§1.5, §1.8, K4–K5).
 """
 import math
@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
-from pyprune.ops import backend
 from pyprune import ops
 from pyprune.ops import sam
-from tests.helpers import BACKENDS, DTYPES, HAS_CUDA, NATIVE_BACKENDS, assert_close
+from tests.helpers import IMPLEMENTATIONS, DTYPES, HAS_CUDA, NATIVE_IMPLEMENTATIONS, assert_close
 
 #: One element (1-D, 2-D and 0-d), sizes off every block, and 210,000 elements: several chunks
 #: of the C++ kernel (32,768) and of the Triton kernel (16,384 on a GPU, 65,536 interpreted).
@@ -77,21 +76,21 @@ def _assert_equal_bits(actual, expected):
     assert actual.dtype == expected.dtype and torch.equal(_bits(actual.cpu()), _bits(expected.cpu()))
 
 
-def _perturb(backend_name, device, x, grads, rho=RHO):
-    """(‖g‖, perturbed x, anchors) from ``backend_name`` on copies of the inputs."""
+def _perturb(implementation, device, x, grads, rho=RHO):
+    """(‖g‖, perturbed x, anchors) from ``implementation`` on copies of the inputs."""
     x, grads = _on(device, x), _on(device, grads)
     anchors = [torch.full_like(t, float("nan")) for t in x]
-    with ops.use_backend(backend_name):
+    with ops.use_implementation(implementation):
         norm = ops.sam_perturb_(x, grads, anchors, rho)
     return norm, x, anchors
 
 
-def _adam(backend_name, device, x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, step, **hyper):
-    """(x, m, s) after one step of ``backend_name`` on copies of the inputs (x starts as NaN: the
+def _adam(implementation, device, x, grads, anchors, vs, keeps, exp_avgs, exp_avg_sqs, step, **hyper):
+    """(x, m, s) after one step of ``implementation`` on copies of the inputs (x starts as NaN: the
     step must take x from the anchors)."""
     x = [torch.full_like(t, float("nan")) for t in _on(device, x)]
     exp_avgs, exp_avg_sqs = _on(device, exp_avgs), _on(device, exp_avg_sqs)
-    with ops.use_backend(backend_name):
+    with ops.use_implementation(implementation):
         out = ops.sam_adam_step_(x, _on(device, grads), _on(device, anchors), _on(device, vs),
                                  _on(device, keeps), exp_avgs, exp_avg_sqs, step=step, **{**HYPER, **hyper})
     assert out is None
@@ -141,14 +140,14 @@ def _shape_cases():
     return [pytest.param(SHAPES, id="awkward"), pytest.param(ALIGNED_SHAPES, id="aligned")]
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
 @pytest.mark.parametrize("shapes", _shape_cases())
-def test_perturb_matches_oracle(backend_device, x_kind, shapes):
+def test_perturb_matches_oracle(implementation_device, x_kind, shapes):
     """‖g‖₂ over all the tensors, x + rho·g/‖g‖ rounded once, anchors the exact old x."""
     x, grads, *_ = _state(shapes, _dtypes(x_kind, len(shapes)), _dtypes("mixed1", len(shapes)), seed=1)
     expected_norm, expected_x = _oracle_perturb(x, grads)
-    norm, got_x, anchors = _perturb(*backend_device, x, grads)
+    norm, got_x, anchors = _perturb(*implementation_device, x, grads)
     assert norm.dtype == torch.float32 and norm.shape == ()
     assert math.isclose(float(norm), expected_norm, rel_tol=1e-6)
     for got, expected, before, anchor in zip(got_x, expected_x, x, anchors):
@@ -156,12 +155,12 @@ def test_perturb_matches_oracle(backend_device, x_kind, shapes):
         _assert_equal_bits(anchor, before)
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
 @pytest.mark.parametrize("g_kind", _dtype_cases())
-def test_perturb_matches_reference(backend_device, x_kind, g_kind):
+def test_perturb_matches_reference(implementation_device, x_kind, g_kind):
     x, grads, *_ = _state(SHAPES, _dtypes(x_kind, len(SHAPES)), _dtypes(g_kind, len(SHAPES)), seed=2)
-    norm, got_x, anchors = _perturb(*backend_device, x, grads)
+    norm, got_x, anchors = _perturb(*implementation_device, x, grads)
     expected_norm, expected_x, expected_anchors = _perturb("reference", "cpu", x, grads)
     torch.testing.assert_close(norm.cpu(), expected_norm, rtol=1e-6, atol=0)
     for got, expected, anchor, expected_anchor in zip(got_x, expected_x, anchors, expected_anchors):
@@ -170,26 +169,26 @@ def test_perturb_matches_reference(backend_device, x_kind, g_kind):
         _assert_equal_bits(anchor, expected_anchor)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_zero_gradient_does_not_move_x(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_zero_gradient_does_not_move_x(implementation_device):
     """‖g‖ = 0: the norm is 0, x keeps its bits, the anchors are the old x."""
     shapes = [(5, 7), (1,), (70000,)]
     x, *_ = _state(shapes, MIXED, MIXED, seed=3)
     grads = [torch.zeros(s, dtype=d) for s, d in zip(shapes, [torch.bfloat16, torch.float32, torch.float16])]
-    norm, got_x, anchors = _perturb(*backend_device, x, grads)
+    norm, got_x, anchors = _perturb(*implementation_device, x, grads)
     assert float(norm) == 0.0
     for got, before, anchor in zip(got_x, x, anchors):
         _assert_equal_bits(got, before)
         _assert_equal_bits(anchor, before)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_one_nonzero_gradient_sets_the_norm_for_all(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_one_nonzero_gradient_sets_the_norm_for_all(implementation_device):
     """Only the last tensor has a gradient: the others keep their bits, it moves by exactly rho."""
     shapes = [(4, 9), (33,)]
     x, *_ = _state(shapes, [torch.float32, torch.float32], [torch.float32] * 2, seed=4)
     grads = [torch.zeros(4, 9), torch.full((33,), -2.0)]
-    norm, got_x, _ = _perturb(*backend_device, x, grads, rho=0.5)
+    norm, got_x, _ = _perturb(*implementation_device, x, grads, rho=0.5)
     assert math.isclose(float(norm), 2.0 * math.sqrt(33), rel_tol=1e-6)
     _assert_equal_bits(got_x[0], x[0])
     torch.testing.assert_close(got_x[1].cpu() - x[1], torch.full((33,), -0.5 / math.sqrt(33)), rtol=1e-5, atol=1e-6)
@@ -197,14 +196,14 @@ def test_one_nonzero_gradient_sets_the_norm_for_all(backend_device):
 
 # ---- sam_adam_step_ -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
 @pytest.mark.parametrize("shapes", _shape_cases())
-def test_adam_step_matches_oracle(backend_device, x_kind, shapes):
+def test_adam_step_matches_oracle(implementation_device, x_kind, shapes):
     x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(shapes, _dtypes(x_kind, len(shapes)),
                                                         _dtypes("mixed2", len(shapes)), seed=5)
     step = 7
-    got_x, got_m, got_s = _adam(*backend_device, x, grads, x, vs, keeps, exp_avgs, exp_avg_sqs, step)
+    got_x, got_m, got_s = _adam(*implementation_device, x, grads, x, vs, keeps, exp_avgs, exp_avg_sqs, step)
     expected = _oracle_adam(x, grads, vs, keeps, exp_avgs, exp_avg_sqs, step, **HYPER)
     for i, (ex, em, es) in enumerate(expected):
         _assert_near(got_x[i], ex, x[i].dtype)
@@ -212,14 +211,14 @@ def test_adam_step_matches_oracle(backend_device, x_kind, shapes):
         _assert_moment(got_s[i], es)
 
 
-@pytest.mark.parametrize("backend_device", NATIVE_BACKENDS)
+@pytest.mark.parametrize("implementation_device", NATIVE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("x_kind", _dtype_cases())
 @pytest.mark.parametrize("g_kind", [torch.float32, "mixed1"], ids=["g_float32", "g_mixed"])
-def test_safe_steps_match_reference(backend_device, x_kind, g_kind):
+def test_safe_steps_match_reference(implementation_device, x_kind, g_kind):
     """Four x-steps as SAFE runs them (perturb, a gradient at the perturbed point, restore and Adam),
     from zero moments: every step's results against the reference's from the same state, and the
-    backend's own x, m and s carried to the next step."""
-    backend_name, device = backend_device
+    implementation's own x, m and s carried to the next step."""
+    implementation, device = implementation_device
     x_dtypes, g_dtypes = _dtypes(x_kind, len(SHAPES)), _dtypes(g_kind, len(SHAPES))
     x, _, vs, keeps, _, _ = _state(SHAPES, x_dtypes, g_dtypes, seed=6)
     exp_avgs = [torch.zeros(s) for s in SHAPES]
@@ -227,13 +226,13 @@ def test_safe_steps_match_reference(backend_device, x_kind, g_kind):
     g = _generator(60)
     for step in range(1, 5):
         grads = [torch.randn(s, generator=g).to(d) for s, d in zip(SHAPES, g_dtypes)]
-        _, perturbed, anchors = _perturb(backend_name, device, x, grads)
+        _, perturbed, anchors = _perturb(implementation, device, x, grads)
         _, expected_perturbed, expected_anchors = _perturb("reference", "cpu", x, grads)
         for got, expected in zip(perturbed, expected_perturbed):
             assert_close(got, expected, got.dtype)
         grads_sam = [torch.randn(s, generator=g).to(d) for s, d in zip(SHAPES, g_dtypes)]
         state = (grads_sam, [a.cpu() for a in anchors], vs, keeps, exp_avgs, exp_avg_sqs)
-        got_x, got_m, got_s = _adam(backend_name, device, x, *state, step)
+        got_x, got_m, got_s = _adam(implementation, device, x, *state, step)
         expected_x, expected_m, expected_s = _adam("reference", "cpu", x, *state, step)
         for i in range(len(SHAPES)):
             assert_close(got_x[i], expected_x[i], x_dtypes[i])
@@ -243,18 +242,18 @@ def test_safe_steps_match_reference(backend_device, x_kind, g_kind):
     assert all(bool(m.abs().sum() > 0) for m in exp_avgs)
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_anchors_restore_x_exactly(backend_device, dtype):
+def test_anchors_restore_x_exactly(implementation_device, dtype):
     """perturb, then a step with lr = 0: x is the pre-perturbation x bit for bit (the moments still
     take the step)."""
-    backend_name, device = backend_device
+    implementation, device = implementation_device
     shapes = [(3, 1000), (1,), (37, 129)]
     x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(shapes, [dtype] * 3, [dtype] * 3, seed=7)
     x_dev = _on(device, x)
     anchors = [torch.empty_like(t) for t in x_dev]
     exp_avgs_dev = _on(device, exp_avgs)
-    with ops.use_backend(backend_name):
+    with ops.use_implementation(implementation):
         ops.sam_perturb_(x_dev, _on(device, grads), anchors, 0.5)
         assert not any(torch.equal(a, t) for a, t in zip(anchors, x_dev))
         ops.sam_adam_step_(x_dev, _on(device, grads), anchors, _on(device, vs), _on(device, keeps), exp_avgs_dev,
@@ -264,19 +263,19 @@ def test_anchors_restore_x_exactly(backend_device, dtype):
     assert not any(torch.equal(m.cpu(), before) for m, before in zip(exp_avgs_dev, exp_avgs))
 
 
-@pytest.mark.parametrize("backend_device", BACKENDS)
-def test_penalty_pulls_kept_entries_to_z_and_pruned_ones_to_minus_u(backend_device):
+@pytest.mark.parametrize("implementation_device", IMPLEMENTATIONS)
+def test_penalty_pulls_kept_entries_to_z_and_pruned_ones_to_minus_u(implementation_device):
     """With g = 0 and λ > 0 the step descends the penalty alone: G = λ(x − z + u) moves a kept
     entry toward z = v and a pruned one toward −u = −v (spec §1.5, §1.8)."""
     shape = (6, 11)
     x = torch.full(shape, 1.0)
     vs = [torch.full(shape, 0.25)]
     keeps = [torch.arange(66).reshape(shape) % 3 == 0]
-    got_x, _, _ = _adam(*backend_device, [x], [torch.zeros(shape)], [x], vs, keeps, [torch.zeros(shape)],
+    got_x, _, _ = _adam(*implementation_device, [x], [torch.zeros(shape)], [x], vs, keeps, [torch.zeros(shape)],
                         [torch.zeros(shape)], 1, lr=0.1, weight_decay=0.0, lam=1.0)
     # Adam's first step moves every entry by lr·sign(G): kept G = 1 − 0.25 > 0, pruned G = 1.25 > 0
     torch.testing.assert_close(got_x[0].cpu(), torch.full(shape, 0.9), rtol=1e-6, atol=1e-6)
-    got_x, got_m, _ = _adam(*backend_device, [x], [torch.zeros(shape)], [x], vs, keeps, [torch.zeros(shape)],
+    got_x, got_m, _ = _adam(*implementation_device, [x], [torch.zeros(shape)], [x], vs, keeps, [torch.zeros(shape)],
                             [torch.zeros(shape)], 1, lr=0.0, weight_decay=0.0, lam=1.0)
     expected_m = torch.where(keeps[0], 0.75, 1.25) * (1 - HYPER["betas"][0])
     torch.testing.assert_close(got_m[0].cpu(), expected_m, rtol=1e-6, atol=1e-7)
@@ -289,12 +288,12 @@ def _shifted(t, elements=1):
     return storage[elements:].view(t.shape).copy_(t)
 
 
-@pytest.mark.parametrize("backend_device", [p for p in BACKENDS if p.id != "triton-cuda"])
-def test_tensors_off_alignment_and_at_odd_addresses(backend_device):
+@pytest.mark.parametrize("implementation_device", [p for p in IMPLEMENTATIONS if p.id != "triton-cuda"])
+def test_tensors_off_alignment_and_at_odd_addresses(implementation_device):
     """Tensors one element off 16-byte alignment and an fp32 x at an odd byte address (from a
     buffer): the Triton kernels group tensors by address residue, so each is reached at its own
     address. Results against the oracle."""
-    backend_name, device = backend_device
+    implementation, device = implementation_device
     shapes = [(5, 16), (33,), (16,)]
     x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state(shapes, [torch.float32, torch.bfloat16, torch.float32],
                                                         [torch.float32, torch.float16, torch.float32], seed=11)
@@ -305,7 +304,7 @@ def test_tensors_off_alignment_and_at_odd_addresses(backend_device):
     anchors = [torch.empty_like(t) for t in x]
     expected_norm, expected_x = _oracle_perturb(x, grads)
     moments = _clone(exp_avgs), _clone(exp_avg_sqs)
-    with ops.use_backend(backend_name):
+    with ops.use_implementation(implementation):
         norm = ops.sam_perturb_(x, grads, anchors, RHO)
         assert math.isclose(float(norm), expected_norm, rel_tol=1e-6)
         for got, expected in zip(x, expected_x):
@@ -349,11 +348,6 @@ def test_cpu_kernel_does_not_depend_on_the_thread_count(name):
         torch.set_num_threads(threads)
     for one, two in zip(*results):
         _assert_equal_bits(one, two)
-
-
-def test_cpu_tensors_run_the_native_kernels():
-    for op, impls in (("sam_perturb_", sam._PERTURB_IMPLS), ("sam_adam_step_", sam._STEP_IMPLS)):
-        assert backend.select(op, impls, torch.device("cpu")) is impls["cpu"], op
 
 
 # ---- argument checks, tracing -------------------------------------------------------------------
@@ -441,7 +435,7 @@ def test_failed_call_leaves_inputs_untouched(name):
     params, anchors = [torch.randn(4, 6), torch.randn(5)], [torch.randn(4, 6), torch.randn(5)]
     exp_avgs = [torch.randn(4, 6), torch.randn(5)]
     before = [_clone(params), _clone(anchors), _clone(exp_avgs)]
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         with pytest.raises(TypeError, match=r"grads\[1\]"):
             ops.sam_perturb_(params, [torch.ones(4, 6), torch.ones(5, dtype=torch.int64)], anchors, 0.1)
         with pytest.raises(ValueError, match="step must be >= 1"):
@@ -455,7 +449,7 @@ def test_opcheck(name):
     x, grads, vs, keeps, exp_avgs, exp_avg_sqs = _state([(5, 9), (7,)], [torch.bfloat16, torch.float32],
                                                         [torch.float32, torch.float16], seed=9)
     anchors = [torch.empty_like(t) for t in x]
-    with ops.use_backend(name):
+    with ops.use_implementation(name):
         torch.library.opcheck(torch.ops.pyprune.sam_perturb_.default, (x, grads, anchors, RHO))
         torch.library.opcheck(torch.ops.pyprune.sam_adam_step_.default,
                               (x, grads, _clone(x), vs, keeps, exp_avgs, exp_avg_sqs, 0.01, 0.9, 0.95, 1e-8, 0.1,

@@ -1,5 +1,6 @@
-// 2:4 sparse tensor-core linear layer (pyprune._C_cuda.sparse24_linear) and its compress kernel
-// (pyprune._C_cuda.sparse24_compress), plain CUDA behind extern "C" launchers; sm_80+.
+// 2:4 sparse tensor-core linear layer (the CUDA implementation of torch.ops.pyprune.sparse24_linear)
+// and its compress kernel (of torch.ops.pyprune.sparse24_compress), plain CUDA behind extern "C"
+// launchers; sm_80+.
 //
 //   y[t, o] = sum_k x[t, k] * W[o, k] + bias[o]      with W 2:4 sparse along k.
 //
@@ -79,7 +80,7 @@ __device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], co
     PYPRUNE_MMA_SP_ASM("bf16");
 #undef PYPRUNE_MMA_SP_ASM
 #elif defined(__CUDA_ARCH__)
-  __trap();  // no sparse tensor cores before sm80; the bindings refuse such devices
+  __trap();  // no sparse tensor cores before sm80; csrc/cuda/library.cpp refuses such devices
 #endif
 }
 

@@ -1,4 +1,5 @@
-"""The addressing of csrc/cuda/sparse24_mm.cu against the documented mma.sp fragment layout.
+"""The addressing of csrc/cuda/sparse24_linear.cu (sparse24_linear's CUDA kernel) against the
+documented mma.sp fragment layout.
 
 No GPU runs here, so this emulates one warp tile of the kernel in Python: each lane gathers its
 registers from the same addresses as the CUDA code, the registers are assembled into the 16x32

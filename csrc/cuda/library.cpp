@@ -1,8 +1,10 @@
-// pyprune._C_cuda: argument checks and Python bindings for the CUDA kernels in csrc/cuda/*.cu.
-// The kernels are plain CUDA behind extern "C" launchers; this file is the only one that sees
-// torch, and it is compiled by the host compiler.
+// pyprune._C_cuda: the CUDA implementations of the pyprune ops, registered with PyTorch's dispatcher
+// under the schemas pyprune/ops/library.py declares (importing the module registers them), with their
+// argument checks. The kernels are plain CUDA behind extern "C" launchers; this file is the only one
+// that sees torch, and it is compiled by the host compiler.
 
 #include <torch/extension.h>
+#include <torch/library.h>
 
 // c10::cuda::getCurrentCUDAStream is the function at::cuda::getCurrentCUDAStream names
 // (ATen/cuda/CUDAContext.h); this header spares the build the cuBLAS/cuSPARSE/cuSOLVER headers
@@ -14,7 +16,9 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
+#include "../cpu/checks.h"
 #include "../score_kind.h"
 
 using pyprune::ScoreKind;
@@ -46,9 +50,9 @@ constexpr const char* kNanWandaMessage =
 
 }  // namespace
 
-// Bool N:M keep mask of a 2-D CUDA tensor; same contract as pyprune._C.nm_mask.
-torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
-                      int64_t n, int64_t m, int64_t score_kind) {
+// Bool N:M keep mask of a 2-D contiguous CUDA tensor.
+torch::Tensor nm_mask_rows(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm,
+                           int64_t n, int64_t m, int64_t score_kind) {
   TORCH_CHECK(src.is_cuda(), "nm_mask: src must be a CUDA tensor");
   TORCH_CHECK(src.dim() == 2, "nm_mask: src must be 2-D, got ", src.dim(), "-D");
   TORCH_CHECK(src.is_contiguous(), "nm_mask: src must be contiguous");
@@ -116,8 +120,9 @@ void check_cuda_2d(const torch::Tensor& t, const char* op, const char* name) {
 
 }  // namespace
 
-// y = x @ (2:4 W)ᵀ + bias on sparse tensor cores; see csrc/cuda/sparse24_mm.cu for the layout.
-torch::Tensor sparse24_linear(const torch::Tensor& x, const torch::Tensor& values,
+// y = x @ (2:4 W)ᵀ + bias for a 2-D x on sparse tensor cores; see csrc/cuda/sparse24_linear.cu for
+// the layout.
+torch::Tensor sparse24_linear_rows(const torch::Tensor& x, const torch::Tensor& values,
                               const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias) {
   constexpr const char* op = "sparse24_linear";
   check_cuda_2d(x, op, "x");
@@ -161,9 +166,10 @@ torch::Tensor sparse24_linear(const torch::Tensor& x, const torch::Tensor& value
 }
 
 // (values [rows, cols/2], meta [rows, cols/16] int16) of w ⊙ mask for sparse24_linear.
-std::tuple<torch::Tensor, torch::Tensor> sparse24_compress(const torch::Tensor& w,
-                                                           const torch::Tensor& mask) {
+std::tuple<torch::Tensor, torch::Tensor> sparse24_compress(const torch::Tensor& w_in,
+                                                           const torch::Tensor& mask_in) {
   constexpr const char* op = "sparse24_compress";
+  const torch::Tensor w = w_in.contiguous(), mask = mask_in.contiguous();
   check_cuda_2d(w, op, "w");
   check_cuda_2d(mask, op, "mask");
   half_dtype(w, op, "w");
@@ -184,20 +190,37 @@ std::tuple<torch::Tensor, torch::Tensor> sparse24_compress(const torch::Tensor& 
   return {values, meta};
 }
 
+// The ops' own argument forms (any leading dims, reads that may be non-contiguous) over the 2-D kernels.
+torch::Tensor nm_mask(const torch::Tensor& src, const c10::optional<torch::Tensor>& act_sqnorm, int64_t n,
+                      int64_t m, int64_t kind) {
+  c10::optional<torch::Tensor> act;
+  if (act_sqnorm.has_value() && act_sqnorm->defined()) {
+    pyprune_cpu::check::sums_of_squares("act_sqnorm", *act_sqnorm);
+    act = act_sqnorm->to(at::kFloat).contiguous();
+  }
+  return nm_mask_rows(src.contiguous().reshape({-1, src.size(-1)}), act, n, m, kind).reshape(src.sizes());
+}
+
+torch::Tensor sparse24_linear(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& meta,
+                              const c10::optional<torch::Tensor>& bias) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!out_shape.empty(), "sparse24_linear: x must have at least 1 dim");
+  out_shape.back() = values.size(0);
+  if (x.numel() == 0) return torch::empty(out_shape, x.options());  // as F.linear: no kernel
+  const torch::Tensor rows = x.contiguous().reshape({-1, x.size(-1)});
+  return sparse24_linear_rows(rows, values.contiguous(), meta.contiguous(), bias).reshape(out_shape);
+}
+
 }  // namespace pyprune_cuda
 
+// The list must agree with pyprune/ops/implementations.py (tests/ops/test_registration.py checks it).
+TORCH_LIBRARY_IMPL(pyprune, CUDA, m) {
+  m.impl("nm_mask", &pyprune_cuda::nm_mask);
+  m.impl("sparse24_linear", &pyprune_cuda::sparse24_linear);
+  m.impl("sparse24_compress", &pyprune_cuda::sparse24_compress);
+}
+
+// A module to import: importing it registers the kernels above.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pyprune CUDA kernels";
-  m.def("nm_mask", &pyprune_cuda::nm_mask, py::arg("src"), py::arg("act_sqnorm"), py::arg("n"),
-        py::arg("m"), py::arg("score_kind"),
-        "Bool N:M keep mask of a 2-D CUDA tensor: in every m consecutive elements of a row keep "
-        "the n highest fp32 scores (lower index wins ties). score_kind (pyprune.ops.conventions.ScoreKind) "
-        "GIVEN: src are the scores; MAGNITUDE: |src|; WANDA: |src| * sqrt(act_sqnorm[col]). Raises ValueError on NaN scores.");
-  m.def("sparse24_linear", &pyprune_cuda::sparse24_linear, py::arg("x"), py::arg("values"),
-        py::arg("meta"), py::arg("bias"),
-        "x [tokens, K] @ Wᵀ + bias with W 2:4 sparse, on sparse tensor cores (mma.sp, sm80+): "
-        "values [out, K/2] as nm_compress gives them, meta [out, K/16] int16 as "
-        "pyprune.reference.sparse24_mma_meta gives it. fp16/bf16, K % 32 == 0.");
-  m.def("sparse24_compress", &pyprune_cuda::sparse24_compress, py::arg("w"), py::arg("mask"),
-        "(values, meta) of w ⊙ mask for sparse24_linear; mask keeps exactly 2 of every 4.");
+  m.doc() = "pyprune CUDA kernels, registered as the CUDA implementations of torch.ops.pyprune.*";
 }
