@@ -154,6 +154,7 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
         "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                               dict(**common, **gqa, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)),
+        **_hybrid_configs(tf, common, gqa),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(configs)}; got {family!r}")
@@ -161,6 +162,34 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
     config = config_class(**fields)
     config._attn_implementation = attn_implementation or ("eager" if family == "gemma2" else "sdpa")
     return model_class(config).eval()
+
+
+#: hybrid families: a linear-attention (Gated DeltaNet), Mamba2 or short-conv mixer in some or all blocks
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "lfm2")
+
+
+def _hybrid_configs(tf, common, gqa):
+    """Config builders of the hybrid families: block 0 holds the recurrent mixer, block 1 full attention
+    (Falcon-H1 runs Mamba2 beside attention in every block)."""
+    hybrid = ["linear_attention", "full_attention"]
+    delta = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    layers = common["num_hidden_layers"]
+    return {
+        "qwen3_5": lambda: (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM,
+                            dict(**common, **gqa, **delta, layer_types=hybrid * (layers // 2))),
+        "qwen3_5_moe": lambda: (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM,
+                                dict(**common, **gqa, **delta, **moe, layer_types=hybrid * (layers // 2))),
+        "qwen3_next": lambda: (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
+                               dict(**common, **gqa, **delta, **moe, layer_types=hybrid * (layers // 2))),
+        "falcon_h1": lambda: (tf.FalconH1Config, tf.FalconH1ForCausalLM,
+                              dict(**common, **gqa, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                   mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)),
+        "lfm2": lambda: (tf.Lfm2Config, tf.Lfm2ForCausalLM,
+                         dict(**common, **gqa, layer_types=["conv", "full_attention"] * (layers // 2),
+                              block_auto_adjust_ff_dim=False)),
+    }
 
 
 def tiny_tokenizer():

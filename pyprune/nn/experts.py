@@ -42,13 +42,21 @@ def _unsupported(module: nn.Module) -> Optional[str]:
     return None
 
 
+def holds_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds 3-D parameters of its own and is not a convolution (a depthwise
+    ``Conv1d`` of a linear-attention, Mamba2 or short-conv mixer holds a 3-D kernel, not experts)."""
+    return not isinstance(module, nn.modules.conv._ConvNd) and \
+        any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
 def fused_experts(block: nn.Module, strict: bool = True, where: str = "block") -> Dict[str, nn.Module]:
-    """The modules of ``block`` holding experts as fused 3-D parameters, by name inside the block.
-    One whose computation pyprune does not reproduce raises ValueError (``strict``, naming it under
-    ``where``) or is left out (it stays dense, and the prune report says so)."""
+    """The modules of ``block`` holding experts as fused 3-D parameters (:func:`holds_fused_experts`),
+    by name inside the block. One whose computation pyprune does not reproduce raises ValueError
+    (``strict``, naming it under ``where``) or is left out (it stays dense, and the prune report
+    says so)."""
     found = {}
     for name, module in block.named_modules():
-        if not name or not any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        if not name or not holds_fused_experts(module):
             continue
         problem = _unsupported(module)
         if problem is None:

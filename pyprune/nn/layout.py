@@ -48,10 +48,22 @@ def _has_experts(block: nn.Module) -> bool:
     return any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
 
 
+def recurrent_mixer(block: nn.Module) -> Optional[str]:
+    """The name of ``block``'s sequence mixer that is no attention: the module holding a convolution
+    (Gated DeltaNet's ``linear_attn``, Mamba2's ``mamba``, LFM2's short ``conv``); None without one."""
+    return next((name.rpartition(".")[0] for name, module in block.named_modules()
+                 if isinstance(module, nn.modules.conv._ConvNd)), None)
+
+
 def block_family(block: nn.Module, name: str = "block") -> Family:
     """The dense family (:data:`pyprune.nn.families.FAMILIES`) whose linears and norms ``block``
-    has; ValueError (one line) naming what the nearest family misses otherwise, or that an MoE
-    block's experts are not heads or channels."""
+    has; ValueError (one line) naming what the nearest family misses otherwise, that an MoE
+    block's experts are not heads or channels, or that a hybrid block's recurrent mixer is no attention."""
+    mixer = recurrent_mixer(block)
+    if mixer is not None:
+        raise ValueError(f"{name} ({type(block).__name__}) mixes tokens with {mixer} "
+                         f"({type(block.get_submodule(mixer)).__name__}), a convolution and recurrent state, not "
+                         "attention heads: structured pruning of heads and MLP channels supports attention blocks only")
     if _has_experts(block):
         raise ValueError(f"{name} ({type(block).__name__}) is a mixture-of-experts block: structured pruning of "
                          f"heads and MLP channels supports dense blocks only (families "
@@ -249,6 +261,9 @@ def hidden_stream(model: nn.Module) -> Dict:
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
     config = getattr(model, "config", None)
     layers = decoder_blocks(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    prefix = names[id(layers)]
+    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]  # a block's refusal first
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -259,9 +274,6 @@ def hidden_stream(model: nn.Module) -> Dict:
         raise ValueError(f"model ({type(model).__name__}) is not a causal LM whose hidden stream pyprune can "
                          f"slice: needs an nn.Embedding input embedding, an nn.Linear output embedding, a final "
                          f"norm ({' or '.join(FINAL_NORMS)} under get_decoder()) and config.hidden_size")
-    names = {id(module): name for name, module in model.named_modules()}
-    prefix = names[id(layers)]
-    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]
     norms = {names[id(norm)]: norm}
     readers, writers = {}, {}
     for i, (block, family) in enumerate(zip(layers, families)):
