@@ -139,3 +139,24 @@ def test_structured_methods_refuse_a_recurrent_mixer_by_name(family, method, tin
     with pytest.raises(ValueError, match=refusal) as info:
         pyprune.prune(tiny(family), method, Structured(0.25), TOKENS, progress=False)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_pruned_hybrid_keeps_its_logits_through_sparse_layers_save_load_and_from_pretrained(family, tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from pyprune.nn import sparsify_
+    model = tiny(family)
+    report = pyprune.prune(model, "sparsegpt", "2:4", TOKENS, batch_size=2, progress=False)
+    with torch.no_grad():
+        logits = model(input_ids=TOKENS).logits
+        pyprune.save(model, None, str(tmp_path / "dense-form"), report)
+        loaded, _ = pyprune.load(str(tmp_path / "dense-form"))
+        assert torch.equal(loaded(input_ids=TOKENS).logits, logits)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-form", dtype=torch.float32).eval()
+        assert torch.equal(plain(input_ids=TOKENS).logits, logits)
+        sparse = copy.deepcopy(model)
+        assert len(sparsify_(sparse, "2:4")) == len(report["layers"])
+        torch.testing.assert_close(sparse(input_ids=TOKENS).logits, logits, rtol=1e-4, atol=1e-4)
+        pyprune.save(sparse, None, str(tmp_path / "sparse-form"), report)
+        reloaded, _ = pyprune.load(str(tmp_path / "sparse-form"))
+        assert torch.equal(reloaded(input_ids=TOKENS).logits, sparse(input_ids=TOKENS).logits)
