@@ -118,7 +118,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "o
 def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, vocab=128, window=8,
                  attn_implementation=None):
     """A small random-weight causal LM of ``family`` (eval mode, fp32), with ``attn_implementation``
-    (default: sdpa, or eager for Gemma 2, which transformers runs only eagerly). Families with sliding-window
+    (default: sdpa, or eager for Gemma 2 and gpt-oss, which transformers runs only eagerly). Families with sliding-window
     attention get a ``window`` shorter than the tests' sequences and alternate local and global
     layers where the family does (Gemma 2/3, Qwen2/3), so each block's attention mask and (Gemma 3)
     RoPE differ from the first block's."""
@@ -154,13 +154,21 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
         "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                               dict(**common, **gqa, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)),
+        "gpt_oss": lambda: (tf.GptOssConfig, tf.GptOssForCausalLM,
+                            dict(**common, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=32,
+                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                                 layer_types=alternating, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+        "llama4": lambda: (tf.Llama4TextConfig, tf.Llama4ForCausalLM,
+                           dict(**common, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=32,
+                                intermediate_size_mlp=2 * hidden, num_local_experts=4, num_experts_per_tok=1,
+                                interleave_moe_layer_step=1, attention_chunk_size=window)),
         **_hybrid_configs(tf, common, gqa),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(configs)}; got {family!r}")
     config_class, model_class, fields = configs[family]()
     config = config_class(**fields)
-    config._attn_implementation = attn_implementation or ("eager" if family == "gemma2" else "sdpa")
+    config._attn_implementation = attn_implementation or ("eager" if family in ("gemma2", "gpt_oss") else "sdpa")
     return model_class(config).eval()
 
 
