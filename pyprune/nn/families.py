@@ -73,7 +73,8 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 #: The supported dense families, most specific first (a block is matched to the first whose
 #: modules it all has): Gemma 2/3 (four norms around attention and MLP; Gemma 3's q/k-norms act per
-#: head_dim and stay), Llama / Mistral / Qwen2 / Qwen3 / SmolLM, Phi-3, OPT, GPT-NeoX.
+#: head_dim and stay), Llama / Mistral / Qwen2 / Qwen3 / SmolLM, Phi-3, GLM-4 (q/k/v apart, a fused
+#: gate_up, Gemma's four norms in the same roles), OPT, GPT-NeoX.
 FAMILIES = (
     Family("gemma", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
            norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -83,6 +84,9 @@ FAMILIES = (
     Family("phi3", "self_attn", ("qkv_proj",), "stacked", "o_proj", mlp_in=("mlp.gate_up_proj",),
            mlp_out="mlp.down_proj", norms=("input_layernorm", "post_attention_layernorm"), mlp_parts=2,
            heads_from_config=True),
+    Family("glm4", "self_attn", _QKV, "", "o_proj", mlp_in=("mlp.gate_up_proj",), mlp_out="mlp.down_proj",
+           norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+           mlp_parts=2),
     Family("opt", "self_attn", _QKV, "", "out_proj", mlp_in=("fc1",), mlp_out="fc2",
            norms=("self_attn_layer_norm", "final_layer_norm"), kv_field=None, head_dim_field=None,
            intermediate_field="ffn_dim"),

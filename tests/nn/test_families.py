@@ -10,9 +10,9 @@ from pyprune.nn import compact, layout
 from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_decoder
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "opt", "gpt_neox")
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "gemma",
-          "gemma3": "gemma", "phi3": "phi3", "opt": "opt", "gpt_neox": "gpt_neox"}
+          "gemma3": "gemma", "phi3": "phi3", "glm4": "glm4", "opt": "opt", "gpt_neox": "gpt_neox"}
 
 
 def tiny(family, **kwargs):
