@@ -17,7 +17,7 @@ from .families import FAMILIES, FINAL_NORMS, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
-    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block",
+    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_heads_removable",
     "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
     "checked_index", "hidden_index", "hidden_stream", "hidden_slices", "rescaled_norm_weight",
 ]
@@ -69,9 +69,13 @@ def block_family(block: nn.Module, name: str = "block") -> Family:
                          f"heads and MLP channels supports dense blocks only (families "
                          f"{', '.join(f.name for f in FAMILIES)})")
     missing = {}
+    children = set(dict(block.named_children()))
     for family in FAMILIES:
         missing[family.name] = [n for n in family.linears if _linear(block, n) is None] \
             + [n for n in family.norms if not isinstance(getattr(block, n, None), nn.Module)]
+        parts = {family.attention, family.mlp_out.rpartition(".")[0] or family.mlp_out, *family.norms}
+        if family.parallel and not missing[family.name] and children != parts:
+            missing[family.name] = [f"no module beside {', '.join(sorted(parts))} (has {', '.join(sorted(children - parts))})"]
         if not missing[family.name]:
             return family
     nearest = min(missing, key=lambda f: len(missing[f]))
@@ -129,6 +133,20 @@ def check_block(block: nn.Module, name: str = "block") -> Family:
         raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in mlp)} "
                          f"disagree on the channel count")
     return family
+
+
+def check_heads_removable(block: nn.Module, name: str = "block") -> None:
+    """ValueError (one line) when a norm inside the attention (OLMo 2's q_norm, k_norm) holds weights
+    over its whole projection instead of one head_dim shared by every head: it normalises across
+    heads, so removing some would change what it does to the others."""
+    family = block_family(block, name)
+    hd = head_counts(family, block)[2]
+    for norm_name, norm in block.get_submodule(family.attention).named_children():
+        weight = getattr(norm, "weight", None)
+        if norm_name.endswith("norm") and isinstance(weight, Tensor) and weight.numel() != hd:
+            raise ValueError(f"{name}: {family.attention}.{norm_name} has weight {tuple(weight.shape)} over the whole "
+                             f"projection, not one head_dim ({hd}) shared by every head: removing heads would change "
+                             "what it does to the others (prune MLP channels only: heads=False)")
 
 
 #: the name io.model_dir and evaluation call it by
@@ -245,6 +263,17 @@ def rescaled_norm_weight(weight: Tensor, scale: float, offset: float) -> Tensor:
     return weight * scale if offset == 0 else (weight + offset) * scale - offset
 
 
+@torch.no_grad()
+def _centres(norm: nn.Module) -> bool:
+    """Whether ``norm`` subtracts the mean over its channels (nn.LayerNorm, Cohere's): adding one value to
+    every channel leaves its output as it was, which an RMS norm's is not."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(norm, nn.LayerNorm) or not isinstance(weight, Tensor) or weight.device.type == "meta":
+        return isinstance(norm, nn.LayerNorm)
+    x = torch.randn(2, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    return torch.allclose(norm(x), norm(x + 3.0), rtol=1e-2, atol=1e-2)
+
+
 def hidden_stream(model: nn.Module) -> Dict:
     """The modules of ``model`` that carry the hidden dimension, by qualified name: the embedding
     (``embed``, ``embed_name``; a scaled one such as Gemma's keeps its scale), the LM head, the RMS
@@ -280,7 +309,7 @@ def hidden_stream(model: nn.Module) -> Dict:
         norms.update({f"{prefix}.{i}.{n}": getattr(block, n) for n in family.norms})
         readers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_readers})
         writers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_writers})
-    layer_norms = sorted(name for name, module in norms.items() if isinstance(module, nn.LayerNorm))
+    layer_norms = sorted(name for name, module in norms.items() if _centres(module))
     if layer_norms:
         raise ValueError(f"model ({type(model).__name__}) normalises its hidden stream with LayerNorm "
                          f"({layer_norms[0]}, ...), which centres over every hidden channel: slicing hidden "
