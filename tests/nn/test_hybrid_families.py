@@ -160,3 +160,22 @@ def test_a_pruned_hybrid_keeps_its_logits_through_sparse_layers_save_load_and_fr
         pyprune.save(sparse, None, str(tmp_path / "sparse-form"), report)
         reloaded, _ = pyprune.load(str(tmp_path / "sparse-form"))
         assert torch.equal(reloaded(input_ids=TOKENS).logits, sparse(input_ids=TOKENS).logits)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "lfm2"])
+def test_sleb_removes_a_hybrid_block_as_skipping_it_does_and_the_model_reloads(family, tmp_path):
+    """Falcon-H1's blocks return a tuple, LFM2's a tensor: the skipped block hands on its input in the
+    container the model reads; the saved model, its per-block layer types cut, loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+    from pyprune.methods.sleb import skipped
+    model = tiny_decoder(family, layers=4)
+    dense = copy.deepcopy(model)
+    report = pyprune.prune(model, "sleb", Structured(0.25), TOKENS[:4, :16], progress=False)
+    assert len(report["removed_blocks"]) == 1 and len(decoder_blocks(model)) == model.config.num_hidden_layers == 3
+    with torch.no_grad(), skipped(decoder_blocks(dense)[report["removed_blocks"][0]]):
+        expected = dense(input_ids=TOKENS).logits
+    pyprune.save(model, None, str(tmp_path / "sleb"), report)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sleb", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=TOKENS).logits, expected)
+        torch.testing.assert_close(loaded(input_ids=TOKENS).logits, expected)
