@@ -137,8 +137,10 @@ class _BiasedLinear(nn.Linear):
 
 
 def _view_linear(fused: nn.Module, layout: ExpertLayout, matrix: str, index: int) -> nn.Linear:
-    """An nn.Linear whose weight (and bias) are views of expert ``index``'s part of the fused parameters."""
-    weight, grad = layout.weight(fused, matrix, index), getattr(fused, matrix).requires_grad
+    """An nn.Linear whose weight (and bias) are views of expert ``index``'s part of the fused parameters;
+    a transposed layout's weight is a contiguous copy instead (optimisers and kernels want one), which
+    :meth:`ExpertLinears.write_back` copies back."""
+    weight, grad = layout.weight(fused, matrix, index).contiguous(), getattr(fused, matrix).requires_grad
     linear = (_BiasedLinear if layout.biases else nn.Linear)(weight.shape[1], weight.shape[0], bias=layout.biases,
                                                              device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=grad)
@@ -215,7 +217,8 @@ def experts_of(linears) -> nn.Module:
 
 class ExpertLinears(RoutedExperts):
     """A fused experts module as a :class:`RoutedExperts` whose nn.Linear weights (and biases) are
-    views of the fused ones (pruning them prunes the fused parameters)."""
+    views of the fused ones (pruning them prunes the fused parameters), or for a transposed layout
+    contiguous copies that :meth:`write_back` puts into the fused parameters."""
 
     def __init__(self, fused: nn.Module):
         layout, problem = expert_layout(fused)

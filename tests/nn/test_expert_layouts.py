@@ -63,7 +63,8 @@ def test_each_fused_module_has_its_layout(family, mixtral_like, tiny):
 def test_the_expert_view_reproduces_the_model_and_its_linears_are_views(family, tiny):
     """gpt-oss's view runs the fused module's own loop, to the bit; Llama 4's runs each expert on its
     routed rows only (its fused module multiplies every row, the unrouted zero rows too), to float
-    rounding. Zeroing a view linear's weight or bias in place zeroes the fused parameter's entry."""
+    rounding. A view linear's weight (a contiguous [out, in] copy) or bias zeroed in place is zeroed in
+    the fused parameter once the view is gone."""
     model = tiny(family)
     with torch.no_grad():
         dense = model(input_ids=TOKENS, use_cache=False).logits
@@ -189,3 +190,17 @@ def test_sparse_experts_run_both_layouts_and_save_load_gives_the_same_logits(fam
     assert densify_(model) == replaced
     assert list(model.state_dict()) == list(state)
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_training_trains_the_kept_expert_weights_and_keeps_exact_2_4(family, tiny):
+    """SAFE⁺ (an optimiser over each block's weights, the expert matrices among them) runs through both
+    layouts: every expert matrix is exactly 2:4 after, and its kept weights moved."""
+    model = tiny(family)
+    dense = {e: _weights(_experts(block, family), "down_proj").clone() for e, block in enumerate(decoder_blocks(model))}
+    report = pyprune.prune(model, "safe+", "2:4", TOKENS[:4], batch_size=2, progress=False, epochs=1)
+    assert report["nm_valid"]["2:4"]
+    for index, block in enumerate(decoder_blocks(model)):
+        down = _weights(_experts(block, family), "down_proj")
+        assert bool(((down != 0).reshape(-1, 4).sum(dim=1) == 2).all())
+        assert not torch.equal(down[down != 0], dense[index][down != 0])
