@@ -63,7 +63,7 @@ def block_family(block: nn.Module, name: str = "block") -> Family:
     if mixer is not None:
         raise ValueError(f"{name} ({type(block).__name__}) mixes tokens with {mixer} "
                          f"({type(block.get_submodule(mixer)).__name__}), a convolution and recurrent state, not "
-                         "attention heads: structured pruning of heads and MLP channels supports attention blocks only")
+                         "attention heads: structured pruning supports blocks of attention and an MLP only")
     if _has_experts(block):
         raise ValueError(f"{name} ({type(block).__name__}) is a mixture-of-experts block: structured pruning of "
                          f"heads and MLP channels supports dense blocks only (families "
