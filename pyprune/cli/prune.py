@@ -79,9 +79,8 @@ def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
                            progress=not args.quiet, **options.method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
     if report["left_dense"]["tensors"]:
-        print(f"left dense: {len(report['left_dense']['tensors'])} block tensors "
-              f"({report['left_dense']['parameters']:,} parameters: MoE routers, hybrid convolutions and state), "
-              "not in that sparsity")
+        print(f"left dense: {len(report['left_dense']['tensors'])} block matrices "
+              f"({report['left_dense']['parameters']:,} parameters: MoE routers), not in that sparsity")
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
                    "seqlen": args.seqlen, "seed": args.seed, "offload": args.offload, **steps.run_info(args)})
     if args.sparse_layers:
