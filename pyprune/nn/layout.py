@@ -330,6 +330,9 @@ def hidden_stream(model: nn.Module) -> Dict:
                          f"{hidden} (config.hidden_size): {'; '.join(wrong[:4])}")
     sliced = {id(p) for m in [embed, lm_head, *norms.values(), *readers.values(), *writers.values()]
               for p in m.parameters(recurse=False)}
+    sliced |= {id(p) for block, family in zip(layers, families)  # q/k norms act on projections, not the stream
+               for n, m in block.get_submodule(family.attention).named_children() if n.endswith("norm")
+               for p in m.parameters(recurse=False)}
     stray = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
              if id(t) not in sliced and hidden in t.shape]
     if stray:
