@@ -3,8 +3,9 @@
 linear-layer methods as one nn.Linear per expert matrix.
 
 Within :func:`expert_linears` a block's fused experts module is replaced by an :class:`ExpertLinears`
-whose linears (``mlp.experts.3.gate_up_proj``, ...) hold views of the fused weights, so pruning them
-prunes the fused parameters, and whose forward calls each expert's linears on exactly the tokens the
+whose linears (``mlp.experts.3.gate_up_proj``, ...) hold views of the fused weights (a transposed
+layout's: contiguous copies, written back when it ends), so pruning them prunes the fused parameters,
+and whose forward calls each expert's linears on exactly the tokens the
 router sends to it: hooks on a linear see that expert's tokens, and the block's outputs are unchanged.
 That forward is :class:`RoutedExperts`', shared with :class:`pyprune.nn.sparse.SparseExperts` (the experts
 held as one SparseLinear per expert matrix after :func:`pyprune.nn.sparsify_`).
