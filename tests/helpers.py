@@ -118,7 +118,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "o
 def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, vocab=128, window=8,
                  attn_implementation=None):
     """A small random-weight causal LM of ``family`` (eval mode, fp32), with ``attn_implementation``
-    (default: sdpa, or eager for Gemma 2, which transformers runs only eagerly). Families with sliding-window
+    (default: sdpa, or eager for Gemma 2 and gpt-oss, which transformers runs only eagerly). Families with sliding-window
     attention get a ``window`` shorter than the tests' sequences and alternate local and global
     layers where the family does (Gemma 2/3, Qwen2/3), so each block's attention mask and (Gemma 3)
     RoPE differ from the first block's."""
@@ -143,6 +143,12 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
                            dict(**common, **gqa, head_dim=32, sliding_window=window, layer_types=alternating,
                                 rope_local_base_freq=10_000.0)),
         "phi3": lambda: (tf.Phi3Config, tf.Phi3ForCausalLM, dict(**common, **gqa, pad_token_id=0)),
+        "olmo2": lambda: (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(**common, **gqa, pad_token_id=0, eos_token_id=0)),
+        "exaone4": lambda: (tf.Exaone4Config, tf.Exaone4ForCausalLM,
+                            dict(**common, **gqa, head_dim=16, sliding_window=window, layer_types=alternating)),
+        "cohere": lambda: (tf.CohereConfig, tf.CohereForCausalLM, dict(**common, **gqa, pad_token_id=0, eos_token_id=0,
+                                                                       bos_token_id=1)),
+        "glm4": lambda: (tf.Glm4Config, tf.Glm4ForCausalLM, dict(**common, **gqa, head_dim=16, pad_token_id=0)),
         "opt": lambda: (tf.OPTConfig, tf.OPTForCausalLM,
                         dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                              num_attention_heads=heads, ffn_dim=2 * hidden, max_position_embeddings=256,
@@ -154,13 +160,50 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
         "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                               dict(**common, **gqa, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)),
+        "gpt_oss": lambda: (tf.GptOssConfig, tf.GptOssForCausalLM,
+                            dict(**common, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=32,
+                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                                 layer_types=alternating, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+        "llama4": lambda: (tf.Llama4TextConfig, tf.Llama4ForCausalLM,
+                           dict(**common, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=32,
+                                intermediate_size_mlp=2 * hidden, num_local_experts=4, num_experts_per_tok=1,
+                                interleave_moe_layer_step=1, attention_chunk_size=window)),
+        **_hybrid_configs(tf, common, gqa),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {', '.join(configs)}; got {family!r}")
     config_class, model_class, fields = configs[family]()
     config = config_class(**fields)
-    config._attn_implementation = attn_implementation or ("eager" if family == "gemma2" else "sdpa")
+    config._attn_implementation = attn_implementation or ("eager" if family in ("gemma2", "gpt_oss") else "sdpa")
     return model_class(config).eval()
+
+
+#: hybrid families: a linear-attention (Gated DeltaNet), Mamba2 or short-conv mixer in some or all blocks
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "lfm2")
+
+
+def _hybrid_configs(tf, common, gqa):
+    """Config builders of the hybrid families: block 0 holds the recurrent mixer, block 1 full attention
+    (Falcon-H1 runs Mamba2 beside attention in every block)."""
+    hybrid = ["linear_attention", "full_attention"]
+    delta = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    layers = common["num_hidden_layers"]
+    return {
+        "qwen3_5": lambda: (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM,
+                            dict(**common, **gqa, **delta, layer_types=hybrid * (layers // 2))),
+        "qwen3_5_moe": lambda: (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM,
+                                dict(**common, **gqa, **delta, **moe, layer_types=hybrid * (layers // 2))),
+        "qwen3_next": lambda: (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
+                               dict(**common, **gqa, **delta, **moe, layer_types=hybrid * (layers // 2))),
+        "falcon_h1": lambda: (tf.FalconH1Config, tf.FalconH1ForCausalLM,
+                              dict(**common, **gqa, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                   mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)),
+        "lfm2": lambda: (tf.Lfm2Config, tf.Lfm2ForCausalLM,
+                         dict(**common, **gqa, layer_types=["conv", "full_attention"] * (layers // 2),
+                              block_auto_adjust_ff_dim=False)),
+    }
 
 
 def tiny_tokenizer():

@@ -25,8 +25,9 @@ def prune(model: nn.Module, method: Union[str, Method], pattern: Union[str, floa
     Everything is checked before the model is touched: an unknown method or pattern, a pattern the
     method cannot produce, an N:M pattern that does not divide a layer, or missing calibration.
     The measured sparsity covers the linear layers the method pruned (an MoE's experts one layer per
-    expert matrix); ``left_dense`` names the block matrices it left dense (an MoE's routers, fused
-    experts of a layout pyprune does not reproduce), which a user must not take for pruned. A
+    expert matrix); ``left_dense`` names the block parameters it left dense (an MoE's routers, a hybrid
+    mixer's convolution and state, fused experts of a layout pyprune does not reproduce), which a
+    user must not take for pruned. A
     layer-wise method's ``magnitude_fallback`` counts and names the expert matrices no calibration
     token reached, pruned by magnitude.
     """

@@ -33,9 +33,16 @@ from .options import nonnegative, option
 @contextlib.contextmanager
 def skipped(block: nn.Module):
     """``block`` passes its hidden states on unchanged while inside (an instance attribute shadows
-    its class's forward, as a removed block would)."""
-    own = block.__dict__.get("forward")
-    block.forward = lambda hidden_states=None, *args, **kwargs: hidden_states
+    its class's forward, as a removed block would), in the container its own forward returns: its
+    first call runs the block once to see whether that is a tuple (Falcon-H1's) or the tensor itself."""
+    own, run, returns_tuple = block.__dict__.get("forward"), block.forward, []
+
+    def skip(hidden_states=None, *args, **kwargs):
+        if not returns_tuple:
+            returns_tuple.append(isinstance(run(hidden_states, *args, **kwargs), tuple))
+        return (hidden_states,) if returns_tuple[0] else hidden_states
+
+    block.forward = skip
     try:
         yield
     finally:

@@ -77,8 +77,8 @@ from ..runtime import engine
 from ..ops.conventions import kept_count
 from ..nn import compact
 from ..nn.families import channel_rows, experts_in_config, head_rows
-from ..nn.layout import (block_family, block_layout, check_block, config_accepts, config_fields, family_fields,
-                         head_counts, hidden_slices, hidden_stream, layouts_uniform)
+from ..nn.layout import (block_family, block_layout, check_block, check_heads_removable, config_accepts, config_fields,
+                         family_fields, head_counts, hidden_slices, hidden_stream, layouts_uniform)
 from ..patterns import Structured
 from .base import Method
 from .options import option
@@ -309,6 +309,8 @@ class StructuredMethod(Method):
         prefix = engine.block_prefix(model)
         for index, block in enumerate(blocks):
             check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+            if self.structure == "groups" and self.heads:
+                check_heads_removable(block, f"block {prefix}.{index} of {type(model).__name__}")
         if self.structure == "hidden":
             try:
                 hidden_stream(model)

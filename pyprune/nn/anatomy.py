@@ -98,14 +98,22 @@ def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:
             if isinstance(module, nn.Linear) and not _is_router(block, name)}
 
 
-def unpruned_matrices(block: nn.Module) -> Dict[str, int]:
-    """The matrices of a block that no linear-layer method prunes, by name, with their sizes: an MoE
-    block's routers, and outside :func:`pyprune.nn.experts.expert_linears` (or for a layout it does
-    not reproduce) its experts stored as fused 3-D parameters (the report names them, so that a
-    model's measured sparsity is never mistaken for the whole block's)."""
-    pruned = {id(linear.weight) for linear in block_linears(block).values()}
-    return {name: parameter.numel() for name, parameter in block.named_parameters()
-            if parameter.dim() >= 2 and id(parameter) not in pruned}
+def _scales(module: nn.Module) -> bool:
+    """A module without children whose parameters are all 1-D: a norm's scale (and shift)."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and next(module.children(), None) is None and all(p.dim() == 1 for p in own)
+
+
+def unpruned_parameters(block: nn.Module) -> Dict[str, int]:
+    """The parameters of a block that no linear-layer method prunes, by name, with their sizes,
+    but for the pruned linears' biases and the norms' scales: an MoE block's routers; a hybrid
+    block's convolutions and its mixer's state and gate parameters (Mamba2's ``A_log``, ``D``,
+    ``dt_bias``); and outside :func:`pyprune.nn.experts.expert_linears` (or for a layout it does not
+    reproduce) its experts stored as fused 3-D parameters (the report names them, so that a model's
+    measured sparsity is never mistaken for the whole block's)."""
+    pruned = {id(p) for linear in block_linears(block).values() for p in linear.parameters(recurse=False)}
+    pruned |= {id(p) for module in block.modules() if _scales(module) for p in module.parameters(recurse=False)}
+    return {name: parameter.numel() for name, parameter in block.named_parameters() if id(parameter) not in pruned}
 
 
 def first_tensor(output):

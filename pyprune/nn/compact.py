@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from .anatomy import decoder_blocks
 from .families import Family, channel_rows, head_rows
-from .layout import (Indices, block_layout, check_block, checked_index,
+from .layout import (Indices, block_layout, check_block, check_heads_removable, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
@@ -156,6 +156,8 @@ def keep_attention_heads_(block: nn.Module, q_heads: Indices, kv_heads: Indices)
     n_q, n_kv, hd = head_counts(family, block)
     q = checked_index(q_heads, n_q, "keep_attention_heads_ q_heads")
     kv = checked_index(kv_heads, n_kv, "keep_attention_heads_ kv_heads").sort().values
+    if q.numel() < n_q or kv.numel() < n_kv:
+        check_heads_removable(block)
     q = grouped_query_heads(q, kv, n_q // n_kv)
     for name, parts in head_rows(family, n_q, n_kv, hd).items():
         # q and kv are ascending, so the kept rows in the linear's own order are these rows sorted

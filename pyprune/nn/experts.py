@@ -1,57 +1,128 @@
-"""MoE experts stored as fused 3-D parameters (transformers 5: ``experts.gate_up_proj`` [E, 2I, H] and
-``experts.down_proj`` [E, H, I]), presented to the linear-layer methods as one nn.Linear per expert matrix.
+"""MoE experts stored as fused 3-D parameters (transformers 5: ``experts.gate_up_proj`` and
+``experts.down_proj``, in one of the :data:`LAYOUTS`: Mixtral's, gpt-oss's, Llama 4's), presented to the
+linear-layer methods as one nn.Linear per expert matrix.
 
 Within :func:`expert_linears` a block's fused experts module is replaced by an :class:`ExpertLinears`
-whose linears (``mlp.experts.3.gate_up_proj``, ...) hold views of the fused weights, so pruning them
-prunes the fused parameters, and whose forward calls each expert's linears on exactly the tokens the
+whose linears (``mlp.experts.3.gate_up_proj``, ...) hold views of the fused weights (a transposed
+layout's: contiguous copies, written back when it ends), so pruning them prunes the fused parameters,
+and whose forward calls each expert's linears on exactly the tokens the
 router sends to it: hooks on a linear see that expert's tokens, and the block's outputs are unchanged.
 That forward is :class:`RoutedExperts`', shared with :class:`pyprune.nn.sparse.SparseExperts` (the experts
 held as one SparseLinear per expert matrix after :func:`pyprune.nn.sparsify_`).
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 #: the fused matrices of an experts module, as transformers names them
 MATRICES = ("gate_up_proj", "down_proj")
-#: the layout flags transformers' ``use_experts_implementation`` sets on an experts module, with the values
-#: (also the defaults of an undecorated module) whose computation :class:`ExpertLinears` reproduces
-_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-           "has_post_expert_norm": False}
-_SUPPORTED = ("3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] without bias, computing "
-              "down(act_fn(gate) * up) per expert weighted by its routing score (Mixtral, Qwen2-MoE)")
 
 
-def _unsupported(module: nn.Module) -> Optional[str]:
-    """Why pyprune does not reproduce this fused experts module's computation; None when it does."""
-    fused = {name: p for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
-    if set(fused) != set(MATRICES) or len(list(module.parameters(recurse=False))) != len(MATRICES):
-        return f"its parameters are {sorted(name for name, _ in module.named_parameters(recurse=False))}"
-    (experts, double, hidden), down = fused["gate_up_proj"].shape, fused["down_proj"].shape
-    if double % 2 or tuple(down) != (experts, hidden, double // 2):
-        return f"gate_up_proj {tuple(fused['gate_up_proj'].shape)} does not match down_proj {tuple(down)}"
-    if not callable(getattr(module, "act_fn", None)):
-        return "it has no act_fn"
-    layout = {flag: getattr(module, flag, default) for flag, default in _LAYOUT.items()}
-    if layout != _LAYOUT:
-        return f"its layout is {layout}"
-    return None
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a fused experts module stores its expert matrices and how its caller hands it the tokens.
+    Each expert computes ``down(gate(gate_up(x)))``: ``gate`` is the module's own ``_apply_gate``
+    where it has one (gpt-oss: gate and up interleaved and clamped, ``(up + 1)·g·σ(αg)``), else
+    ``act_fn(gate) · up`` on the two halves."""
+
+    name: str
+    transposed: bool  #: matrices stored [E, in, out], applied as ``x @ W`` (else [E, out, in], ``x @ Wᵀ``)
+    biases: bool      #: with ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]
+    prescaled: bool   #: called on [E·T, H], every token once per expert times its routing score (0: not routed),
+    #: instead of (hidden_states, top_k_index, top_k_weights)
+
+    @property
+    def parameters(self) -> Tuple[str, ...]:
+        return MATRICES + (tuple(f"{matrix}_bias" for matrix in MATRICES) if self.biases else ())
+
+    def shapes(self, experts: int, hidden: int, intermediate: int) -> Dict[str, Tuple[int, ...]]:
+        gate_up, down = (hidden, 2 * intermediate), (intermediate, hidden)
+        if not self.transposed:
+            gate_up, down = gate_up[::-1], down[::-1]
+        return {"gate_up_proj": (experts, *gate_up), "down_proj": (experts, *down),
+                "gate_up_proj_bias": (experts, 2 * intermediate), "down_proj_bias": (experts, hidden)}
+
+    def weight(self, fused: nn.Module, matrix: str, index: int) -> Tensor:
+        """Expert ``index``'s ``matrix`` as an [out, in] view of the fused parameter."""
+        weight = getattr(fused, matrix).detach()[index]
+        return weight.t() if self.transposed else weight
+
+    def stacked(self, weights: Sequence[Tensor]) -> Tensor:
+        """The fused parameter's values from every expert's [out, in] weight."""
+        return torch.stack([w.t() if self.transposed else w for w in weights])
+
+
+#: the layouts pyprune reproduces, with transformers' ``use_experts_implementation`` flags where the
+#: module has them
+LAYOUTS = (
+    (ExpertLayout("mixtral", transposed=False, biases=False, prescaled=False),  # Mixtral, Qwen2/3/3.5-MoE
+     {"is_transposed": False, "has_bias": False, "is_concatenated": True}),
+    (ExpertLayout("gpt_oss", transposed=True, biases=True, prescaled=False),
+     {"is_transposed": True, "has_bias": True, "is_concatenated": False}),
+    (ExpertLayout("llama4", transposed=True, biases=False, prescaled=True),
+     {"is_transposed": True, "has_bias": False, "is_concatenated": True}),
+)
+_SUPPORTED = ("Mixtral / Qwen-MoE (gate_up_proj [E, 2I, H], down_proj [E, H, I], called with the top-k indices and "
+              "weights), gpt-oss (the same call, [E, H, 2I] and [E, I, H] with biases, its own _apply_gate) and "
+              "Llama 4 ([E, H, 2I] and [E, I, H], called on tokens pre-scaled by the router)")
+
+
+def _inputs(module: nn.Module) -> int:
+    """The number of tensors the module's forward takes (3: routed, 1: pre-scaled)."""
+    try:
+        return len(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return -1
+
+
+def expert_layout(module: nn.Module) -> Tuple[Optional[ExpertLayout], str]:
+    """(the layout of a fused experts module, "") or (None, why pyprune does not reproduce it)."""
+    own = dict(module.named_parameters(recurse=False))
+    if not set(MATRICES) <= set(own) or own["gate_up_proj"].dim() != 3:
+        return None, f"its parameters are {sorted(own)}"
+    for flag, value in (("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(module, flag, value) != value:
+            return None, f"its {flag} is {getattr(module, flag)}"
+    if not (callable(getattr(module, "_apply_gate", None)) or callable(getattr(module, "act_fn", None))):
+        return None, "it has neither _apply_gate nor act_fn"
+    experts, first, second = own["gate_up_proj"].shape
+    for layout, flags in LAYOUTS:
+        hidden, double = (first, second) if layout.transposed else (second, first)
+        shapes = layout.shapes(experts, hidden, double // 2)
+        if set(own) == set(layout.parameters) and double % 2 == 0 \
+                and all(tuple(own[name].shape) == shapes[name] for name in own) \
+                and all(getattr(module, flag, value) == value for flag, value in flags.items()) \
+                and _inputs(module) == (1 if layout.prescaled else 3):
+            return layout, ""
+    flags = {flag: getattr(module, flag) for flag in LAYOUTS[0][1] if hasattr(module, flag)}
+    return None, (f"its parameters {', '.join(f'{n} {tuple(p.shape)}' for n, p in sorted(own.items()))}"
+                  f"{f', flags {flags}' if flags else ''} and a forward of {_inputs(module)} inputs match no layout")
+
+
+def holds_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds 3-D parameters of its own and is not a convolution (a depthwise
+    ``Conv1d`` of a linear-attention, Mamba2 or short-conv mixer holds a 3-D kernel, not experts)."""
+    return not isinstance(module, nn.modules.conv._ConvNd) and \
+        any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
 def fused_experts(block: nn.Module, strict: bool = True, where: str = "block") -> Dict[str, nn.Module]:
-    """The modules of ``block`` holding experts as fused 3-D parameters, by name inside the block.
-    One whose computation pyprune does not reproduce raises ValueError (``strict``, naming it under
-    ``where``) or is left out (it stays dense, and the prune report says so)."""
+    """The modules of ``block`` holding experts as fused 3-D parameters (:func:`holds_fused_experts`),
+    by name inside the block. One whose computation pyprune does not reproduce raises ValueError
+    (``strict``, naming it under ``where``) or is left out (it stays dense, and the prune report
+    says so)."""
     found = {}
     for name, module in block.named_modules():
-        if not name or not any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        if not name or not holds_fused_experts(module):
             continue
-        problem = _unsupported(module)
-        if problem is None:
+        layout, problem = expert_layout(module)
+        if layout is not None:
             found[name] = module
         elif strict:
             raise ValueError(f"{where}.{name} ({type(module).__name__}) is a fused experts module pyprune cannot "
@@ -59,28 +130,61 @@ def fused_experts(block: nn.Module, strict: bool = True, where: str = "block") -
     return found
 
 
-def _view_linear(weight: Tensor, requires_grad: bool) -> nn.Linear:
-    """An nn.Linear whose weight is ``weight`` itself (a view of a fused parameter), without bias."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=requires_grad)
+class _BiasedLinear(nn.Linear):
+    """An expert matrix with its bias, added after the product as the fused module adds it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight) + self.bias
+
+
+def _view_linear(fused: nn.Module, layout: ExpertLayout, matrix: str, index: int) -> nn.Linear:
+    """An nn.Linear whose weight (and bias) are views of expert ``index``'s part of the fused parameters;
+    a transposed layout's weight is a contiguous copy instead (optimisers and kernels want one), which
+    :meth:`ExpertLinears.write_back` copies back."""
+    weight, grad = layout.weight(fused, matrix, index).contiguous(), getattr(fused, matrix).requires_grad
+    linear = (_BiasedLinear if layout.biases else nn.Linear)(weight.shape[1], weight.shape[0], bias=layout.biases,
+                                                             device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=grad)
+    if layout.biases:
+        linear.bias = nn.Parameter(getattr(fused, f"{matrix}_bias").detach()[index], requires_grad=grad)
     return linear
 
 
 class RoutedExperts(nn.ModuleList):
     """Experts as one module per expert holding linears ``gate_up_proj`` and ``down_proj`` (any
-    module computing ``x @ Wᵀ``: nn.Linear, SparseLinear), run as the fused module runs them
-    (transformers' eager experts loop): each expert's linears on exactly the tokens routed to it,
-    ``down(act_fn(gate) * up)`` weighted by the expert's routing score and summed per token."""
+    module computing ``x @ Wᵀ (+ b)``: nn.Linear, SparseLinear), run as the fused module ``fused``
+    runs them (transformers' eager experts loop, in its :class:`ExpertLayout`): each expert's linears
+    on exactly the tokens routed to it, ``down(gate(gate_up(x)))``, weighted by the expert's routing
+    score and summed per token; for a pre-scaled layout, on the rows of its share of the input that
+    the router did not scale to zero, each row's output in its place."""
 
-    def __init__(self, experts, act_fn):
+    def __init__(self, experts, fused: nn.Module, layout: ExpertLayout):
         super().__init__(experts)
-        object.__setattr__(self, "act_fn", act_fn)  # not a child: the list holds experts only
+        object.__setattr__(self, "layout", layout)  # neither is a child: the list holds experts only
+        object.__setattr__(self, "_fused", fused)
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if top_k_index.is_floating_point() or not top_k_weights.is_floating_point():
+    def gate(self, gate_up: Tensor) -> Tensor:
+        """The fused module's ``_apply_gate``, else ``act_fn(gate) · up`` on the halves."""
+        apply = getattr(self._fused, "_apply_gate", None)
+        if apply is not None:
+            return apply(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._fused.act_fn(gate) * up
+
+    def expert(self, index: int, x: Tensor) -> Tensor:
+        return self[index].down_proj(self.gate(self[index].gate_up_proj(x)))
+
+    def forward(self, hidden_states: Tensor, top_k_index: Optional[Tensor] = None,
+                top_k_weights: Optional[Tensor] = None) -> Tensor:
+        if self.layout.prescaled:
+            if top_k_index is not None or top_k_weights is not None:
+                raise TypeError(f"{self.layout.name} experts are called on pre-scaled tokens alone")
+            return self._prescaled(hidden_states)
+        if top_k_index is None or top_k_index.is_floating_point() or not top_k_weights.is_floating_point():
             raise TypeError("fused experts called with (hidden_states, top_k_index, top_k_weights) of dtypes "
-                            f"{hidden_states.dtype}, {top_k_index.dtype}, {top_k_weights.dtype}; pyprune reproduces "
-                            "experts called with integer expert indices and float routing weights in that order")
+                            f"{hidden_states.dtype}, {getattr(top_k_index, 'dtype', None)}, "
+                            f"{getattr(top_k_weights, 'dtype', None)}; pyprune reproduces experts called with "
+                            "integer expert indices and float routing weights in that order")
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             routed = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
@@ -89,10 +193,19 @@ class RoutedExperts(nn.ModuleList):
             if index == len(self):
                 continue
             position, token = torch.where(routed[index])
-            gate, up = self[index].gate_up_proj(hidden_states[token]).chunk(2, dim=-1)
-            out = self[index].down_proj(self.act_fn(gate) * up) * top_k_weights[token, position, None]
+            out = self.expert(index, hidden_states[token]) * top_k_weights[token, position, None]
             final.index_add_(0, token, out.to(final.dtype))
         return final
+
+    def _prescaled(self, hidden_states: Tensor) -> Tensor:
+        rows = hidden_states.view(len(self), -1, hidden_states.shape[-1])
+        final = torch.zeros_like(rows)
+        for index in range(len(self)):
+            with torch.no_grad():
+                token = rows[index].any(dim=-1).nonzero()[:, 0]
+            if token.numel():
+                final[index, token] = self.expert(index, rows[index, token]).to(final.dtype)
+        return final.view_as(hidden_states)
 
 
 def experts_of(linears) -> nn.Module:
@@ -104,23 +217,29 @@ def experts_of(linears) -> nn.Module:
 
 
 class ExpertLinears(RoutedExperts):
-    """A fused experts module as a :class:`RoutedExperts` whose nn.Linear weights are views of the
-    fused ones (pruning them prunes the fused parameters)."""
+    """A fused experts module as a :class:`RoutedExperts` whose nn.Linear weights (and biases) are
+    views of the fused ones (pruning them prunes the fused parameters), or for a transposed layout
+    contiguous copies that :meth:`write_back` puts into the fused parameters."""
 
     def __init__(self, fused: nn.Module):
-        super().__init__([experts_of({matrix: _view_linear(getattr(fused, matrix).detach()[index],
-                                                           getattr(fused, matrix).requires_grad)
-                                      for matrix in MATRICES})
-                          for index in range(fused.gate_up_proj.shape[0])], fused.act_fn)
+        layout, problem = expert_layout(fused)
+        if layout is None:
+            raise ValueError(f"{type(fused).__name__} is a fused experts module pyprune cannot prune: {problem}")
+        super().__init__([experts_of({matrix: _view_linear(fused, layout, matrix, index) for matrix in MATRICES})
+                          for index in range(fused.gate_up_proj.shape[0])], fused, layout)
 
     @torch.no_grad()
     def write_back(self, fused: nn.Module) -> None:
-        """Copy into ``fused`` every expert weight a method replaced instead of changing it in place."""
+        """Copy into ``fused`` every expert weight (and bias) a method replaced instead of changing it in place."""
         for index, expert in enumerate(self):
             for matrix in MATRICES:
-                target, weight = getattr(fused, matrix)[index], getattr(expert, matrix).weight
-                if weight.data_ptr() != target.data_ptr():
-                    target.copy_(weight)
+                linear = getattr(expert, matrix)
+                targets = [(self.layout.weight(fused, matrix, index), linear.weight)]
+                if self.layout.biases:
+                    targets.append((getattr(fused, f"{matrix}_bias")[index], linear.bias))
+                for target, tensor in targets:
+                    if tensor.data_ptr() != target.data_ptr():
+                        target.copy_(tensor)
 
 
 @contextmanager

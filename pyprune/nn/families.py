@@ -43,6 +43,8 @@ class Family:
     intermediate_field: str = "intermediate_size"     #: config field of the MLP channels
     heads_from_config: bool = False     #: the attention's forward reads the head counts from its config (Phi-3)
     norm_offset: float = 0.0            #: its RMSNorms multiply by offset + weight (Gemma: 1 + w)
+    post_norm: bool = False             #: its norms act on the attention and MLP outputs only (OLMo 2, EXAONE 4)
+    parallel: bool = False              #: attention and MLP both read the one norm's output (Cohere)
 
     @property
     def attention_inputs(self) -> Tuple[str, ...]:
@@ -72,17 +74,26 @@ _LLAMA_MLP = dict(mlp_in=("mlp.gate_proj", "mlp.up_proj"), mlp_out="mlp.down_pro
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 #: The supported dense families, most specific first (a block is matched to the first whose
-#: modules it all has): Gemma 2/3 (four norms around attention and MLP; Gemma 3's q/k-norms act per
-#: head_dim and stay), Llama / Mistral / Qwen2 / Qwen3 / SmolLM, Phi-3, OPT, GPT-NeoX.
+#: modules it all has; a parallel one must have nothing else): Gemma 2/3 (four norms around attention
+#: and MLP; Gemma 3's q/k-norms act per head_dim and stay), OLMo 2 / EXAONE 4 (a norm after attention
+#: and after the MLP only), Llama / Mistral / Qwen2 / Qwen3 / SmolLM, Cohere (attention and MLP in
+#: parallel on one norm), Phi-3, GLM-4 (q/k/v apart, a fused gate_up, Gemma's four norms in the same
+#: roles), OPT, GPT-NeoX.
 FAMILIES = (
     Family("gemma", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
            norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm"), norm_offset=1.0),
+    Family("olmo2", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
+           norms=("post_attention_layernorm", "post_feedforward_layernorm"), post_norm=True),
     Family("llama", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP,
            norms=("input_layernorm", "post_attention_layernorm")),
+    Family("cohere", "self_attn", _QKV, "", "o_proj", **_LLAMA_MLP, norms=("input_layernorm",), parallel=True),
     Family("phi3", "self_attn", ("qkv_proj",), "stacked", "o_proj", mlp_in=("mlp.gate_up_proj",),
            mlp_out="mlp.down_proj", norms=("input_layernorm", "post_attention_layernorm"), mlp_parts=2,
            heads_from_config=True),
+    Family("glm4", "self_attn", _QKV, "", "o_proj", mlp_in=("mlp.gate_up_proj",), mlp_out="mlp.down_proj",
+           norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+           mlp_parts=2),
     Family("opt", "self_attn", _QKV, "", "out_proj", mlp_in=("fc1",), mlp_out="fc2",
            norms=("self_attn_layer_norm", "final_layer_norm"), kv_field=None, head_dim_field=None,
            intermediate_field="ffn_dim"),

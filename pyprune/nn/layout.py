@@ -17,7 +17,7 @@ from .families import FAMILIES, FINAL_NORMS, Family, head_rows
 from .sparse import SparseLinear
 
 __all__ = [
-    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block",
+    "ATTENTION_LINEARS", "MLP_LINEARS", "LINEARS", "ChannelView", "block_family", "check_block", "check_heads_removable",
     "head_counts", "head_dim", "block_layout", "layouts_uniform", "config_fields", "family_fields", "config_accepts",
     "checked_index", "hidden_index", "hidden_stream", "hidden_slices", "rescaled_norm_weight",
 ]
@@ -48,18 +48,34 @@ def _has_experts(block: nn.Module) -> bool:
     return any(name.rpartition(".")[2] == "experts" for name, _ in block.named_modules())
 
 
+def recurrent_mixer(block: nn.Module) -> Optional[str]:
+    """The name of ``block``'s sequence mixer that is no attention: the module holding a convolution
+    (Gated DeltaNet's ``linear_attn``, Mamba2's ``mamba``, LFM2's short ``conv``); None without one."""
+    return next((name.rpartition(".")[0] for name, module in block.named_modules()
+                 if isinstance(module, nn.modules.conv._ConvNd)), None)
+
+
 def block_family(block: nn.Module, name: str = "block") -> Family:
     """The dense family (:data:`pyprune.nn.families.FAMILIES`) whose linears and norms ``block``
-    has; ValueError (one line) naming what the nearest family misses otherwise, or that an MoE
-    block's experts are not heads or channels."""
+    has; ValueError (one line) naming what the nearest family misses otherwise, that an MoE
+    block's experts are not heads or channels, or that a hybrid block's recurrent mixer is no attention."""
+    mixer = recurrent_mixer(block)
+    if mixer is not None:
+        raise ValueError(f"{name} ({type(block).__name__}) mixes tokens with {mixer} "
+                         f"({type(block.get_submodule(mixer)).__name__}), a convolution and recurrent state, not "
+                         "attention heads: structured pruning supports blocks of attention and an MLP only")
     if _has_experts(block):
         raise ValueError(f"{name} ({type(block).__name__}) is a mixture-of-experts block: structured pruning of "
                          f"heads and MLP channels supports dense blocks only (families "
                          f"{', '.join(f.name for f in FAMILIES)})")
     missing = {}
+    children = set(dict(block.named_children()))
     for family in FAMILIES:
         missing[family.name] = [n for n in family.linears if _linear(block, n) is None] \
             + [n for n in family.norms if not isinstance(getattr(block, n, None), nn.Module)]
+        parts = {family.attention, family.mlp_out.rpartition(".")[0] or family.mlp_out, *family.norms}
+        if family.parallel and not missing[family.name] and children != parts:
+            missing[family.name] = [f"no module beside {', '.join(sorted(parts))} (has {', '.join(sorted(children - parts))})"]
         if not missing[family.name]:
             return family
     nearest = min(missing, key=lambda f: len(missing[f]))
@@ -117,6 +133,20 @@ def check_block(block: nn.Module, name: str = "block") -> Family:
         raise ValueError(f"{name}: MLP linears {', '.join(f'{n} {shapes[n]}' for n in mlp)} "
                          f"disagree on the channel count")
     return family
+
+
+def check_heads_removable(block: nn.Module, name: str = "block") -> None:
+    """ValueError (one line) when a norm inside the attention (OLMo 2's q_norm, k_norm) holds weights
+    over its whole projection instead of one head_dim shared by every head: it normalises across
+    heads, so removing some would change what it does to the others."""
+    family = block_family(block, name)
+    hd = head_counts(family, block)[2]
+    for norm_name, norm in block.get_submodule(family.attention).named_children():
+        weight = getattr(norm, "weight", None)
+        if norm_name.endswith("norm") and isinstance(weight, Tensor) and weight.numel() != hd:
+            raise ValueError(f"{name}: {family.attention}.{norm_name} has weight {tuple(weight.shape)} over the whole "
+                             f"projection, not one head_dim ({hd}) shared by every head: removing heads would change "
+                             "what it does to the others (prune MLP channels only: heads=False)")
 
 
 #: the name io.model_dir and evaluation call it by
@@ -233,6 +263,17 @@ def rescaled_norm_weight(weight: Tensor, scale: float, offset: float) -> Tensor:
     return weight * scale if offset == 0 else (weight + offset) * scale - offset
 
 
+@torch.no_grad()
+def _centres(norm: nn.Module) -> bool:
+    """Whether ``norm`` subtracts the mean over its channels (nn.LayerNorm, Cohere's): adding one value to
+    every channel leaves its output as it was, which an RMS norm's is not."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(norm, nn.LayerNorm) or not isinstance(weight, Tensor) or weight.device.type == "meta":
+        return isinstance(norm, nn.LayerNorm)
+    x = torch.randn(2, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    return torch.allclose(norm(x), norm(x + 3.0), rtol=1e-2, atol=1e-2)
+
+
 def hidden_stream(model: nn.Module) -> Dict:
     """The modules of ``model`` that carry the hidden dimension, by qualified name: the embedding
     (``embed``, ``embed_name``; a scaled one such as Gemma's keeps its scale), the LM head, the RMS
@@ -249,6 +290,9 @@ def hidden_stream(model: nn.Module) -> Dict:
                          f"(before pyprune.nn.sparsify_, or after pyprune.nn.unslice_)")
     config = getattr(model, "config", None)
     layers = decoder_blocks(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    prefix = names[id(layers)]
+    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]  # a block's refusal first
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -259,16 +303,13 @@ def hidden_stream(model: nn.Module) -> Dict:
         raise ValueError(f"model ({type(model).__name__}) is not a causal LM whose hidden stream pyprune can "
                          f"slice: needs an nn.Embedding input embedding, an nn.Linear output embedding, a final "
                          f"norm ({' or '.join(FINAL_NORMS)} under get_decoder()) and config.hidden_size")
-    names = {id(module): name for name, module in model.named_modules()}
-    prefix = names[id(layers)]
-    families = [check_block(block, f"{prefix}.{i}") for i, block in enumerate(layers)]
     norms = {names[id(norm)]: norm}
     readers, writers = {}, {}
     for i, (block, family) in enumerate(zip(layers, families)):
         norms.update({f"{prefix}.{i}.{n}": getattr(block, n) for n in family.norms})
         readers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_readers})
         writers.update({f"{prefix}.{i}.{n}": block.get_submodule(n) for n in family.hidden_writers})
-    layer_norms = sorted(name for name, module in norms.items() if isinstance(module, nn.LayerNorm))
+    layer_norms = sorted(name for name, module in norms.items() if _centres(module))
     if layer_norms:
         raise ValueError(f"model ({type(model).__name__}) normalises its hidden stream with LayerNorm "
                          f"({layer_norms[0]}, ...), which centres over every hidden channel: slicing hidden "
@@ -289,6 +330,9 @@ def hidden_stream(model: nn.Module) -> Dict:
                          f"{hidden} (config.hidden_size): {'; '.join(wrong[:4])}")
     sliced = {id(p) for m in [embed, lm_head, *norms.values(), *readers.values(), *writers.values()]
               for p in m.parameters(recurse=False)}
+    sliced |= {id(p) for block, family in zip(layers, families)  # q/k norms act on projections, not the stream
+               for n, m in block.get_submodule(family.attention).named_children() if n.endswith("norm")
+               for p in m.parameters(recurse=False)}
     stray = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
              if id(t) not in sliced and hidden in t.shape]
     if stray:

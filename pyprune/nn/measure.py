@@ -8,7 +8,7 @@ from typing import Dict, Iterable
 from torch import nn
 
 from ..patterns import NM
-from .anatomy import block_linears, block_prefix, decoder_blocks, resident_blocks, unpruned_matrices
+from .anatomy import block_linears, block_prefix, decoder_blocks, resident_blocks, unpruned_parameters
 from .experts import expert_linears
 from .layout import block_layout, check_block
 from .sliced import SlicedLinear
@@ -18,14 +18,16 @@ from .sparse import SparseLinear
 def sparsity_report(model: nn.Module, nm: Iterable[tuple] = ((2, 4), (4, 8))) -> Dict:
     """Measured sparsity of every prunable linear layer in the decoder blocks (an MoE's fused experts
     as one layer per expert matrix, ``...mlp.experts.3.gate_up_proj``) and overall, whether each
-    layer satisfies the given N:M patterns, and the block matrices no linear-layer method prunes
-    (``left_dense``: routers, and fused experts of a layout pyprune does not reproduce, with their
-    parameter count), which the sparsity does not cover."""
+    layer satisfies the given N:M patterns, and the block parameters no linear-layer method prunes
+    (``left_dense``: routers, hybrid mixers' convolutions and state, fused experts of a layout
+    pyprune does not reproduce; :func:`~pyprune.nn.anatomy.unpruned_parameters`), with their
+    parameter count, which the sparsity does not cover."""
     prefix = block_prefix(model)
     layers, zeros, total, left_dense = [], 0, 0, {}
     for index, block in resident_blocks(model):
         with expert_linears(block, strict=False):  # fused MoE experts measured one expert matrix at a time
-            left_dense.update({f"{prefix}.{index}.{name}": size for name, size in unpruned_matrices(block).items()})
+            left_dense.update({f"{prefix}.{index}.{name}": size
+                               for name, size in unpruned_parameters(block).items()})
             for name, module in block_linears(block).items():
                 nonzero = module.weight.detach() != 0
                 layer_zeros = int(nonzero.numel() - nonzero.sum())

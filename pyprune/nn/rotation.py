@@ -83,10 +83,12 @@ def sublayers(block: nn.Module, name: str = "block") -> Tuple[nn.Module, nn.Modu
     """(attention, MLP) of ``block``, whose outputs its forward adds to the residual as they are;
     ValueError (one line) for a family that normalises them first (Gemma) or is not Llama-style."""
     family = block_family(block, name)
-    if len(family.norms) != 2 or family.norm_offset:
+    if len(family.norms) != 2 or family.norm_offset or family.post_norm:
+        how = " after attention and MLP" if family.post_norm else " before attention and MLP in parallel" \
+            if family.parallel else ""
         raise ValueError(f"{name}: residual rotations need a block whose attention and MLP outputs are added to the "
                          f"residual directly (two norms, Llama-style); family {family.name} has norms "
-                         f"{', '.join(family.norms)}")
+                         f"{', '.join(family.norms)}{how}")
     return block.get_submodule(family.attention), block.get_submodule(family.mlp_out.rpartition(".")[0])
 
 

@@ -51,7 +51,7 @@ from ..ops.implementations import call
 from ..ops.library import native
 from ..patterns import NM, max_kept_per_group, parse
 from . import dispatch, tuning
-from .experts import MATRICES, ExpertLinears, RoutedExperts, experts_of, fused_experts
+from .experts import MATRICES, ExpertLinears, RoutedExperts, expert_layout, experts_of, fused_experts
 
 #: The patterns ``sparsify_`` recognises in a weight when none is given, most hardware-friendly first.
 DETECTED_PATTERNS = (NM(2, 4), NM(4, 8))
@@ -371,9 +371,9 @@ class SparseExperts(RoutedExperts):
     :meth:`to_fused` rebuilds it with the same weights."""
 
     def __init__(self, fused: nn.Module, layers: Sequence[Dict[str, SparseLinear]]):
-        super().__init__([experts_of(linears) for linears in layers], fused.act_fn)
-        shell = _with_parameters(fused, {matrix: nn.Parameter(getattr(fused, matrix).detach().to("meta"))
-                                         for matrix in MATRICES})
+        shell = _with_parameters(fused, {name: nn.Parameter(p.detach().to("meta"))
+                                         for name, p in fused.named_parameters(recurse=False)})
+        super().__init__([experts_of(linears) for linears in layers], shell, expert_layout(fused)[0])
         object.__setattr__(self, "_fused_shell", shell)  # not a child: no state, no memory
 
     @classmethod
@@ -389,8 +389,11 @@ class SparseExperts(RoutedExperts):
         stacked = {}
         for matrix in MATRICES:
             layers = [getattr(expert, matrix) for expert in self]
-            stacked[matrix] = nn.Parameter(torch.stack([layer.weight for layer in layers]),
-                                           requires_grad=layers[0].values.requires_grad)
+            grad = layers[0].values.requires_grad
+            stacked[matrix] = nn.Parameter(self.layout.stacked([layer.weight for layer in layers]), requires_grad=grad)
+            if self.layout.biases:
+                stacked[f"{matrix}_bias"] = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]),
+                                                         requires_grad=grad)
         return _with_parameters(self._fused_shell, stacked)
 
     def layers(self) -> Iterator[Tuple[str, SparseLinear]]:
@@ -469,9 +472,10 @@ def sparsify_(model: nn.Module, pattern: Union[None, str, NM, Tuple[int, int]] =
             if found is not None and _pays(module, found, faster_at):
                 plan[name] = found
     for name, fused in fused_experts(model, strict=False).items():
-        matrices = [getattr(fused, matrix).detach() for matrix in MATRICES]
-        found = next((p for p in candidates if all(p.fits(weights) for weights in matrices)), None)
-        first = ExpertLinears(fused)[0]  # every expert has its shapes
+        views = ExpertLinears(fused)  # each expert matrix as [out, in], whatever the layout
+        found = next((p for p in candidates
+                      if all(p.fits(getattr(expert, matrix).weight) for expert in views for matrix in MATRICES)), None)
+        first = views[0]  # every expert has its shapes
         if (name.rsplit(".", 1)[-1] not in skip and found is not None
                 and all(_pays(getattr(first, matrix), found, faster_at) for matrix in MATRICES)):
             experts = SparseExperts.from_fused(fused, found, implementation)

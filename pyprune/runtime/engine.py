@@ -38,7 +38,7 @@ class _BlockInputsCaptured(Exception):
 
 
 #: keyword arguments of a block call that belong to generation, not to one forward
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ from pyprune.nn import sparsify_
 from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_decoder
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "exaone4", "cohere", "olmo2",
+         "opt", "gpt_neox")
 METHODS = [("magnitude", {}), ("wanda", {}), ("sparsegpt", {}), ("safe+", {"epochs": 1}), ("copal", {})]
 
 

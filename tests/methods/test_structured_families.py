@@ -13,7 +13,8 @@ from pyprune.patterns import Structured
 from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_decoder
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "exaone4", "cohere", "opt",
+         "gpt_neox")
 
 
 def tiny(family, **kwargs):

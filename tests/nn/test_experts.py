@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pyprune.nn.anatomy import block_linears, decoder_blocks, unpruned_matrices
+from pyprune.nn.anatomy import block_linears, decoder_blocks, unpruned_parameters
 from pyprune.nn.experts import ExpertLinears, expert_linears, fused_experts
 from tests.helpers import random_tokens, tiny_decoder
 
@@ -43,7 +43,7 @@ def test_expert_linears_are_views_of_the_fused_weights(family):
         assert [name for name in linears if name.startswith("mlp.experts.")] == names
         assert linears["mlp.experts.2.gate_up_proj"].weight.shape == experts.gate_up_proj.shape[1:]
         routers = {"mlp.gate.weight"} | ({"mlp.shared_expert_gate.weight"} if family == "qwen2_moe" else set())
-        assert set(unpruned_matrices(block)) == routers
+        assert set(unpruned_parameters(block)) == routers
         with torch.no_grad():
             linears["mlp.experts.2.gate_up_proj"].weight[0, :5] = 0
             replacement = torch.full_like(experts.down_proj[1], 7.0)
@@ -59,11 +59,11 @@ def test_a_fused_layout_pyprune_does_not_reproduce_is_refused_in_one_line():
     block = decoder_blocks(tiny_decoder("mixtral"))[1]
     block.mlp.experts.has_bias = True
     with pytest.raises(ValueError, match=r"^model.layers.1.mlp.experts \(MixtralExperts\) is a fused experts module "
-                                         r"pyprune cannot prune: its layout is .*'has_bias': True"):
+                                         r"pyprune cannot prune: its parameters .*'has_bias': True.* match no layout; supported: "):
         fused_experts(block, where="model.layers.1")
     assert fused_experts(block, strict=False) == {}
     with expert_linears(block, strict=False):
-        assert set(unpruned_matrices(block)) >= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+        assert set(unpruned_parameters(block)) >= {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
 
 def test_the_expert_view_refuses_a_call_in_another_order():

@@ -10,9 +10,11 @@ from pyprune.nn import compact, layout
 from pyprune.runtime import engine
 from tests.helpers import random_tokens, tiny_decoder
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "gpt_neox")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "exaone4", "cohere", "opt",
+         "gpt_neox")
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "gemma",
-          "gemma3": "gemma", "phi3": "phi3", "opt": "opt", "gpt_neox": "gpt_neox"}
+          "gemma3": "gemma", "phi3": "phi3", "glm4": "glm4", "exaone4": "olmo2", "cohere": "cohere", "opt": "opt",
+          "gpt_neox": "gpt_neox"}
 
 
 def tiny(family, **kwargs):
@@ -137,3 +139,28 @@ def test_sliced_mlp_views_equal_the_compacted_mlp(family):
         torch.testing.assert_close(model(input_ids=tokens).logits, compacted(input_ids=tokens).logits,
                                    rtol=1e-5, atol=1e-5)
     assert unslice_(model) == 2
+
+
+def test_a_q_norm_over_the_whole_projection_keeps_the_heads_and_loses_channels():
+    """OLMo 2's q_norm and k_norm normalise every head at once: removing heads is refused naming them
+    (by keep_attention_heads_ and, in one line, by a structured method), MLP channels go as in any
+    family: the compacted model equals the masked one."""
+    import pyprune
+    from pyprune.patterns import Structured
+    model = tiny("olmo2", layers=2)
+    block = engine.decoder_blocks(model)[0]
+    assert layout.check_block(block).name == "olmo2"
+    with pytest.raises(ValueError, match=r"self_attn.q_norm has weight \(64,\) over the whole projection"):
+        compact.keep_attention_heads_(block, [0, 1], [0])
+    calib = random_tokens((4, 16), seed=1)
+    with pytest.raises(ValueError, match="removing heads would change what it does to the others") as info:
+        pyprune.prune(copy.deepcopy(model), "taylor", Structured(0.3), calib, progress=False)
+    assert "\n" not in str(info.value)
+    dense = copy.deepcopy(model)
+    report = pyprune.prune(model, "taylor", Structured(0.3), calib, progress=False, heads=False)
+    kept = [(range(4), None, sorted(set(range(128)) - set(entry["pruned_channels"]))) for entry in report["structure"]]
+    assert all(entry["pruned_channels"] and not entry.get("pruned_heads") for entry in report["structure"])
+    tokens = random_tokens((2, 20), seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, _masked(dense, kept)(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from pyprune.nn.compact import keep_hidden_channels_
 from pyprune.patterns import Structured
 from tests.helpers import random_tokens, tiny_decoder
 
-RMS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+RMS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "glm4", "exaone4", "olmo2")
 D, KEPT = 64, 48
 
 
