@@ -153,9 +153,9 @@ def test_sparse_linear_model(local_tasks):
     model, tokenizer = _tiny_llama(), _tokenizer()
     pyprune.prune(model, "magnitude", "2:4", progress=False)
     dense = copy.deepcopy(model)
-    assert len(sparsify_(model, "2:4", backend="kernel")) == 14
+    assert len(sparsify_(model, "2:4", implementation="kernel")) == 14
     _evaluated_unchanged(model, tokenizer, local_tasks, reference=dense)
-    assert [m.backend for m in model.modules() if isinstance(m, SparseLinear)] == ["kernel"] * 14
+    assert [m.implementation for m in model.modules() if isinstance(m, SparseLinear)] == ["kernel"] * 14
 
 
 def test_compacted_structured_model(local_tasks):
