@@ -64,7 +64,7 @@ def nonzero_masks(model, find_layers):
 
 
 def main(job_path, output_path):
-    job = torch.load(job_path)
+    job = torch.load(job_path, weights_only=True)  # tensors, strings and lists the study wrote
     sys.path.insert(0, job["wanda_repo"])
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda device=None: None
