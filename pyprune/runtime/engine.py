@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..io import storage
+from . import distributed
 from .checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from ..nn.anatomy import (BLOCK_STORE, block_linears, block_prefix, block_store, decoder_blocks, first_tensor,
                            resident_blocks)
@@ -224,7 +225,12 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     (:func:`pyprune.nn.experts.expert_linears`), whose hooks see the tokens routed to that expert.
     With ``checkpoint``, finished blocks are saved and a rerun resumes. An offloaded model's blocks
     (:mod:`pyprune.io.offload`) are read one at a time and written back when done. Returns every
-    block's details."""
+    block's details.
+
+    In a process group (:mod:`pyprune.runtime.distributed`) each rank runs its shard of ``tokens``
+    (whole batches) through the blocks, ``process_block`` reduces what it needs across the ranks,
+    rank 0 alone saves the checkpoint, and a rank that raises ends every rank with
+    :class:`~pyprune.runtime.distributed.RankFailed`."""
     blocks = decoder_blocks(model)
     store = block_store(model)
     prefix = block_prefix(model)
@@ -232,21 +238,23 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     was_training = model.training
     model.eval()
     try:
-        inputs, block_arguments = capture_block_inputs(model, tokens, batch_size)
+        with distributed.failure_shared("the calibration inputs"):
+            inputs, block_arguments = capture_block_inputs(model, distributed.shard(tokens, batch_size), batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             if store is not None:
                 store.fetch(index, blocks[index])
             ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size)
-            if index < finished:
-                if checkpoint.dense_propagation:
-                    ctx.next_inputs = ctx.forward()
-                checkpoint.restore(blocks[index], index)
-            else:
-                with expert_linears(blocks[index], where=ctx.name):  # fused MoE experts as one linear each
-                    details.append(process_block(ctx))
-                if checkpoint is not None:
-                    checkpoint.save(index, blocks[index], details)
-            inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
+            with distributed.failure_shared(f"block {index} ({ctx.name})"):
+                if index < finished:
+                    if checkpoint.dense_propagation:
+                        ctx.next_inputs = ctx.forward()
+                    checkpoint.restore(blocks[index], index)
+                else:
+                    with expert_linears(blocks[index], where=ctx.name):  # fused MoE experts as one linear each
+                        details.append(process_block(ctx))
+                    if checkpoint is not None and distributed.is_main():
+                        checkpoint.save(index, blocks[index], details)
+                inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
             if store is not None:
                 store.store(index, blocks[index])
     finally:
