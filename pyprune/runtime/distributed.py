@@ -39,7 +39,12 @@ DEFAULT_TIMEOUT_S = 600
 
 
 class RankFailed(RuntimeError):
-    """A rank of a data-parallel run raised; the message names it and its error in one line."""
+    """A rank of a data-parallel run raised; the message names it and its error in one line.
+    Every rank raises one; ``on_rank`` is the rank this one was raised on (rank 0 reports it)."""
+
+    def __init__(self, message: str, on_rank: int):
+        super().__init__(message)
+        self.on_rank = on_rank
 
 
 def active() -> bool:
@@ -129,7 +134,7 @@ def _status(failure: Optional[str] = None) -> Optional[RankFailed]:
         return None
     message = [failure]
     dist.broadcast_object_list(message, src=failed)
-    return RankFailed(message[0])
+    return RankFailed(message[0], rank())
 
 
 def _check() -> None:

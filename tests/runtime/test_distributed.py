@@ -2,6 +2,9 @@
 weights of one process, on tiny models of three families (one MoE); without the reductions they
 do not; a rank that raises ends both with one line naming it."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +159,67 @@ def test_owners_balance_the_solve_costs(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     # q, k, v, o of cost 1, gate and up of cost 2, down of cost 4: 6 and 6
     assert distributed.owners([1, 1, 1, 1, 2, 2, 4]) == [0, 1, 0, 1, 1, 1, 0]
+
+
+# -- the command line under torchrun ------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: ``pyprune prune`` whose rank 1 raises when it reaches block 1 (a torchrun script: argv as the CLI's)
+_FAILING_PRUNE = """
+import sys
+from pyprune.methods.base import LayerwiseMaskMethod
+from pyprune.runtime import distributed
+prepare = LayerwiseMaskMethod.prepare_block
+def failing(self, ctx):
+    if distributed.rank() == 1 and ctx.index == 1:
+        raise ValueError("injected")
+    prepare(self, ctx)
+LayerwiseMaskMethod.prepare_block = failing
+from pyprune.cli import main
+sys.exit(main())
+"""
+
+
+def _prune_args(model_dir, text, output, checkpoint):
+    return ["prune", "--model", str(model_dir), "--method", "sparsegpt", "--pattern", "2:4", "--calib", str(text),
+            "--nsamples", "8", "--seqlen", "16", "--batch-size", "2", "--threads", "1", "--quiet",
+            "--output", str(output), "--checkpoint", str(checkpoint)]
+
+
+def _torchrun(*command):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _saved(directory):
+    from safetensors.torch import load_file
+    return {name: tensor for path in sorted(Path(directory).glob("*.safetensors")) for name, tensor in
+            load_file(path).items()}
+
+
+def test_torchrun_fails_in_one_line_writes_nothing_and_resumes_to_the_one_process_model(tiny_model_dir, tmp_path):
+    from pyprune.cli import main
+    model_dir, text = tiny_model_dir
+    before = torch.get_num_threads()
+    try:
+        assert main(_prune_args(model_dir, text, tmp_path / "one", tmp_path / "one-checkpoint")) == 0
+    finally:
+        torch.set_num_threads(before)
+    script = tmp_path / "failing_prune.py"
+    script.write_text(_FAILING_PRUNE)
+    args = _prune_args(model_dir, text, tmp_path / "two", tmp_path / "checkpoint")
+
+    failed = _torchrun(str(script), *args)
+    assert failed.returncode != 0
+    ours = [line for line in failed.stderr.splitlines() if line.startswith("pyprune prune:")]
+    assert ours == ["pyprune prune: error: rank 1 failed in block 1 (model.layers.1): ValueError: injected"], \
+        failed.stderr[-3000:]
+    assert not (tmp_path / "two").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["block-0.safetensors", "blockwise.json"]
+
+    resumed = _torchrun("-m", "pyprune", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    one, two = _saved(tmp_path / "one"), _saved(tmp_path / "two")
+    assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
