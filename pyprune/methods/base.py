@@ -338,7 +338,7 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
                 self.update(stats[name], x, y)
 
             outputs = ctx.capture(observe)
-            self._prune_layers(linears, stats, tokens, block_pattern)
+            self.prune_block_layers(linears, stats, tokens, block_pattern)
             unreached = [name for name in linears if tokens[name] == 0]
             if self._kept_tokens is not None:
                 self._kept_tokens.update({f"{ctx.name}.{name}": count for name, count in tokens.items()})
@@ -353,8 +353,8 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
                 "magnitude_fallback": {"layers": len(fallback), "names": fallback}}
 
 
-    def _prune_layers(self, linears: Dict[str, nn.Linear], stats: Dict[str, Any], tokens: Dict[str, int],
-                      pattern: Pattern) -> None:
+    def prune_block_layers(self, linears: Dict[str, nn.Linear], stats: Dict[str, Any], tokens: Dict[str, int],
+                           pattern: Pattern) -> None:
         """Prune a block's layers from their statistics, reduced over the ranks first (``tokens``, the
         tokens each layer saw, too: in place); a layer no token reached (an MoE expert) by magnitude.
         With :attr:`distribute_solves` every statistic is reduced onto its layer's owner, each rank

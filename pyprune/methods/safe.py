@@ -35,12 +35,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
-
-from ..runtime import engine
-from .. import ops
+from ..runtime import distributed, engine
 from ..runtime.optim import SafeOptimizer
 from .options import at_least_one, block_checkpoint, nonnegative, option
+from .owl import add_sqnorms, new_sqnorms
 from .reconstruction import BlockTraining
 
 
@@ -82,10 +80,10 @@ class Safe(BlockTraining):
         linears = ctx.linears()
         importance = None
         if self.weighted_projection:
-            sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
-                       for name, linear in linears.items()}
-            targets = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
-            importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
+            sqnorms = {name: new_sqnorms(linear) for name, linear in linears.items()}
+            targets = ctx.capture(lambda name, linear, x, y: add_sqnorms(sqnorms[name], x))
+            importance = {linear.weight: distributed.all_reduce_(sqnorms[name]).float()
+                          for name, linear in linears.items()}
         else:
             targets = ctx.forward()
         first_masks = {}

@@ -10,13 +10,16 @@ unconditionally. In a process group of N ranks:
   float64 sums of per-batch float32 partials: such a sum is exact while its terms span fewer than
   about 29 − log2(batches) binades, so its value, hence the float32 statistic a method prunes from,
   does not depend on how the batches were split over ranks.
+* :func:`all_reduce_gradients_`: block training steps on the sum of the ranks' gradients, each
+  rank's loss over its rows of a global minibatch.
 * :func:`owners` / :func:`broadcast_`: a block's costly per-layer solves are spread over the ranks
   (balanced by their cost) and each solved weight is broadcast from its owner.
 * :func:`failure_shared`: a rank that raises tells the others at their next collective (every
   collective here is preceded by a one-integer status exchange), so all ranks raise
   :class:`RankFailed` with one line naming the failing rank and its error. A rank that dies or
-  hangs is seen by the others when a collective exceeds the process group's timeout
-  (:func:`join_from_environment`'s ``timeout_s``) or when its connection closes.
+  hangs is seen by the others when its connection closes or a collective exceeds the process
+  group's timeout (:func:`join_from_environment`'s ``timeout_s``): each ends with a
+  :class:`RankFailed` naming itself and the collective's error.
 * :func:`is_main`: the one rank (0) that writes the model, report and checkpoints.
 """
 from __future__ import annotations
@@ -24,14 +27,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["RankFailed", "active", "rank", "world_size", "is_main", "join_from_environment", "leave", "shard",
-           "owners", "all_reduce_", "reduce_", "broadcast_", "all_gather_objects", "failure_shared",
+__all__ = ["RankFailed", "active", "rank", "world_size", "is_main", "join_from_environment", "leave", "shard_bounds",
+           "shard", "owners", "all_reduce_", "reduce_", "broadcast_", "all_reduce_gradients_", "all_gather_objects",
+           "failure_shared",
            "DEFAULT_TIMEOUT_S"]
 
 #: seconds a collective waits for a silent rank before the job fails (``--dist-timeout``)
@@ -88,19 +92,25 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def shard(tokens: Tensor, batch_size: int) -> Tensor:
-    """This rank's calibration windows: of the ``ceil(nsamples / batch_size)`` batches a single
-    process would run, rank r takes the contiguous run ``[r·B/N, (r+1)·B/N)`` (B batches, N ranks);
-    ValueError when there are fewer batches than ranks."""
+def shard_bounds(nsamples: int, batch_size: int) -> Tuple[int, int]:
+    """(first, stop): the calibration samples of this rank. Of the ``ceil(nsamples / batch_size)``
+    batches a single process would run, rank r takes the contiguous run ``[r·B/N, (r+1)·B/N)``
+    (B batches, N ranks); ValueError when there are fewer batches than ranks."""
     if not active():
-        return tokens
-    batches, ranks = -(-tokens.shape[0] // batch_size), world_size()
+        return 0, nsamples
+    batches, ranks = -(-nsamples // batch_size), world_size()
     if batches < ranks:
-        raise ValueError(f"calib: {tokens.shape[0]} samples in batches of batch_size={batch_size} make {batches} "
+        raise ValueError(f"calib: {nsamples} samples in batches of batch_size={batch_size} make {batches} "
                          f"batches, fewer than the {ranks} ranks; give at least {ranks * batch_size} samples or a "
                          "smaller batch_size")
     first, last = rank() * batches // ranks, (rank() + 1) * batches // ranks
-    return tokens[first * batch_size:last * batch_size]
+    return first * batch_size, min(last * batch_size, nsamples)
+
+
+def shard(tokens: Tensor, batch_size: int) -> Tensor:
+    """This rank's calibration windows, ``tokens[first:stop]`` of :func:`shard_bounds`."""
+    first, stop = shard_bounds(tokens.shape[0], batch_size)
+    return tokens[first:stop]
 
 
 def owners(costs: Sequence[float]) -> List[int]:
@@ -178,6 +188,17 @@ def broadcast_(tensor: Tensor, src: int) -> Tensor:
     return _collective(tensor, lambda t: dist.broadcast(t, src=src))
 
 
+def all_reduce_gradients_(params: Sequence[Tensor]) -> None:
+    """Sum the ``.grad`` of every one of ``params`` over the ranks (a missing one counts as zeros),
+    in one collective: the data-parallel step of block training."""
+    if not active():
+        return
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = all_reduce_(torch.cat([grad.reshape(-1) for grad in grads]))
+    for p, summed in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = summed.view_as(p)
+
+
 def all_gather_objects(value) -> List:
     """Every rank's picklable ``value``, in rank order (``[value]`` in one process)."""
     if not active():
@@ -202,7 +223,20 @@ def failure_shared(where: str) -> Iterator[None]:
     except RankFailed:
         raise
     except Exception as error:
-        text = str(error).strip().splitlines()
-        message = f"rank {rank()} failed in {where}: {type(error).__name__}" + (f": {text[0]}" if text else "")
-        raise _status(message) from error  # this rank's report, or a higher failing rank's
-    _check()
+        message = _failure_line(where, error)
+        try:
+            failed = _status(message)  # this rank's report, or a higher failing rank's
+        except RuntimeError:  # the group itself is broken (a rank died): this rank's own error says so
+            raise RankFailed(message, rank()) from error
+        raise failed from error
+    try:
+        _check()
+    except RankFailed:
+        raise
+    except RuntimeError as error:  # the group is broken: a rank died, or a collective timed out
+        raise RankFailed(_failure_line(where, error), rank()) from error
+
+
+def _failure_line(where: str, error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"rank {rank()} failed in {where}: {type(error).__name__}" + (f": {text[0]}" if text else "")

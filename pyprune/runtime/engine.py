@@ -128,6 +128,10 @@ class BlockContext:
     #: the next block's inputs when a method sets them (default: this block's outputs after it
     #: is processed)
     next_inputs: Optional[Tensor] = None
+    #: in a process group: the calibration samples of all ranks, and the index of this rank's first
+    #: (``inputs`` holds this rank's rows, :func:`pyprune.runtime.distributed.shard`); None: ``inputs`` is all
+    samples: Optional[int] = None
+    offset: int = 0
 
     def linears(self) -> Dict[str, nn.Linear]:
         return block_linears(self.block)
@@ -238,12 +242,14 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     was_training = model.training
     model.eval()
     try:
+        first, stop = distributed.shard_bounds(tokens.shape[0], batch_size)
         with distributed.failure_shared("the calibration inputs"):
-            inputs, block_arguments = capture_block_inputs(model, distributed.shard(tokens, batch_size), batch_size)
+            inputs, block_arguments = capture_block_inputs(model, tokens[first:stop], batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             if store is not None:
                 store.fetch(index, blocks[index])
-            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size)
+            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size,
+                               samples=tokens.shape[0], offset=first)
             with distributed.failure_shared(f"block {index} ({ctx.name})"):
                 if index < finished:
                     if checkpoint.dense_propagation:

@@ -30,8 +30,14 @@ CASES = [
     ("sleb", "sleb", Structured(0.5), {"early_barrier": 0, "latter_barrier": 0}),  # removes one of two blocks
     ("slicegpt", "slicegpt", Structured(0.25), {}),
 ]
+#: block training, one process at two seeds and two ranks at the first
+TRAINING = [(f"{name}-seed{seed}", method, pattern, dict(options, epochs=1, train_seed=seed))
+            for name, method, pattern, options in [("masked-recon", "masked-recon", "2:4", {"start": "sparsegpt"}),
+                                                   ("safe+", "safe+", 0.5, {})]
+            for seed in (0, 1)]
 #: cases that run on some families only (structured ones: on the dense families)
-ONLY = {"slicegpt": ("llama",)}  # SliceGPT rotates two-norm RMS-norm blocks
+ONLY = {"slicegpt": ("llama",),  # SliceGPT rotates two-norm RMS-norm blocks
+        **{case: ("llama",) for case, *_ in TRAINING}}
 #: cases whose result is equal up to rounding, not to the bit: SliceGPT's eigenvectors of summed Gram matrices
 APPROX = ("slicegpt",)
 BATCH = 2
@@ -98,7 +104,7 @@ def one_process():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels, the same rounding
     try:
-        return _prune_all(CASES)
+        return _prune_all(CASES + TRAINING)
     finally:
         torch.set_num_threads(before)
 
@@ -128,12 +134,33 @@ def test_two_ranks_give_the_masks_and_weights_of_one_process(tmp_path, one_proce
 
 
 def test_without_the_reductions_the_results_differ(tmp_path, one_process):
-    """The check above can fail: each rank pruning from its own shard's statistics (Wanda's norms, OWL's
-    outlier ratios, Taylor's gradients, SliceGPT's Gram matrices) gives other masks, channels and rotations."""
+    """The checks here can fail: each rank pruning from its own shard's statistics (Wanda's norms, OWL's
+    outlier ratios, Taylor's gradients, SliceGPT's Gram matrices) gives other masks, channels and rotations,
+    and block training on its own shard's gradients lands outside the bound of the next test."""
     cases = [case for case in CASES if case[0] in ("wanda", "wanda-owl", "taylor", "slicegpt")]
-    for rank, result in enumerate(_run_ranks(tmp_path, cases, mode="unreduced")):
+    training = [case for case in TRAINING if case[0].endswith("seed0")]
+    for rank, result in enumerate(_run_ranks(tmp_path, cases + training, mode="unreduced")):
         for key in set(result) - {"solves"}:
-            assert _differing({key: result[key]}, {key: one_process[key]}), f"rank {rank} {key}"
+            if key.endswith("seed0"):
+                seed1 = one_process[key.replace("seed0", "seed1")][0]
+                assert _distance(result[key][0], one_process[key][0]) >= 0.1 * _distance(seed1, one_process[key][0])
+            else:
+                assert _differing({key: result[key]}, {key: one_process[key]}), f"rank {rank} {key}"
+
+
+def _distance(weights, others):
+    return sum(float((weights[name] - others[name]).double().square().sum()) for name in weights) ** 0.5
+
+
+def test_block_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path, one_process):
+    """SAFE⁺ and masked reconstruction (from SparseGPT's solves, spread over the ranks) train each block on
+    the gradients summed over the ranks: the weights of 2 ranks differ from one process's by less than one
+    process's differ between two training seeds (the sums' rounding differs, not the data)."""
+    [result, _] = _run_ranks(tmp_path, [case for case in TRAINING if case[0].endswith("seed0")])
+    for method in ("masked-recon", "safe+"):
+        seed0, seed1 = (one_process[f"llama/{method}-seed{seed}"][0] for seed in (0, 1))
+        ranks = result[f"llama/{method}-seed0"][0]
+        assert _distance(ranks, seed0) < 0.1 * _distance(seed1, seed0), method
 
 
 def test_a_rank_that_raises_ends_every_rank_with_one_line_naming_it(tmp_path):
@@ -240,3 +267,42 @@ def test_torchrun_fails_in_one_line_writes_nothing_and_resumes_to_the_one_proces
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     one, two = _saved(tmp_path / "one"), _saved(tmp_path / "two")
     assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
+
+
+def _killed_worker(rank, world, rendezvous, out):
+    import datetime
+    import signal
+    import time
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=KILL_TIMEOUT_S))
+    from pyprune.methods.wanda import Wanda
+    from pyprune.runtime import distributed
+    prune_layer = Wanda.prune_layer
+
+    def dying(self, linear, stats, pattern):
+        if distributed.rank() == 1:
+            torch.save(time.time(), os.path.join(out, "killed.pt"))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return prune_layer(self, linear, stats, pattern)
+    Wanda.prune_layer = dying
+    try:
+        _prune_all([("wanda", "wanda", 0.5, {})])
+        result = "finished"
+    except Exception as error:  # noqa: BLE001 (the test reads what rank 0 raised)
+        result = f"{type(error).__name__}: {error}"
+    torch.save((result, time.time()), os.path.join(out, f"rank{rank}.pt"))
+
+
+KILL_TIMEOUT_S = 30
+
+
+def test_when_a_rank_is_killed_the_other_stops_within_the_timeout(tmp_path):
+    context = mp.start_processes(_killed_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                                 join=False)
+    for process in context.processes:
+        process.join(timeout=KILL_TIMEOUT_S + 60)
+    assert [process.exitcode for process in context.processes] == [0, -9]  # rank 0 caught its error and wrote it
+    result, ended = torch.load(tmp_path / "rank0.pt")
+    assert result.startswith("RankFailed: rank 0 failed in block 0 (model.layers.0): "), result
+    assert "\n" not in result and ended - torch.load(tmp_path / "killed.pt") < KILL_TIMEOUT_S
