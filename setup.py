@@ -60,7 +60,9 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["pyprune", "pyprune.*"]),
+    # the Triton kernels sit at the top level (kernels/) beside csrc/ and install as pyprune.ops.kernels
+    packages=find_packages(include=["pyprune", "pyprune.*"]) + ["pyprune.ops.kernels"],
+    package_dir={"pyprune.ops.kernels": "kernels"},
     package_data={"pyprune.nn": ["dispatch_table.json"],
                   "pyprune.inputs": ["corpora/*.txt", "corpora/*.md", "corpora/*.xz", "corpora/*/*.xz"]},
     ext_modules=ext_modules,

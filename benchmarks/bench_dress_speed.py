@@ -10,7 +10,7 @@ Prefill: one sequence of ``--prefill-tokens`` with ``use_cache=False``. Decode: 
 sequences of a ``--prompt-tokens`` prompt, then ``--new-tokens`` greedy steps with the KV cache;
 tokens/s = batch x new tokens / (generate time - prompt-only time). Dense and sliced runs
 alternate, round by round, after one warm-up each; a time is the minimum over ``--repeat`` rounds
-on a CPU, the median on a GPU (as ``_common.timed``).
+on a CPU, the median on a GPU.
 
 Models: ``smollm2-135m`` (the real weights; speed does not depend on their values),
 ``llama-7b-shape`` (LLaMA-7B's per-layer shapes, random weights, ``--layers`` decoder layers
@@ -28,24 +28,17 @@ import sys
 import time
 
 import torch
-from _common import environment, write_atomic, write_json
-from bench_e2e import SHAPES as E2E_SHAPES
-from bench_e2e import prefill
+from _common import MODEL_SHAPES, build_model, default_device, environment, load_average, prefill
+
+from pyprune.files import write_json, write_text as write_atomic
 
 from pyprune.runtime.decode import greedy_generate
 from pyprune.nn.measure import model_cost
-from pyprune.inputs.models import load_model
 from pyprune.nn import keep_hidden_channels_
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: DReSS's default: the last quarter of the hidden channels is removed.
 SLICED_FRACTION = 0.25
-#: Random-weight models by their per-layer shapes (their depth is ``--layers``).
-SHAPES = {
-    "llama-7b-shape": E2E_SHAPES["llama-7b-shape"],
-    "tiny-llama-shape": dict(vocab_size=128, hidden_size=64, intermediate_size=128,
-                             num_attention_heads=4, num_key_value_heads=2),
-}
 #: The real model a random shape stands for, and its decoder layers.
 REAL_MODEL = {"llama-7b-shape": ("LLaMA-7B", 32)}
 
@@ -55,22 +48,6 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
     return value
-
-
-def random_model(shape, layers, dtype, device):
-    """A LlamaForCausalLM of ``SHAPES[shape]`` with ``layers`` decoder layers and random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=4096, **SHAPES[shape])
-    with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def build(name, layers, dtype, device):
-    if name in SHAPES:
-        return random_model(name, layers, dtype, device)
-    model, _ = load_model(name, dtype=dtype, device=str(device))
-    return model
 
 
 def sliced_copy(model):
@@ -105,7 +82,7 @@ def timed_alternately(fns, device, repeat):
 
 
 def measure(name, args, device, dtype):
-    dense = build(name, args.layers, dtype, device)
+    dense = build_model(name, args.layers, dtype, device)
     sliced = sliced_copy(dense)
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -119,7 +96,7 @@ def measure(name, args, device, dtype):
         fns[f"{label}_prompt"] = lambda model=model: greedy_generate(model, short_prompt, 1)
     best, runs = timed_alternately(fns, device, args.repeat)
 
-    row = {"model": name, "weights": "random" if name in SHAPES else "loaded",
+    row = {"model": name, "weights": "random" if name in MODEL_SHAPES else "loaded",
            "layers": dense.config.num_hidden_layers, "real_model": REAL_MODEL.get(name),
            "dtype": str(dtype).replace("torch.", ""),
            "hidden_size": {label: m.config.hidden_size for label, m in models.items()},
@@ -186,7 +163,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-7b-shape"],
-                        help=f"smollm2-135m, {', '.join(SHAPES)}, or a model directory")
+                        help=f"smollm2-135m, {', '.join(MODEL_SHAPES)}, or a model directory")
     parser.add_argument("--layers", type=positive_int, default=2,
                         help="decoder layers of the random-weight shapes (LLaMA-7B has 32)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -199,15 +176,15 @@ def main(argv=None):
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="output file stem (default: dress-speed-cpu|cuda)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     settings = {"prefill_tokens": args.prefill_tokens, "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens, "batch": args.batch, "repeat": args.repeat,
                 "layers_of_random_shapes": args.layers, "sliced_fraction": SLICED_FRACTION,
                 "statistic": "median" if device.type == "cuda" else "minimum",
-                "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+                "load_average_before": load_average()}
     results = [measure(name, args, device, dtype) for name in args.models]
-    settings["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    settings["load_average_after"] = load_average()
     report = {"environment": environment(device), "settings": settings, "results": results,
               "notes": [note for note in map(depth_note, results) if note]}
     stem = args.name or f"dress-speed-{device.type}"

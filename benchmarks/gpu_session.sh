@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of a session with a device machine, in one call (issue 4: sparse execution):
-# build pyprune with its CUDA extension against the machine's torch, run the GPU tests, then the
-# SparseLinear and end-to-end benchmarks. Everything lands in $OUT (default benchmarks/results):
-# gpu-tests.log, sparse-linear-cuda.{json,md,*-bfloat16.svg,*-float16.svg}, dispatch_table.json
+# build pyprune with its CUDA extension against the machine's torch, run the GPU tests, then time the
+# SparseLinear and end-to-end suites (pytest-benchmark, full size) and write their results files.
+# Everything lands in $OUT (default benchmarks/results): gpu-tests.log, run.json (pytest-benchmark's,
+# for --benchmark-compare), sparse-linear-cuda.{json,md,*-bfloat16.svg,*-float16.svg}, dispatch_table.json
 # (this environment's block; add it to the "environments" of pyprune/nn/dispatch_table.json), e2e-cuda.{json,md}.
 #
 #   device run:  bash benchmarks/gpu_session.sh            (about 10 minutes on an H100)
@@ -21,8 +22,8 @@ PYPRUNE_BUILD_CUDA=1 "$python" -m pip install -q --no-build-isolation --no-deps 
 
 tokens=${TOKENS:-}
 shapes=${SHAPES:-}
-"$python" benchmarks/bench_sparse_linear.py --repeat "${REPEAT:-20}" --output-dir "$out" \
+"$python" -m pytest benchmarks/test_sparse_linear.py benchmarks/test_e2e.py -q -p no:cacheprovider \
+    --benchmark-only --size full --benchmark-min-rounds "${REPEAT:-5}" --benchmark-json "$out/run.json" \
     ${tokens:+--tokens $tokens} ${shapes:+--shapes $shapes} \
-    --write-dispatch "$out/dispatch_table.json"
-"$python" benchmarks/bench_e2e.py --models smollm2-135m-shape llama-7b-shape --layers "${LAYERS:-8}" \
-    --output-dir "$out"
+    --models smollm2-135m-shape llama-7b-shape --layers "${LAYERS:-8}"
+"$python" benchmarks/report.py "$out/run.json" --output-dir "$out" --write-dispatch "$out/dispatch_table.json"

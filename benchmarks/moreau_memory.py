@@ -18,7 +18,9 @@ import sys
 
 import torch
 
-from _common import environment, write_atomic, write_json
+from _common import environment
+
+from pyprune.files import write_json, write_text as write_atomic
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

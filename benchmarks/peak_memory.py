@@ -4,7 +4,7 @@
 Every configuration runs in a fresh child process that loads the model, prunes it and saves the
 result with ``pyprune.save``; its peak resident set size is the kernel's high-water mark
 (``VmHWM`` of /proc/self/status, file-backed pages of memory-mapped safetensors included). Next
-to it stands pyprune's own estimate (:func:`pyprune.runtime.memory.prune_need`), the one a run is refused
+to it stands pyprune's own estimate (:func:`pyprune.io.memory.prune_need`), the one a run is refused
 by before it starts.
 
 Models: SmolLM2-135M (calibration: windows of Emma), and a LLaMA-7B-shaped model of random bf16
@@ -29,7 +29,9 @@ import time
 
 import torch
 
-from _common import environment, write_atomic, write_json
+from _common import environment
+
+from pyprune.files import write_json, write_text as write_atomic
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -5,9 +5,12 @@ through these.
 
 * :func:`cache_root`: ``$PYPRUNE_CACHE`` if set, else ``~/.cache/pyprune``.
 * Atomic writes: every file or directory is written under a temporary name next to its target and
-  renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`make_temp_dir`). A temporary
+  renamed into place (:func:`atomic_path`, :func:`write_json`, :func:`write_text`, :func:`make_temp_dir`);
+  :func:`locked` serialises the runs that re-read, merge and rewrite one file. A temporary
   name is ``.<target>.pyprune-tmp-<host>-<pid>-<random>``: the next write into the same directory
-  removes those whose process is gone (:func:`remove_stale`), never a live run's.
+  removes those whose process is gone (:func:`remove_stale`), never a live run's. What is renamed into
+  place gets the modes a plain ``open`` would give under the umask (:func:`standard_modes`): some
+  writers (safetensors) create their files 0600.
 * What may be replaced (:func:`check_destination`): a destination is written only when it is
   absent, a regular file (a file target) or a directory (a directory target). A device, fifo or
   socket, and a symbolic link, are refused: the rename would replace the node or the link itself
@@ -23,6 +26,7 @@ through these.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -34,7 +38,8 @@ import uuid
 from functools import lru_cache
 from typing import Iterator, Optional
 
-__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "make_temp_dir", "remove_stale", "temp_path",
+__all__ = ["cache_root", "cache_dir", "ensure_cache_dir", "atomic_path", "write_json", "write_text", "locked",
+           "make_temp_dir", "remove_stale", "temp_path", "standard_modes",
            "check_destination", "DestinationError", "CacheError", "TEMP_TAG"]
 
 #: what every temporary name pyprune writes contains
@@ -203,21 +208,47 @@ def _remove(path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_path(target: str) -> Iterator[str]:
-    """Yield a temporary path next to ``target`` to write; when the block ends it replaces
-    ``target`` (a file), and when it raises it is removed. A ``target`` that exists and is not a
+    """Yield a temporary path next to ``target`` (its missing parents created) to write; when the
+    block ends it replaces ``target`` (a file), and when it raises it is removed. A ``target`` that exists and is not a
     regular file (a device, fifo, socket, directory or symbolic link) is refused
     (:class:`DestinationError`), before the block runs and again before the rename."""
     target = os.fspath(target)
     _refuse_node(target)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)  # missing parents, as mkdir -p
     remove_stale(os.path.dirname(os.path.abspath(target)))
     tmp = temp_path(target)
     try:
         yield tmp
         _refuse_node(target)
+        standard_modes(tmp)
         os.replace(tmp, target)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def standard_modes(path: str) -> None:
+    """Give ``path`` (a file, or a directory and everything in it) the modes ``open`` and ``mkdir``
+    give under the process's umask (0644 and 0755 under the usual 022), before it is renamed into
+    place."""
+    mask = _umask()
+    if not os.path.isdir(path) or os.path.islink(path):
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for root, dirs, names in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in names:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def _refuse_node(target: str) -> None:
@@ -231,6 +262,26 @@ def write_json(path: str, payload, **dump_options) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, **({"indent": 2} | dump_options))
         handle.write("\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (through ``path``.lock) for the block: concurrent runs that
+    re-read a file, merge their part and rewrite it do so one at a time."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def make_temp_dir(target: str) -> str:

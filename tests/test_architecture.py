@@ -83,3 +83,35 @@ def test_import_pyprune_ops_loads_neither_methods_nor_cli():
     assert "pyprune.ops" in loaded
     above_ops = [m for m in loaded if m != "pyprune" and not m.startswith(("pyprune.ops", "pyprune._C"))]
     assert above_ops == [], above_ops
+
+
+def _kernel_imports(source):
+    """The modules a kernels/ file imports, relative imports resolved against ``pyprune.ops.kernels``."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ["pyprune", "ops", "kernels"][:3 - node.level + 1] if node.level else []
+            names.add(".".join(base + ([node.module] if node.module else [])))
+    return names
+
+
+def test_kernels_import_only_ops_internals_and_triton():
+    """``kernels/`` installs as ``pyprune.ops.kernels`` (setup.py ``package_dir``), outside the tree
+    import-linter walks, so its layer is checked here: a Triton kernel module imports torch, triton,
+    the standard library, its siblings and ``pyprune.ops.conventions``, and nothing above."""
+    allowed_pyprune = ("pyprune.ops.kernels", "pyprune.ops.conventions")
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for name in _kernel_imports(path.read_text(encoding="utf-8")):
+            top = name.split(".")[0]
+            if top == "pyprune":
+                assert name.startswith(allowed_pyprune), f"{path.name} imports {name}"
+            else:
+                assert top in {"torch", "triton"} | sys.stdlib_module_names, f"{path.name} imports {name}"
+
+
+def test_kernel_import_check_sees_an_upward_import():
+    assert _kernel_imports("from ...nn import sparse\nfrom ..conventions import ScoreKind\nfrom .scores import x") == {
+        "pyprune.nn", "pyprune.ops.conventions", "pyprune.ops.kernels.scores"}

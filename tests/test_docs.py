@@ -1,12 +1,17 @@
 """The docs: the site builds strictly (every link, page and docstring resolves), it has one results
-page per results file and an API entry per public module, and the README stays short and quotes only
-results files that exist."""
+page per results file and an API entry per public module, the README stays short and quotes only
+results files that exist, and every number in the README and the docs pages is in the results file it
+cites (docs/hooks/numbers.py)."""
+import importlib.util
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pyprune.studies.verdict import paired_verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -51,6 +56,16 @@ def test_every_public_module_is_rendered_on_its_api_page(site):
             f"{'.'.join(parts)} is not rendered on {page.relative_to(site)}"
 
 
+def test_the_install_page_gives_the_readme_s_commands_and_ci_runs_them():
+    """One test command: the README's (which .ci/run runs) is the install page's, word for word."""
+    import re
+    commands = re.findall(r"^pip install .*$", README.read_text(encoding="utf-8"), flags=re.M)
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    assert commands and all(command in install for command in commands), commands
+    test_command = next(command for command in commands if "pytest" in command)
+    assert test_command.split("&& ")[-1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 def test_readme_is_short_and_links_only_files_that_exist():
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 220, f"README.md has {len(text.splitlines())} lines; at most 220"
@@ -60,14 +75,141 @@ def test_readme_is_short_and_links_only_files_that_exist():
     assert not missing, f"README links paths that do not exist: {missing}"
 
 
-def test_readme_table_numbers_come_from_the_linked_results_file():
-    """Every decimal in a README table row that links a results file appears in that file."""
-    rows = [line for line in README.read_text(encoding="utf-8").splitlines()
-            if line.startswith("|") and "](benchmarks/results/" in line]
-    assert rows, "README has no table row linking a results file"
-    for row in rows:
-        files = re.findall(r"\]\((benchmarks/results/[^)]+)\)", row)
-        text = "".join((ROOT / f).read_text(encoding="utf-8") for f in files)
-        cells = re.sub(r"\[[^\]]*\]\([^)]*\)", "", row)
-        for number in re.findall(r"\d+\.\d+", cells):
-            assert number in text, f"README number {number} is not in {files}: {row}"
+def _numbers_hook():
+    spec = importlib.util.spec_from_file_location("pyprune_docs_numbers", ROOT / "docs" / "hooks" / "numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+numbers_hook = _numbers_hook()
+
+
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in numbers_hook.pages()])
+def test_every_number_is_in_the_results_file_it_cites(page):
+    """README.md and every docs page: each number (docs/hooks/numbers.py says which) is in the results
+    file its block cites."""
+    misses = numbers_hook.check((ROOT / page).read_text(encoding="utf-8"), page)
+    assert not misses, f"{len(misses)} numbers not in their cited files:\n" + "\n".join(map(str, misses))
+
+
+def test_a_number_not_in_its_file_fails():
+    """The check on the README as it is, and with one number changed, one citation dropped."""
+    text = README.read_text(encoding="utf-8")
+    assert "55.72 ± 0.29" in text and not numbers_hook.check(text, "README.md")
+    wrong = numbers_hook.check(text.replace("55.72 ± 0.29", "55.82 ± 0.29"), "README.md")
+    assert [m.number for m in wrong] == ["55.82"] and wrong[0].files == ("safe-controls-smollm2-135m",)
+    flipped = numbers_hook.check(text.replace("SAFE⁺ − control is −1.19", "SAFE⁺ − control is +1.19"),
+                                 "README.md")
+    assert [m.number for m in flipped] == ["+1.19"]
+    uncited = numbers_hook.check(text.replace("([Gemma](benchmarks/results/baselines-gemma3-270m.md))", ""),
+                                 "README.md")
+    # the Gemma paragraph now continues the citation of the paragraph before it, whose files lack its numbers
+    assert {m.number for m in uncited} == {"38744160.95", "265.24", "106.49", "100.52", "983.58"}
+    assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m") for m in uncited)
+
+
+def test_what_counts_as_a_cited_number():
+    cite = "[r](../results/safe-controls-smollm2-135m.md)"
+    ok = [f"{cite} SAFE⁺ reaches 55.723, 55.72, 55.7 and −1.19 ± 1.22 (mask moved 0.0023%).",
+          f"## A section\n\n{cite} cited here.\n\n| arm | ppl |\n|---|---:|\n| safe+ | 56.04 |\n\n"
+          "The next paragraph continues it: 5.7·10⁻⁷.",
+          "No citation, no numbers but counts and sizes: 16 × 128 tokens, 3 seeds, 2:4, block 15, 93 MB.",
+          f"{cite} Times and factors: 790 s, an Adam step 6236× as far.",
+          "Settings and code are not results: lr 5e-3, `--rho 0.0002`\n\n```bash\npip install torch==2.13.0\n```"]
+    for text in ok:
+        assert numbers_hook.check(text, "page") == [], text
+    bad = {f"{cite} 55.73": "55.73",                         # rounds to no value in the file
+           f"{cite} −55.72": "−55.72",                       # the file has it positive
+           f"{cite} 4.2·10⁻⁹ of the norm": "4.2·10⁻⁹",
+           f"{cite}\n\n## Next section\n\n55.72": "55.72",  # a citation ends with its section
+           "Uncited: 1.5× faster": "1.5",
+           f"{cite} it took 791 s": "791",                   # an integer time is a measurement
+           "Uncited: 12× slower": "12"}
+    for text, number in bad.items():
+        assert [m.number for m in numbers_hook.check(text, "page")] == [number], text
+    with pytest.raises(FileNotFoundError):
+        numbers_hook.check("[r](../results/no-such-file.md) 1.0", "page")
+
+
+def _rows(name: str, key: str = "rows") -> list[dict]:
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))[key]
+
+
+def _safe_controls(pattern: str, arm: str, against: str) -> str:
+    rows = [r for r in _rows("safe-controls-smollm2-135m") if r["pattern"] == pattern]
+    side = lambda name: {r["seed"]: r["perplexity"] for r in rows if r["arm"] == name}  # noqa: E731
+    return paired_verdict(side(arm), side(against)).word
+
+
+def _robustness(arithmetic: str, against: str, metric: str) -> str:
+    """MoreauPruner against ``against``, 20% of every layer; agreement: higher is better."""
+    runs = [r for r in _rows("robustness-smollm2-135m", "runs")
+            if r["arithmetic"] == arithmetic and r["layers"] == "all" and r["overall_ratio"] == 0.2]
+    side = lambda name: {r["seed"]: r[metric] for r in runs if r["method"] == name}  # noqa: E731
+    return paired_verdict(side("moreau"), side(against), lower_is_better=metric != "agreement").word
+
+
+def _copal(metric: str) -> str:
+    """COPAL gaussian per row against cumulative Wanda over calibration seeds (A-BWT: less forgetting is better)."""
+    rows = _rows("continual-smollm2-135m-unstructured50-seeds")
+    side = lambda method: {p["seed"]: p[metric] for r in rows if r["method"].startswith(method)  # noqa: E731
+                           for p in r["per_seed"]}
+    return paired_verdict(side("copal"), side("wanda")).word
+
+
+def _dress(name: str, arm: str, text: str) -> str:
+    """A DReSS arm against slice-then-train (N&P&R), quiet channels, lr 1e-3, over training seeds."""
+    rows = [r for r in _rows(name) if r.get("channels", "quiet") == "quiet" and r["lr"] == 0.001]
+    side = lambda label: {r.get("train_seed") or 0: r["ppl_sliced"][text] for r in rows  # noqa: E731
+                          if r["label"] == label}
+    return paired_verdict(side(arm), side("slice, then train (N&P&R)")).word
+
+
+#: (words in the README, the verdict they state, the verdict the rule gives on the results file)
+README_VERDICTS = [
+    ("against that control ADMM is unsettled at 50%", "unsettled",
+     lambda: _safe_controls("unstructured 0.5", "safe+", "masked-recon wanda")),
+    ("and behind at 2:4 and 4:8", "behind", lambda: _safe_controls("2:4", "safe+", "masked-recon wanda")),
+    ("and behind at 2:4 and 4:8", "behind", lambda: _safe_controls("4:8", "safe+", "masked-recon wanda")),
+    ("Plain SAFE is behind its control", "behind",
+     lambda: _safe_controls("unstructured 0.5", "safe", "masked-recon magnitude")),
+    ("(SAFE⁺ − box −0.56 ± 0.72: unsettled)", "unsettled",
+     lambda: _safe_controls("unstructured 0.5", "safe+", "safe+ dual_init=box")),
+    ("it is ahead of Taylor in agreement", "ahead", lambda: _robustness("fp32-accumulate", "taylor", "agreement")),
+    ("ahead of Taylor and of SmoothGrad", "ahead", lambda: _robustness("fp32-accumulate", "taylor", "ppl_diff")),
+    ("ahead of Taylor and of SmoothGrad", "ahead",
+     lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "ppl_diff")),
+    ("against SmoothGrad's agreement (0.9887 ± 0.0027) it is unsettled", "unsettled",
+     lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "agreement")),
+    ("With rounded weights both metrics are unsettled", "unsettled",
+     lambda: _robustness("rounding", "taylor", "agreement")),
+    ("With rounded weights both metrics are unsettled", "unsettled",
+     lambda: _robustness("rounding", "taylor", "ppl_diff")),
+    ("COPAL behind on every seed", "behind", lambda: _copal("a_ppl")),
+    ("more on seed 1, unsettled", "unsettled", lambda: _copal("a_bwt")),
+    ("the two are unsettled on Pride and Prejudice", "unsettled",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2 proximal", "pride_and_prejudice")),
+    ("unsettled on Pride and Prejudice (58.50 ± 1.69 against 59.12 ± 1.98 for slice-then-train; lower on two seeds "
+     "of three) and on Moby Dick", "unsettled",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2 proximal", "moby_dick")),
+    ("both texts are unsettled again", "unsettled",
+     lambda: _dress("dress-smollm2-135m-mixed", "DReSS-l2 proximal", "pride_and_prejudice")),
+    ("both texts are unsettled again", "unsettled",
+     lambda: _dress("dress-smollm2-135m-mixed", "DReSS-l2 proximal", "moby_dick")),
+    ("is behind slice-then-train on both texts", "behind",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2", "pride_and_prejudice")),
+    ("is behind slice-then-train on both texts", "behind",
+     lambda: _dress("dress-smollm2-135m", "DReSS-l2", "moby_dick")),
+]
+
+
+@pytest.mark.parametrize("words, stated, computed", README_VERDICTS)
+def test_the_readme_compares_arms_over_seeds_in_the_verdict_rule_s_words(words, stated, computed):
+    """Each README sentence that calls an arm ahead, behind or unsettled over seeds says what
+    pyprune.studies.verdict gives on the paired rows of its results file."""
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert words in readme, f"the README no longer says {words!r}: update README_VERDICTS with it"
+    assert stated in words
+    assert computed() == stated, f"the README says {stated!r} ({words!r}); the rule gives {computed()!r}"

@@ -7,7 +7,8 @@ import stat
 import pytest
 
 from pyprune import files
-from pyprune.files import CacheError, DestinationError, atomic_path, cache_dir, check_destination, write_json
+from pyprune.files import (CacheError, DestinationError, atomic_path, cache_dir, check_destination, locked, write_json,
+                           write_text)
 
 ROOT = os.geteuid() == 0
 
@@ -130,3 +131,47 @@ def test_the_cache_directory_is_created(tmp_path, monkeypatch):
     monkeypatch.setenv("PYPRUNE_CACHE", str(tmp_path / "cache"))
     assert cache_dir("models") == str(tmp_path / "cache" / "models")
     assert os.listdir(tmp_path / "cache" / "models") == []
+
+
+def test_the_lock_admits_one_writer_at_a_time(tmp_path):
+    import fcntl
+    path = str(tmp_path / "rows.json")
+    with locked(path):
+        with open(f"{path}.lock", "w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(f"{path}.lock", "w") as other:  # released on leaving the block
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_write_text_creates_the_directory_and_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "new" / "table.md"
+    write_text(str(path), "| a |\n")
+    write_text(str(path), "| b |\n")
+    assert path.read_text() == "| b |\n" and os.listdir(tmp_path / "new") == ["table.md"]
+    with pytest.raises(DestinationError):
+        write_text(str(tmp_path / "new"), "x")  # a directory is never replaced
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_written_files_get_the_modes_of_the_umask(tmp_path):
+    """safetensors creates its files 0600; what pyprune renames into place reads as any other file
+    would under the umask (0644 / 0755 under 022, 0640 / 0750 under 027)."""
+    from safetensors.torch import save_file
+    import torch
+    previous = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "state.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp)
+        tree = tmp_path / "tree"
+        (tree / "sub").mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(tree / "sub" / "model.safetensors"))
+        os.chmod(tree / "sub", 0o700)
+        assert _mode(tree / "sub" / "model.safetensors") == 0o600  # what the writer left
+        files.standard_modes(str(tree))
+    finally:
+        os.umask(previous)
+    assert _mode(tmp_path / "state.safetensors") == 0o640
+    assert (_mode(tree), _mode(tree / "sub"), _mode(tree / "sub" / "model.safetensors")) == (0o750, 0o750, 0o640)

@@ -40,7 +40,9 @@ def pages(root: Path) -> dict[str, list[str]]:
     a name the contract does not list comes last."""
     modules = public_modules(root / PACKAGE, PACKAGE)
     layers = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
-    order = [layer.removeprefix(f"{PACKAGE}.") for layer in reversed(layers["contracts"][0]["layers"])]
+    # a layer "a | b" holds independent siblings, listed in the order written
+    order = [name.strip().removeprefix(f"{PACKAGE}.") for layer in reversed(layers["contracts"][0]["layers"])
+             for name in layer.split("|")]
     grouped: dict[str, list[str]] = {}
     for module in modules:
         grouped.setdefault(module.split(".")[1], []).append(module)

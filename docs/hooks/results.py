@@ -1,6 +1,6 @@
 """mkdocs hook: the results pages, generated at build time from benchmarks/results/.
 
-Every ``*.md`` file the benchmark scripts wrote becomes the page ``results/<name>.md`` (its text
+Every ``*.md`` file the studies and benchmark scripts wrote becomes the page ``results/<name>.md`` (its text
 unchanged, under a line naming the files it came from), its ``.json`` and figures are published
 beside it, and ``results/index.md`` lists the pages grouped by topic. Nothing here is typed by
 hand, so the pages cannot drift from the files.
@@ -71,7 +71,7 @@ def _page(stem: str, text: str, extras: list[str]) -> str:
                                                       if not name.endswith(FIGURES)]
     lines = _brackets.escape_brackets("\n".join(lines)).splitlines()
     head = [f"# {_title(stem, text)}", "",
-            f"*Generated from {', '.join(sources)}, written by the benchmark script; not edited by hand.*", ""]
+            f"*Generated from {', '.join(sources)}, written by its study or benchmark script; not edited by hand.*", ""]
     figures = [f"![{name}]({name})" for name in extras if name.endswith(FIGURES)]
     return "\n".join(head + lines + [""] + figures) + "\n"
 

@@ -1,4 +1,4 @@
-"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, generate, tune, demo.
+"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, study, generate, tune, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
@@ -10,6 +10,7 @@
                        --eval pride_and_prejudice --report robust.json
     pyprune continual --model smollm2-135m --method copal --sparsity 0.5 \\
                       --datasets austen moby_dick python --report continual.json
+    pyprune study robustness --methods moreau-gs --seeds 0 --layers middle   # `pyprune study --help` lists them
     pyprune generate --model pruned/ --prompt "It is a truth" --max-new-tokens 64
     pyprune tune --model pruned/ --tokens 1 8 256
     pyprune demo
@@ -39,8 +40,10 @@ def build_parser(method: Optional[str] = None, commands: Optional[Iterable[str]]
     the subcommands in ``commands`` (default: all) get their flags, which imports their modules
     (and torch); the others are listed by name and summary alone."""
     from . import environment
+    from .. import __version__  # pyprune's __init__ is lazy: this imports no torch
     parser = argparse.ArgumentParser(prog="pyprune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pyprune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     full = set(MODULES if commands is None else commands)
     for command in MODULES:
@@ -66,11 +69,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2  # not reached: that parse prints the help or the usage error and exits
     from . import environment, options
     from ..runtime.distributed import RankFailed
-    parser = build_parser(options.method_named_in(argv), commands=[command])
+    from .. import methods
+    method = options.method_named_in(argv)
+    if method is not None and methods.serving(command):  # before the parse, so --help names a bad --method too
+        try:
+            options.check_method(command, method)
+        except UsageError as error:
+            print(f"pyprune {command}: error: {error}", file=sys.stderr)
+            return 2
+    parser = build_parser(method, commands=[command])
     args, extras = parser.parse_known_args(argv)
     try:
-        if getattr(args, "method", None) is not None:
-            options.check_method(args.command, args.method)
         if extras:
             raise UsageError(options.unrecognised(args, extras))
         with environment.applied(args):

@@ -44,30 +44,32 @@ def check_destination(path: Optional[str], flag: str, *, directory: bool, model:
         raise UsageError(str(error)) from None
 
 
-def check_output(path: Optional[str], flag: str, model: Optional[str] = None) -> None:
-    """``path`` can become a new output directory: absent or empty, under an existing parent, and a
-    destination pyprune may write (:func:`check_destination`)."""
+def check_output(path: Optional[str], flag: str, model: Optional[str] = None, overwrite: bool = False) -> None:
+    """``path`` can become a new output directory: absent or empty (with ``overwrite``, also a
+    directory pyprune saved, the one kind :func:`pyprune.save` replaces), and a destination pyprune
+    may write (:func:`check_destination`); missing parents are created when it is written."""
+    from ..io import MANIFEST
     if path is None:
         return
     check_destination(path, flag, directory=True, model=model)
     if os.path.isdir(path) and os.listdir(path):
-        raise UsageError(f"{flag} {path} already exists and is not an empty directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: the parent directory {parent} does not exist")
+        if not overwrite:
+            raise UsageError(f"{flag} {path} already exists and is not an empty directory (--overwrite replaces "
+                             "a directory pyprune saved)")
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise UsageError(f"{flag} {path} holds files pyprune did not write (no {MANIFEST}); --overwrite "
+                             "replaces only a directory pyprune saved")
 
 
 def check_report(path: Optional[str], model: Optional[str] = None, flag: str = "--report",
                  output: Optional[str] = None) -> None:
-    """``path`` can become a JSON report: a regular file or nothing yet, in an existing directory,
-    and a destination pyprune may write (:func:`check_destination`)."""
+    """``path`` can become a JSON report: a regular file or nothing yet, and a destination pyprune
+    may write (:func:`check_destination`); missing parents are created when it is written."""
     if path is None:
         return
     check_destination(path, flag, directory=False, model=model)
     if output is not None and os.path.abspath(path) == os.path.abspath(output):
         raise UsageError(f"{flag} {path} is also --output; give the report its own file")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UsageError(f"{flag} {path}: its directory does not exist")
 
 
 def check_counts(args, flags: Iterable[str], optional: Iterable[str] = ()) -> None:
@@ -154,9 +156,9 @@ def check_offload(args, runner) -> None:
 
 
 def check_memory(args, runner, offload: bool) -> None:
-    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.runtime.memory.check_prune`,
+    """Refuse a prune on the CPU whose estimated peak memory (:func:`pyprune.io.memory.check_prune`,
     from the config alone) exceeds the memory available, saying what --offload would need."""
-    from ..runtime import memory
+    from ..io import memory
     from ..inputs.models import resolve_model_dir
     from ..io.offload import skeleton
     if torch.device(args.device).type != "cpu":
@@ -180,10 +182,15 @@ def check_method_directories(runner, model: str) -> None:
             check_destination(value, declared.flag, directory=True, model=model)
 
 
-def check_method_config(runner, config, pattern) -> None:
+def check_method_config(runner, args, config, pattern) -> None:
     """The method's checks that need only the model's config and files on disk (e.g. DReSS's channel
-    rounding, a COPAL state's settings)."""
+    rounding, a COPAL state's settings), then its checks of the model's structure
+    (:meth:`pyprune.methods.Method.check`: the pattern against every layer, a block it cannot prune)
+    on the model built from --model's config with no weight read."""
+    from ..inputs.models import resolve_model_dir
+    from ..io.offload import skeleton
     try:
         runner.check_config(config, pattern)
+        runner.check(skeleton(resolve_model_dir(args.model), torch.float32), pattern)  # meta: the dtype is moot
     except ValueError as error:
         raise UsageError(str(error)) from None

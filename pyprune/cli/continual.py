@@ -75,7 +75,7 @@ def run(args) -> int:
     checks.check_device(args.device)
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
-    checks.check_method_config(runner, config, pattern)
+    checks.check_method_config(runner, args, config, pattern)
     settings = {"model": args.model, "dtype": args.dtype, "method": args.method, "pattern": str(pattern),
                 "scope": getattr(runner.resolve(pattern), "scope", None), "init": args.init,
                 "permutations": args.permutations, "datasets": args.datasets,

@@ -1,7 +1,8 @@
 """What ``--threads`` and ``--quiet`` (flags of every subcommand) change for the run, restored after:
 torch's thread count; transformers' and huggingface_hub's progress bars ("Loading weights",
 "Writing model shards"), their info and warning logs, and Python warnings. pyprune's own bars
-follow ``--quiet`` through each command's ``progress`` argument."""
+follow ``--quiet`` through each command's ``progress`` argument. A :class:`pyprune.methods.RunWarning`
+(a run that will do less than its options ask) prints as one line, ``--quiet`` or not."""
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +32,26 @@ def applied(args) -> Iterator[None]:
             stack.enter_context(_threads(args.threads))
         if args.quiet:
             stack.enter_context(_quiet())
+        stack.enter_context(_run_warnings(args.command))
+        yield
+
+
+@contextlib.contextmanager
+def _run_warnings(command: str) -> Iterator[None]:
+    """RunWarnings shown once each, as ``pyprune COMMAND: warning: ...`` on stderr."""
+    import sys
+    from ..methods import RunWarning
+    show = warnings.showwarning
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RunWarning):
+            print(f"pyprune {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("once", RunWarning)
+        warnings.showwarning = one_line
         yield
 
 

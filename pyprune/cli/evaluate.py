@@ -31,7 +31,7 @@ def run(args) -> int:
                                  "--seqlen")
     tasks = steps.zero_shot_tasks(args)
     model, tok = steps.load(args)
-    report = {"model": args.model, "eval": steps.evaluate(model, streams, args.seqlen, args.batch_size, not args.quiet, tok)}
+    report = {"model": args.model, **steps.pruned_by(args.model), "eval": steps.evaluate(model, streams, args.seqlen, args.batch_size, not args.quiet, tok)}
     if tasks is not None:
         report["tasks"] = steps.zero_shot(model, tok, tasks, args)
     if args.report:

@@ -39,12 +39,19 @@ def run(args) -> int:
     if not args.prompt.strip():
         raise UsageError("--prompt is empty; give the text to continue")
     checks.check_device(args.device)
-    checks.check_model(args.model)
+    config = checks.check_model(args.model)
+    prompt_tokens = len(steps.tokenizer(args.model)(args.prompt).input_ids)
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and prompt_tokens + args.max_new_tokens > context:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} after a prompt of {prompt_tokens} tokens passes the "
+                         f"model's context of {context} tokens; give at most {max(context - prompt_tokens, 0)}")
     model, tok = steps.load(args)
     cases, seconds = tuning.COST["cases"], tuning.COST["seconds"]  # first-use tuning of this command
     faster_at = 1 if args.sparse_where == "faster" else None  # greedy decode of one sequence
     if faster_at is not None:
         densify_slower_(model, faster_at)
+    if args.sparsify not in ("off", "auto"):
+        _say_when_no_layer_fits(model, args.sparsify)
     if args.sparsify != "off":
         sparsify_(model, None if args.sparsify == "auto" else args.sparsify, faster_at=faster_at)
     sparse = [m for m in model.modules() if isinstance(m, SparseLinear)]
@@ -64,3 +71,23 @@ def run(args) -> int:
           f"{(tuning.COST['seconds'] - seconds) * 1e3:.0f} ms, {tuned_during * 1e3:.0f} ms of it inside the prefill and "
           f"decode figures]")
     return 0
+
+
+def _say_when_no_layer_fits(model, pattern: str) -> None:
+    """One line when ``--sparsify N:M`` can convert nothing because no linear is N:M sparse, naming
+    the patterns the model's linears do have."""
+    import sys
+    from collections import Counter
+
+    import torch
+
+    from ..nn import detect_pattern
+    from ..patterns import parse
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if any(parse(pattern).fits(m.weight.detach()) for m in linears):
+        return
+    found = Counter(str(detect_pattern(m.weight.detach())) for m in linears)
+    found.pop("None", None)
+    have = ", ".join(f"{count} are {kind}" for kind, count in sorted(found.items())) or "none is 2:4 or 4:8"
+    print(f"pyprune generate: --sparsify {pattern} converts nothing: no linear layer is {pattern} sparse ({have}; "
+          "--sparsify auto takes each layer's own pattern)", file=sys.stderr)

@@ -132,6 +132,9 @@ def pattern_from(args):
     given = [name for name in ("sparsity", "pattern", "ratio") if getattr(args, name) is not None]
     if len(given) != 1:
         raise UsageError("give exactly one of --sparsity S, --pattern N:M, --ratio R")
+    for flag, serves in (("scope", "sparsity"), ("uniform", "ratio")):  # never silently ignored
+        if getattr(args, flag, None) and given[0] != serves:
+            raise UsageError(f"--{flag} applies to --{serves} only; got it with --{given[0]}")
     try:
         if args.sparsity is not None:
             return Unstructured(args.sparsity, args.scope)
@@ -171,6 +174,12 @@ def structured_from(args) -> Structured:
         raise UsageError(str(error)) from None
 
 
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --output directory that pyprune saved before (never one holding other "
+                             "files); the old one stays until the new one is complete")
+
+
 def add_zero_shot_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", help="zero-shot accuracy (lm-evaluation-harness, extra pyprune[eval]) on "
                         "these comma-separated tasks: austen_continuation, moby_dick_continuation, "
@@ -190,13 +199,22 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, method: Opti
     """One flag per declared option of ``method``, when it names a method serving ``command``."""
     if method not in methods.serving(command):
         return
-    cls = methods.METHODS[method]
-    group = parser.add_argument_group(f"options of method {method}")
-    for option in cls.options:
+    add_option_flags(parser.add_argument_group(f"options of method {method}"), methods.METHODS[method].options,
+                     "option_")
+
+
+def add_option_flags(group, declared, prefix: str) -> None:
+    """One flag per declared option (:mod:`pyprune.methods.options`, a method's or a study's), its
+    value in ``args.<prefix><name>``, None when not given; a ``Tuple[type, ...]`` option takes
+    one or more values."""
+    for option in declared:
         kwargs = {"choices": option.choices} if option.choices else {}
-        group.add_argument(option.flag, dest=f"option_{option.name}", default=None, metavar=option.name.upper(),
+        if option.many:
+            kwargs["nargs"] = "+"
+        default = " ".join(map(str, option.default)) if option.many and option.default else repr(option.default)
+        group.add_argument(option.flag, dest=f"{prefix}{option.name}", default=None, metavar=option.name.upper(),
                            type=_parse_bool if option.type is bool else option.type,
-                           help=f"{option.help} (default {option.default!r})", **kwargs)
+                           help=f"{option.help} (default {default})".replace("%", "%%"), **kwargs)
 
 
 def check_method(command: str, name: str) -> None:

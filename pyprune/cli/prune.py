@@ -21,6 +21,7 @@ def register(sub, method) -> None:
                                   options.source_help("calibration text (every method but magnitude)"))
     options.add_eval_flags(parser)
     parser.add_argument("--output", help="directory for the pruned model (written atomically)")
+    options.add_overwrite_flag(parser)
     parser.add_argument("--sparse-layers", action="store_true",
                         help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                              "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
@@ -58,11 +59,16 @@ def _run(args) -> int:
     if runner.needs_calibration and args.calib is None:
         raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
     checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))
-    checks.check_output(args.output, "--output", args.model)
+    checks.check_output(args.output, "--output", args.model, args.overwrite)
     checks.check_report(args.report, args.model, output=args.output)
     if args.sparse_layers and (not isinstance(pattern, NM) or not args.output):
         raise UsageError("--sparse-layers needs --pattern N:M and --output")
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
+    if runner.needs_calibration:
+        runner.check_samples(args.nsamples)
+    if not (args.output or args.report or args.eval or args.tasks):
+        raise UsageError("nothing would keep the pruned model or say how it did: give --output, --report, --eval "
+                         "or --tasks")
     checks.check_method_directories(runner, args.model)
     checks.check_device(args.device)
     if args.offload:
@@ -70,7 +76,7 @@ def _run(args) -> int:
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, (["seqlen"] if runner.needs_calibration else [])
                          + (["eval_seqlen"] if args.eval else []))
-    checks.check_method_config(runner, config, pattern)
+    checks.check_method_config(runner, args, config, pattern)
     checks.check_memory(args, runner, args.offload)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
@@ -97,11 +103,13 @@ def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     if not distributed.is_main():  # every rank holds the same pruned model; rank 0 writes it
         return
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
-    if report["left_dense"]["tensors"]:
-        print(f"left dense: {len(report['left_dense']['tensors'])} block matrices "
-              f"({report['left_dense']['parameters']:,} parameters: MoE routers), not in that sparsity")
-    report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples,
-                   "seqlen": args.seqlen, "seed": args.seed, "offload": args.offload, **steps.run_info(args)})
+    left = report["left_dense"]["tensors"]
+    if left:
+        print(f"left dense: {len(left)} block matrices ({report['left_dense']['parameters']:,} parameters, "
+              f"e.g. {left[0]}), not in that sparsity")
+    # the calibration settings a run used; a method without calibration (magnitude) records none
+    used = {"nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed} if calib is not None else {}
+    report.update({"model": args.model, "calib": args.calib, **used, "offload": args.offload, **steps.run_info(args)})
     if args.sparse_layers:
         from ..nn import sparsify_
         report["sparse_layers"] = len(sparsify_(model, pattern))

@@ -29,6 +29,7 @@ def register(sub, method) -> None:
                         "default: q_proj v_proj)")
     options.add_eval_flags(parser, eval_help="evaluation texts, measured before and after")
     parser.add_argument("--output", required=True, help="directory for the recovered model (written atomically)")
+    options.add_overwrite_flag(parser)
     parser.add_argument("--report", help="JSON report path")
     parser.set_defaults(run=run)
 
@@ -43,7 +44,7 @@ def run(args) -> int:
     if args.batch_size > args.nsamples:
         raise UsageError(f"--batch-size {args.batch_size} is larger than --nsamples {args.nsamples}")
     checks.check_sources([args.calib] + list(args.eval or []))
-    checks.check_output(args.output, "--output", args.model)
+    checks.check_output(args.output, "--output", args.model, args.overwrite)
     checks.check_report(args.report, args.model, output=args.output)
     checks.check_device(args.device)
     checks.check_lengths(args, checks.check_model(args.model), ("seqlen", "eval_seqlen"))

@@ -42,7 +42,7 @@ def run(args) -> int:
     checks.check_device(args.device)
     config = checks.check_model(args.model)
     checks.check_lengths(args, config, ("seqlen", "eval_seqlen"))
-    checks.check_method_config(runner, config, pattern)
+    checks.check_method_config(runner, args, config, pattern)
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args)
     [(_, tokens)] = steps.eval_streams(tok, [args.eval], args.eval_seqlen, args.eval_tokens, "--eval",

@@ -114,6 +114,16 @@ def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] =
     return model, tok
 
 
+def pruned_by(model: str) -> dict:
+    """``method``, ``pattern`` and ``sparsity`` of the prune that wrote the model directory ``model``
+    (its ``pyprune.json`` report), so a report on it says what model it measured; {} for a model
+    pyprune did not prune."""
+    from ..inputs.models import resolve_model_dir
+    from ..io import read_manifest
+    report = read_manifest(resolve_model_dir(model)).get("report") or {}
+    return {key: report[key] for key in ("method", "pattern", "sparsity") if key in report}
+
+
 def run_info(args) -> dict:
     """What a report records of the run itself."""
     from .. import __version__
@@ -140,7 +150,7 @@ def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable
     if args.output:
         report["config_compatible"] = config_compatible(model)
         try:
-            save(model, tok, args.output, report=report)
+            save(model, tok, args.output, report=report, overwrite=getattr(args, "overwrite", False))
         except FileExistsError:
             raise UsageError(f"--output {args.output} was filled by another run while this one worked; nothing "
                              f"was replaced and the {what} was not saved: rerun with another --output") from None

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root, ensure_cache_dir, make_temp_dir, write_json
+from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
 
@@ -441,6 +441,7 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
             if os.path.lexists(target) and not _is_complete(target):
                 _log(f"removing incomplete cache entry {target}")
                 _remove_tree(target)
+            standard_modes(out_dir)
             try:
                 os.rename(out_dir, target)
             except OSError:
@@ -495,7 +496,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     at a time by the block-wise methods, which write them to ``offload_dir`` (see
     :mod:`pyprune.io.offload`; CPU only; save the result with :func:`pyprune.save`). Without it a
     model whose weights exceed the available memory is refused before loading
-    (:class:`pyprune.runtime.memory.NotEnoughMemory`).
+    (:class:`pyprune.io.memory.NotEnoughMemory`).
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32, torch.bfloat16), "
@@ -519,8 +520,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .. import io
-    from ..runtime import memory
-    from ..io import offload
+    from ..io import memory, offload
     if offload_dir is None and dev.type == "cpu":
         try:
             memory.check_load(model_dir, dtype)

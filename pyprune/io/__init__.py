@@ -4,6 +4,7 @@
 * :mod:`pyprune.io.manifest` — the ``pyprune.json`` that directory records (shapes, sparse layers, report).
 * :mod:`pyprune.io.names` — checkpoint tensor names converted to the model's (transformers' conversions).
 * :mod:`pyprune.io.offload` — decoder blocks kept on disk, one in memory at a time.
+* :mod:`pyprune.io.memory` — the memory a load or a prune needs, estimated before it starts, and its check.
 * :mod:`pyprune.io.storage` — run states and checkpoints as safetensors (atomic writes: :mod:`pyprune.files`).
 """
 from .manifest import MANIFEST, read_config, read_manifest, read_tokenizer, write_report

@@ -106,3 +106,28 @@ def read_tokenizer(directory: str):
     so a marked one is understood)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(directory, local_files_only=True, config=read_config(directory))
+
+
+def shape_as_saved_(model, manifest: Dict[str, Any], directory: str, *, sparse_layers: bool = True):
+    """Give ``model`` (built from the saved config, weights not read) the shapes ``manifest``
+    records, in place: a sliced, rotated width (SliceGPT) with identity rotations the weights
+    replace, each block's layout, and with ``sparse_layers`` the SparseLinear layers. The one reader
+    of the format: :func:`pyprune.load` and every tool that sizes a saved model first
+    (:func:`pyprune.io.offload.skeleton`) shape it here."""
+    from ..nn import anatomy, compact, rotation, sparse
+    rotations = manifest.get("residual_rotations")
+    if rotations:
+        compact.keep_hidden_channels_(model, torch.arange(rotations["hidden_size"]))
+        identity = [torch.eye(rotations["hidden_size"]) for _ in anatomy.decoder_blocks(model)]
+        rotation.add_residual_rotations_(model, identity, identity, rotations["dense_hidden_size"])
+    layers = manifest.get("layers")
+    if layers is not None:
+        blocks = anatomy.decoder_blocks(model)
+        if len(layers) != len(blocks):
+            raise ValueError(f"cannot load {directory}: {MANIFEST} records {len(layers)} decoder blocks, "
+                             f"the config builds {len(blocks)}")
+        for block, layout in zip(blocks, layers):
+            compact.resize_block_(block, layout)
+    if sparse_layers:
+        sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {}, manifest.get("sparse_experts") or ())
+    return model

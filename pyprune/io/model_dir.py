@@ -39,11 +39,12 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..files import check_destination, make_temp_dir, write_json
-from ..nn import anatomy, compact, rotation, sparse
+from ..files import check_destination, make_temp_dir, standard_modes, write_json
+from ..nn import anatomy, rotation, sparse
 from . import offload
 from .names import model_names
-from .manifest import _FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer
+from .manifest import (_FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer,
+                       shape_as_saved_)
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
 
 __all__ = ["save", "load", "check_weights", "model_layout", "config_compatible"]
@@ -70,9 +71,13 @@ def model_layout(model: nn.Module) -> Dict[str, Any]:
 
 def config_compatible(model: nn.Module) -> bool:
     """Whether :func:`save` would write ``model`` as an ordinary checkpoint that plain
-    ``from_pretrained`` reads as intended: one config describes every block, and no layer is a
-    SparseLinear (stored compressed)."""
-    return model_layout(model)["config_compatible"] and not sparse.sparse_layers(model)
+    ``from_pretrained`` reads as intended: one config describes every block, no layer is a
+    SparseLinear (stored compressed) and no residual carries a rotation (SliceGPT)."""
+    return _compatible(model_layout(model), sparse.sparse_layers(model), rotation.residual_rotations(model))
+
+
+def _compatible(layout: Dict[str, Any], sparse_layers, rotations) -> bool:
+    return layout["config_compatible"] and not sparse_layers and rotations is None
 
 
 def _nonempty_dir(path: str) -> bool:
@@ -100,6 +105,7 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
     """Rename the finished ``tmp`` to ``directory`` (replacing an empty one, or with ``overwrite``
     a non-empty one via a renamed backup that is deleted afterwards)."""
     _check_target(directory, overwrite)
+    standard_modes(tmp)
     if not _nonempty_dir(directory):
         os.replace(tmp, directory)  # a missing or empty target directory is replaced atomically
         return
@@ -132,6 +138,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
         raise TypeError(f"save needs a transformers model with a config and save_pretrained; "
                         f"got {type(model).__name__}")
     directory = os.fspath(directory)
+    anatomy.check_materialised(model, f"saving to {directory}")
     _check_target(directory, overwrite)
     layout = model_layout(model)
     sparse_layers = sparse.sparse_layers(model)
@@ -152,7 +159,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             config.update(layout["config_fields"])
         if rotations is not None:  # the dense width: from_pretrained's shapes disagree, only load() rebuilds it
             config["hidden_size"] = rotations["dense_hidden_size"]
-        compatible = layout["config_compatible"] and not sparse_layers and rotations is None
+        compatible = _compatible(layout, sparse_layers, rotations)
         write_json(config_path, config if compatible else mark_config(config), sort_keys=True)
         manifest = {
             "format": "pyprune", "version": _FORMAT_VERSION,
@@ -244,20 +251,7 @@ def load(directory: str, dtype: Optional[torch.dtype] = None, device="cpu") -> T
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # weight init (which also ties) was skipped
-    rotations = manifest.get("residual_rotations")
-    if rotations:  # a rotated, sliced model (SliceGPT): its width, then identity rotations the weights replace
-        compact.keep_hidden_channels_(model, torch.arange(rotations["hidden_size"]))
-        identity = [torch.eye(rotations["hidden_size"]) for _ in anatomy.decoder_blocks(model)]
-        rotation.add_residual_rotations_(model, identity, identity, rotations["dense_hidden_size"])
-    layers = manifest.get("layers")
-    if layers is not None:
-        blocks = anatomy.decoder_blocks(model)
-        if len(layers) != len(blocks):
-            raise ValueError(f"cannot load {directory}: {MANIFEST} records {len(layers)} decoder blocks, "
-                             f"the config builds {len(blocks)}")
-        for block, layout in zip(blocks, layers):
-            compact.resize_block_(block, layout)
-    sparse.restore_sparse_layers_(model, manifest.get("sparse_layers") or {}, manifest.get("sparse_experts") or ())
+    shape_as_saved_(model, manifest, directory)
     _load_strict(model, model_names(model, state), directory)
     model.to(device)
     model.eval()

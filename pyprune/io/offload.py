@@ -27,7 +27,7 @@ from torch import nn
 from ..files import atomic_path, write_json
 from ..nn import anatomy
 from .names import model_names
-from .manifest import read_config, read_manifest
+from .manifest import read_config, read_manifest, shape_as_saved_
 
 __all__ = ["OffloadedBlocks", "load_offloaded", "skeleton", "weight_map", "write_weights"]
 
@@ -56,21 +56,16 @@ def weight_map(directory: str) -> Dict[str, str]:
 
 
 def skeleton(directory: str, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of ``directory`` with every parameter on ``meta`` (no weight is read), its
-    blocks resized to the shapes a ``pyprune.json`` records (SparseLinear layers stay dense)."""
+    """The causal LM of ``directory`` with every parameter on ``meta`` (no weight is read), shaped
+    as its ``pyprune.json`` records (:func:`pyprune.io.manifest.shape_as_saved_`; SparseLinear layers
+    stay dense, so sizes are an upper bound)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from ..nn import compact
-
-    manifest = read_manifest(directory)
     config = read_config(directory)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = manifest.get("layers")
-    if layers is not None:
-        for block, layout in zip(anatomy.decoder_blocks(model), layers):
-            compact.resize_block_(block, layout)
+        shape_as_saved_(model, read_manifest(directory), directory, sparse_layers=False)
     return model.eval()
 
 

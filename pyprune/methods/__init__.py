@@ -4,7 +4,7 @@ this package; every module is imported here, so a subclass that sets ``name`` is
 import importlib
 import pkgutil
 
-from .base import REGISTRY, Method
+from .base import REGISTRY, Method, RunWarning
 from .structured import StructuredMethod
 
 for _module in pkgutil.iter_modules(__path__):
@@ -26,4 +26,4 @@ def serving(command: str) -> list:
     return sorted(name for name, cls in METHODS.items() if command in cls.commands)
 
 
-__all__ = ["METHODS", "Method", "StructuredMethod", "get", "serving"]
+__all__ = ["METHODS", "Method", "RunWarning", "StructuredMethod", "get", "serving"]

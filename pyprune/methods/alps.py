@@ -4,7 +4,7 @@ reconstruction problem, then preconditioned conjugate gradient on the support it
 Per linear layer, from H = the mean of 2·x xᵀ over its calibration inputs (SparseGPT's statistic;
 the solver is invariant to its scale): ridge λ = percdamp·mean(diag H), normalise to a unit
 diagonal, run ADMM with ALPS's penalty schedule to choose the support, project, refit the kept
-weights by PCG (:mod:`pyprune.runtime.reconstruction`). All linears of a block see the block's
+weights by PCG (:mod:`pyprune.runtime.layer_solver`). All linears of a block see the block's
 inputs before any of them is pruned, and the next block sees the pruned block's outputs, as in
 the authors' code. Unstructured masks are per tensor by default (the authors' projection keeps
 the k largest of the whole layer); N:M groups run along the input dim.
@@ -20,10 +20,10 @@ import torch
 
 from ..nn.experts import expert_linears
 from ..runtime import distributed, engine
-from ..runtime.reconstruction import (AdmmSchedule, admm_support, normalise, pcg_on_support,
+from ..runtime.layer_solver import (AdmmSchedule, admm_support, normalise, pcg_on_support,
                                       reconstruction_error)
 from .options import at_least_one, block_checkpoint, fraction, nonnegative, option, positive
-from .sparsegpt import Hessian, HessianMethod
+from .sparsegpt import _Hessian, HessianMethod
 
 
 class Alps(HessianMethod):
@@ -47,6 +47,12 @@ class Alps(HessianMethod):
         super().__init__(**values)
         self._layer_reports = []
 
+    def check_options(self, settings):
+        if settings["min_iterations"] > settings["admm_iterations"]:
+            raise ValueError(f"options of method 'alps' must have min_iterations <= admm_iterations (the stop on a "
+                             f"stable support is checked from min_iterations on); got min_iterations="
+                             f"{settings['min_iterations']}, admm_iterations={settings['admm_iterations']}")
+
     def working_bytes(self, block):
         """Every layer's float64 Hessian sum (all are filled in one pass over the block), and for the
         largest layer the float64 temporaries of its normalisation, its normalised copy, eigenvectors
@@ -58,8 +64,8 @@ class Alps(HessianMethod):
         return hessians + max(32 * linear.in_features ** 2 + 24 * linear.weight.numel() for linear in linears)
 
     @torch.no_grad()
-    def prune_layer(self, linear, stats: Hessian, pattern) -> None:
-        H, W, scale = normalise(stats.matrix(), linear.weight.detach(), self.percdamp)
+    def prune_layer(self, linear, stats: _Hessian, pattern) -> None:
+        H, W, scale = normalise(stats.H, linear.weight.detach(), self.percdamp)
         schedule = AdmmSchedule(rho=self.rho, max_iterations=self.admm_iterations, update_every=self.rho_interval,
                                 min_iterations=self.min_iterations)
         projected, support, trace = admm_support(H, W, pattern, schedule)

@@ -9,15 +9,22 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
+from ..nn import anatomy
 from ..nn.experts import expert_linears, fused_experts
 from ..nn.sliced import check_plain_linears
-from ..runtime import distributed, engine, memory, tokens
+from ..io import memory
+from ..runtime import distributed, engine, tokens
 from ..patterns import NM, Pattern, Structured, Unstructured, written_as
 from . import owl
 from .options import Option, collect, nonnegative, option, positive, resolve
 
 #: Every method class by name, filled as its module is imported (:meth:`Method.__init_subclass__`).
 REGISTRY: Dict[str, Type["Method"]] = {}
+
+
+class RunWarning(UserWarning):
+    """A run that will do less than its options ask for (e.g. SAFE with fewer steps a block than its
+    dual interval), said once before it starts."""
 
 
 class Method(ABC):
@@ -128,6 +135,11 @@ class Method(ABC):
                 raise ValueError(f"method {self.name!r} needs calibration tokens calib of shape [nsamples, seqlen]")
             return
         tokens.check_token_ids(calib, model, "calib")
+        self.check_samples(calib.shape[0])
+
+    def check_samples(self, nsamples: int) -> None:
+        """Warn (:class:`RunWarning`) when ``nsamples`` calibration samples are too few for the run
+        the options ask for (the CLI asks before the model loads); nothing by default."""
 
     def check_distributed(self) -> None:
         """In a process group of several ranks, refuse a method that does not reduce its statistics
@@ -147,9 +159,10 @@ class Method(ABC):
               batch_size: int = 8, progress: bool = True) -> Dict:
         """Prune ``model`` in place; return details for the report. Checks everything first
         (:meth:`check`, :meth:`check_calibration`, the memory it needs:
-        :func:`pyprune.runtime.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
+        :func:`pyprune.io.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
         self.check_grad_mode()
         self.check_distributed()
+        anatomy.check_materialised(model, f"pruning with {self.name}")
         self.check(model, pattern)
         self.check_calibration(model, calib)
         nsamples, seqlen = calib.shape if calib is not None else (0, 0)
@@ -159,7 +172,7 @@ class Method(ABC):
 
     def working_bytes(self, block: nn.Module) -> int:
         """Estimated memory this method needs for ``block`` beyond its weights and the calibration
-        activations (:func:`pyprune.runtime.memory.prune_need`): an fp32 score and a mask of its largest
+        activations (:func:`pyprune.io.memory.prune_need`): an fp32 score and a mask of its largest
         linear layer (an MoE's expert matrices among them)."""
         with expert_linears(block, strict=False):
             return 5 * max(linear.weight.numel() for linear in engine.block_linears(block).values())

@@ -130,7 +130,7 @@ class DReSS(Method):
         but the last, the final norm's output; each weighs the same; a pass of the decoder, no LM
         head). A few massive-activation
         channels hold most of it (SmolLM2-135M: channel 507, 71% on this average and 89-98% of the
-        outputs of blocks 12-28, benchmarks/dress_channel_energy.py); slicing one of them breaks the
+        outputs of blocks 12-28, study dress-channel-energy); slicing one of them breaks the
         model, whatever the regularisation (DReSS's positional choices appear to miss LLaMA-2-7B's)."""
         energy = None
         device = next(model.parameters()).device

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-#: the types an option can have
+#: the types an option can have (a study's arms may also be a ``Tuple[type, ...]`` of one of them)
 TYPES = (int, float, bool, str)
 
 
@@ -37,6 +37,7 @@ class Option:
         self.name: str = ""
         self.type: type = object
         self.optional = False
+        self.many = False  # a Tuple[type, ...] annotation: a non-empty sequence of values
 
     def __set_name__(self, owner: type, name: str) -> None:
         if self.name:
@@ -48,7 +49,8 @@ class Option:
         return self if instance is None else instance.settings[self.name]
 
     def __set__(self, instance, value) -> None:
-        raise AttributeError(f"option {self.name} of method {instance.name!r} is set when the method is built")
+        kind = getattr(instance, "kind", "method")  # a study says so
+        raise AttributeError(f"option {self.name} of {kind} {instance.name!r} is set when the {kind} is built")
 
     def bind(self, annotation: Any) -> None:
         """Take this option's type from its class attribute's (evaluated) annotation."""
@@ -56,22 +58,35 @@ class Option:
             else (annotation,)
         self.optional = type(None) in kinds
         kinds = tuple(kind for kind in kinds if kind is not type(None))
+        if len(kinds) == 1 and typing.get_origin(kinds[0]) is tuple:
+            items = typing.get_args(kinds[0])
+            self.many = len(items) == 2 and items[1] is Ellipsis
+            kinds = items[:1] if self.many else kinds
         if len(kinds) != 1 or kinds[0] not in TYPES:
             raise TypeError(f"option {self.name} must be annotated with one of int, float, bool, str (or "
-                            f"Optional of one); got {annotation!r}")
+                            f"Optional of one, or Tuple[type, ...] of one); got {annotation!r}")
         self.type = kinds[0]
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def convert(self, value: Any, method: str) -> Any:
-        """``value`` as this option's type, checked; ValueError naming the option otherwise."""
-        where = f"option {self.name} of method {method!r}"
+    def convert(self, value: Any, method: str, kind: str = "method") -> Any:
+        """``value`` as this option's type, checked; ValueError naming the option (of the ``kind``
+        ``method``: a method, or a study) otherwise. A ``many`` option takes a non-empty list or
+        tuple and gives a tuple, each item converted and checked."""
+        where = f"option {self.name} of {kind} {method!r}"
         if value is None:
             if self.optional:
                 return None
             raise ValueError(f"{where} must be set; got None")
+        if not self.many:
+            return self._convert_one(value, where)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"{where} must be a non-empty list of {self.type.__name__}; got {value!r}")
+        return tuple(self._convert_one(item, where) for item in value)
+
+    def _convert_one(self, value: Any, where: str) -> Any:
         if self.type is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
                 value = value.lower() in ("true", "1", "yes")
@@ -116,15 +131,15 @@ def collect(cls: type, inherited: Sequence[Option]) -> Tuple[Option, ...]:
     return tuple(options.values())
 
 
-def resolve(declared: Sequence[Option], given: Dict[str, Any], method: str) -> Dict[str, Any]:
+def resolve(declared: Sequence[Option], given: Dict[str, Any], method: str, kind: str = "method") -> Dict[str, Any]:
     """Every declared option's value: the given one (converted and checked) or the default.
-    An option the method does not declare is an error that lists the ones it has."""
+    An option the ``kind`` (method or study) does not declare is an error that lists the ones it has."""
     by_name = {option.name: option for option in declared}
     unknown = sorted(set(given) - set(by_name))
     if unknown:
         allowed = ", ".join(by_name) if by_name else "none"
-        raise ValueError(f"method {method!r} has no option {', '.join(unknown)}; its options: {allowed}")
-    return {name: option.convert(given.get(name, option.default), method)
+        raise ValueError(f"{kind} {method!r} has no option {', '.join(unknown)}; its options: {allowed}")
+    return {name: option.convert(given.get(name, option.default), method, kind)
             for name, option in by_name.items()}
 
 

@@ -44,7 +44,7 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
     default_scope = "row"
     #: 64 x 256 tokens, 3 passes (96 steps per block at batch 2): 4x the windows of (16, 256) at 10
     #: passes for about the same steps; held-out block error 0.416 of Wanda's one-shot against 0.455
-    #: (benchmarks/safe_sweep_smollm2.py), the calibration fitted less closely
+    #: (the ``safe-sweep`` study), the calibration fitted less closely
     calibration = (64, 256)
 
     epochs: int = option(3, "block training: passes over the calibration samples per block (SAFE paper: 30; the "

@@ -17,7 +17,7 @@ A scale-free penalty. Under Adam only the per-coordinate ratio of the penalty λ
 block's hidden-state scale (SmolLM2's grows with depth and carries massive-activation channels),
 so one λ is strong in one block and negligible in another; and once the penalty dominates, Adam
 moves each weight by about the learning rate per step whatever λ is, so x reaches z only if
-K·lr is of the order of the weights (measured in benchmarks/safe_sweep_smollm2.py). The default,
+K·lr is of the order of the weights (measured by the ``safe-sweep`` study). The default,
 ``penalty="decoupled"``, is Algorithm 1's lines 12–13 with Adam in line 12 only: after Adam's step
 on ∇f(x + ε), x ← x − ηλ(x − z + u), which closes the fraction ηλ of the distance to z − u every
 step whatever the scale of f or of the weights, so λ (with the learning rate) means the same in
@@ -33,10 +33,12 @@ away.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 from ..runtime import distributed, engine
 from ..runtime.optim import SafeOptimizer
+from .base import RunWarning
 from .options import at_least_one, block_checkpoint, nonnegative, option
 from .owl import add_sqnorms, new_sqnorms
 from .reconstruction import BlockTraining
@@ -70,6 +72,16 @@ class Safe(BlockTraining):
             raise ValueError(f"options lr and lam of method {self.name!r} must have lr * lam <= 1 with penalty "
                              "'decoupled' (each step moves x by that fraction of its distance to z - u); got "
                              f"lr={settings['lr']}, lam={settings['lam']}")
+
+    def check_samples(self, nsamples: int) -> None:
+        """At least one dual (z/u) update a block: fewer steps than ``dual_interval`` would train
+        the weights with the penalty towards z₀ alone and never run ADMM's projection again."""
+        steps, _ = self.schedule(nsamples)
+        if steps < self.dual_interval:
+            warnings.warn(f"method {self.name!r}: {nsamples} calibration samples, {self.epochs} epochs of batches of "
+                          f"{self.train_batch} give {steps} steps a block, fewer than dual_interval="
+                          f"{self.dual_interval}, so no dual update will run; raise nsamples or epochs, or "
+                          "lower dual_interval", RunWarning)
 
     def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
         """SAFE on one block (on its calibration inputs ``ctx.inputs``), in place; returns its first

@@ -27,7 +27,7 @@ from .base import LayerwiseMaskMethod
 from .options import at_least_one, block_checkpoint, fraction, option
 
 
-class Hessian:
+class _Hessian:
     """H = (2/N) Σ x xᵀ over the N calibration tokens of a layer, kept as the float64 sum of each
     batch's float32 xᵀx and the token count, so that ranks add their sums (:meth:`reduced`)."""
 
@@ -40,11 +40,12 @@ class Hessian:
         self.sum += x.T @ x
         self.tokens += x.shape[0]
 
-    def matrix(self) -> Tensor:
-        """H in float32 (a new tensor)."""
+    @property
+    def H(self) -> Tensor:
+        """H in float32 (a new tensor each time)."""
         return (self.sum * (2.0 / self.tokens)).float()
 
-    def reduced(self, dst: Optional[int]) -> Optional["Hessian"]:
+    def reduced(self, dst: Optional[int]) -> Optional["_Hessian"]:
         """This Hessian summed over the ranks (sums and token counts), in place, on every rank or on
         rank ``dst`` alone (None on the others)."""
         tokens = distributed.all_reduce_(torch.tensor([self.tokens], dtype=torch.int64))
@@ -56,14 +57,14 @@ class Hessian:
 
 
 class HessianMethod(LayerwiseMaskMethod):
-    """A layer-wise method that prunes each layer from its :class:`Hessian` (SparseGPT, ALPS), one
-    layer solve per rank at a time in a process group."""
+    """A layer-wise method that prunes each layer from its :class:`_Hessian` (SparseGPT, ALPS); in a
+    process group a block's layer solves are spread over the ranks."""
 
     data_parallel = True
     distribute_solves = True
 
     def new_stats(self, name, linear):
-        return Hessian(linear.in_features, linear.weight.device)
+        return _Hessian(linear.in_features, linear.weight.device)
 
     def update(self, stats, x, y):
         stats.add(x)
@@ -103,9 +104,9 @@ class SparseGPT(HessianMethod):
         return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
 
     @torch.no_grad()
-    def prune_layer(self, linear, stats: Hessian, pattern: Pattern) -> None:
+    def prune_layer(self, linear, stats: _Hessian, pattern: Pattern) -> None:
         W = linear.weight.detach().float().clone()
-        Hinv = self._inverse_cholesky(stats.matrix(), W)
+        Hinv = self._inverse_cholesky(stats.H, W)
         columns = W.shape[1]
         nm = pattern if isinstance(pattern, NM) else None
         blocksize = self.blocksize if nm is None else nm.m * math.ceil(self.blocksize / nm.m)

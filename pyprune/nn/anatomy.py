@@ -64,6 +64,21 @@ def resident_blocks(model: nn.Module, write: bool = False) -> Iterator[Tuple[int
             (store.store if write else store.release)(index, block)
 
 
+def check_materialised(model: nn.Module, what: str) -> None:
+    """Refuse (ValueError, one line) a model whose weights are not in memory: parameters or buffers on
+    the ``meta`` device (``init_empty_weights``, ``device_map="meta"``) outside the blocks an
+    offloaded model keeps on disk."""
+    offloaded = set()
+    if block_store(model) is not None:
+        offloaded = {id(t) for block in decoder_blocks(model) for t in (*block.parameters(), *block.buffers())}
+    empty = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_meta and id(t) not in offloaded]
+    if empty:
+        raise ValueError(f"{what}: {len(empty)} tensors of the model are on the meta device (e.g. {empty[0]}), "
+                         "so its weights were never loaded; load them first (pyprune.load_model, or "
+                         "from_pretrained without a meta device map)")
+
+
 #: the names an MoE block gives the linear that routes tokens to its experts
 _ROUTER_NAMES = ("gate", "router")
 

@@ -19,8 +19,8 @@ Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries
   first use and by ``pyprune tune``.
 * The shipped table, a prior: ``{"environments": [block, ...]}`` in ``dispatch_table.json`` next to
   this file (or the file named by ``PYPRUNE_DISPATCH_TABLE``), written by
-  ``benchmarks/bench_sparse_linear.py --write-dispatch``. A block applies only where its
-  environment equals this process's exactly.
+  ``benchmarks/report.py --write-dispatch`` from a timed run of ``benchmarks/test_sparse_linear.py``.
+  A block applies only where its environment equals this process's exactly.
 
 :func:`answer` gives what may be used as is: the cache's entry (source ``cache``), else a prior
 ``dense`` entry (``prior``). A prior naming a sparse backend is no answer: the caller measures the
@@ -35,6 +35,8 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
+from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
@@ -171,6 +173,60 @@ def environment(device: torch.device) -> Dict:
             "native_kernels": native_kernels(device), "threads": torch.get_num_threads()}
 
 
+def cpu_record() -> Dict:
+    """The CPU as the dispatch keys it (:func:`this_cpu`), the size of every cache level in bytes
+    (:func:`cpu_caches`) and the load average."""
+    info = dict(this_cpu(), caches=cpu_caches())
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    return info
+
+
+def _nvidia_driver() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment_record(device: torch.device) -> Dict:
+    """The machine and library versions a result (a benchmark's, a study's) was measured with:
+    :func:`device_key` and :func:`environment` in full, threads, versions, which native kernels
+    are built, the time; on a CPU :func:`cpu_record`, on a GPU the CUDA, driver, capability and
+    cuSPARSELt versions."""
+    device = torch.device(device)
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({this_cpu()['model']})",
+        "dispatch_device": device_key(device),
+        "dispatch_environment": environment(device),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pyprune": __version__,
+        "native_cpu_kernels": backend.native_module("cpu") is not None,
+        "native_cuda_kernels": backend.native_module("cuda") is not None,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cpu":
+        info["cpu"] = cpu_record()
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _nvidia_driver()
+        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(device)
+        try:
+            info["cusparselt"] = torch.backends.cusparselt.version()
+        except (AttributeError, RuntimeError):
+            info["cusparselt"] = None
+    return info
+
+
 # -- cases ---------------------------------------------------------------------------------------------
 
 def token_bucket(tokens: int) -> str:
@@ -237,8 +293,8 @@ def _load_table(path: str, stamp: tuple) -> List[Dict]:
             for b in blocks):
         raise ValueError(f"dispatch table {path} must be {{\"environments\": [{{\"environment\": {{...}}, "
                          f"\"entries\": {{...}}}}, ...]}}: rows without the environment they were measured in "
-                         "cannot be attributed to a machine; write it with benchmarks/bench_sparse_linear.py "
-                         "--write-dispatch")
+                         "cannot be attributed to a machine; write it with benchmarks/report.py --write-dispatch "
+                         "(from a timed run of benchmarks/test_sparse_linear.py)")
     for block in blocks:
         for key, entry in block["entries"].items():
             if not isinstance(entry, dict) or entry.get("backend") not in BACKENDS:

@@ -75,7 +75,7 @@ def sam_perturb_(params: List[Tensor], grads: List[Tensor], anchors: List[Tensor
     dtype), then x ← x + rho·g/‖g‖₂ with ‖g‖₂ over every tensor (fp32; no move when it is 0).
     Returns ‖g‖₂ (fp32, 0-d). ``anchors`` then restore x in :func:`sam_adam_step_`.
     Kernels (this op and the next) cover all the tensors per launch: Triton one launch per kernel and dtype
-    combination over a chunk table (pyprune/ops/kernels/sam.py), C++ one OpenMP loop over it (csrc/cpu/sam.cpp)."""
+    combination over a chunk table (kernels/sam.py), C++ one OpenMP loop over it (csrc/cpu/sam.cpp)."""
     _tensor_lists(("params", "grads", "anchors"), (params, grads, anchors))
     for i, (p, anchor) in enumerate(zip(params, anchors)):
         check.dtype(f"anchors[{i}]", anchor, p.dtype)

@@ -4,7 +4,7 @@
 * :mod:`pyprune.runtime.checkpoint` — resumable runs: keyed safetensors states (blocks, training).
 * :mod:`pyprune.runtime.training` — training loops for a whole model and for one block.
 * :mod:`pyprune.runtime.optim` — SAFE's ADMM optimiser over a block's weights.
-* :mod:`pyprune.runtime.memory` — the peak-memory estimate of a prune and its check.
+* :mod:`pyprune.runtime.layer_solver` — ALPS's layer-wise reconstruction solver (ADMM support, then PCG).
 * :mod:`pyprune.runtime.recovery` — LoRA fine-tuning after pruning.
 * :mod:`pyprune.runtime.decode` — timed greedy decoding with the KV cache.
 """

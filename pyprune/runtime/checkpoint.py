@@ -8,8 +8,10 @@ what differs (:func:`pyprune.io.storage.check_key`). A run that resumes in steps
 beside its states (:meth:`Checkpoint.read_index`), keyed the same way.
 
 Its users are thin: :class:`pyprune.runtime.engine.BlockCheckpoint` (the finished blocks of a
-block-wise prune) and :class:`pyprune.runtime.training.TrainingCheckpoint` (a training run every
-``every`` steps, e.g. DReSS's regularisation).
+block-wise prune), :class:`pyprune.runtime.training.TrainingCheckpoint` (a training run every
+``every`` steps, e.g. DReSS's regularisation) and the studies' runner
+(:mod:`pyprune.studies.study`), whose results file is its own index: :func:`read_results`
+reads it back keyed by the study's ``settings``.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 from ..files import write_json
 from ..io import storage
 
-__all__ = ["Checkpoint", "model_fingerprint", "tokens_digest"]
+__all__ = ["Checkpoint", "model_fingerprint", "tokens_digest", "read_results"]
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -95,3 +97,21 @@ class Checkpoint:
         """Write the JSON index ``name`` atomically: this checkpoint's key and ``progress``."""
         os.makedirs(self.directory, exist_ok=True)
         write_json(self.path(name), dict({"key": self.key}, **progress))
+
+
+def read_results(path: str, settings: dict) -> Optional[dict]:
+    """The JSON results file a resumable run wrote at ``path`` with these ``settings`` (its
+    ``"settings"`` entry is its key); None when there is none. StateError, naming the settings
+    that differ, for a file of other settings: its rows were measured under another protocol and
+    are never mixed with these nor overwritten."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            result = json.load(handle)
+    except ValueError as error:
+        raise storage.StateError(f"results file {path} is not valid JSON ({error}); remove it") from None
+    stored = result.get("settings") if isinstance(result, dict) else None
+    storage.check_key(f"results file {path}", {"settings": stored if isinstance(stored, dict) else {}},
+                      {"settings": settings})
+    return result

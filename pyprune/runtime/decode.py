@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import List, Tuple
+
 import torch
 from torch import Tensor, nn
 
@@ -31,14 +33,27 @@ def greedy_generate(model: nn.Module, prompt: Tensor, max_new_tokens: int) -> Ge
     if prompt.dim() != 2 or prompt.shape[0] < 1 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be [B, T] token ids with B, T >= 1; got shape {tuple(prompt.shape)}")
     begin = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True)
-    token = out.logits[:, -1:].argmax(-1)
-    tokens = [token]
+    token, cache = prompt_step(model, prompt)
     prefill_s = time.perf_counter() - begin
-    cache = out.cache  # transformers 5's name (past_key_values is deprecated, with a warning per call)
     begin = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
+    tokens = [token] + decode_steps(model, token, cache, max_new_tokens - 1)
+    return Generation(torch.cat(tokens, dim=1), prefill_s, time.perf_counter() - begin)
+
+
+@torch.no_grad()
+def prompt_step(model: nn.Module, prompt: Tensor) -> Tuple[Tensor, object]:
+    """The first greedy token ([B, 1]) after ``prompt`` from one forward over it, and the KV cache."""
+    out = model(input_ids=prompt, use_cache=True)
+    return out.logits[:, -1:].argmax(-1), out.cache  # transformers 5's name (past_key_values is deprecated)
+
+
+@torch.no_grad()
+def decode_steps(model: nn.Module, token: Tensor, cache, steps: int) -> List[Tensor]:
+    """The ``steps`` greedy tokens ([B, 1] each) after ``token``, one forward of the last token each,
+    extending ``cache`` (the KV cache of everything before ``token``)."""
+    tokens = []
+    for _ in range(steps):
         out = model(input_ids=token, cache=cache, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         tokens.append(token)
-    return Generation(torch.cat(tokens, dim=1), prefill_s, time.perf_counter() - begin)
+    return tokens

@@ -46,16 +46,34 @@ def _label(report: Dict) -> tuple:
     return method, pattern
 
 
+def _protocols(reports: Sequence[Dict]) -> Dict[str, set]:
+    """Text -> the (tokens, seqlen) its perplexities were measured with across ``reports``."""
+    seen: Dict[str, set] = {}
+    for report in reports:
+        for entry in report.get("eval") or []:
+            seen.setdefault(entry["data"], set()).add((entry.get("tokens"), entry.get("seqlen")))
+    return seen
+
+
+def _ppl_column(entry: Dict, protocols: Dict[str, set]) -> str:
+    """``ppl TEXT``; perplexities of one text measured on other token counts or windows are not
+    comparable, so then each protocol gets its own column (``ppl TEXT (1024 tokens, seqlen 256)``)."""
+    if len(protocols[entry["data"]]) == 1:
+        return f"ppl {entry['data']}"
+    return f"ppl {entry['data']} ({entry.get('tokens')} tokens, seqlen {entry.get('seqlen')})"
+
+
 def rows(reports: Sequence[Dict]) -> List[Dict]:
     """One row per report: method, pattern, sparsity (None when unknown), ``{column: (value,
     stderr)}`` for each perplexity and zero-shot metric, and each accuracy's chance level (None
     when the task does not state it)."""
     out = []
+    protocols = _protocols(reports)
     for report in reports:
         method, pattern = _label(report)
         values, chance = {}, {}
         for entry in report.get("eval") or []:
-            values[f"ppl {entry['data']}"] = (entry["perplexity"], None)
+            values[_ppl_column(entry, protocols)] = (entry["perplexity"], None)
         for task, result in sorted((report.get("tasks") or {}).items()):
             for metric in ("acc", "acc_norm"):
                 if result.get(metric) is not None:

@@ -39,6 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import os
+import statistics
+import time
 from typing import Dict, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
@@ -47,10 +51,18 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .. import methods
+from ..files import atomic_path, write_text
+from ..inputs import data
+from ..inputs.models import load_model
 from ..methods import pruning
+from ..methods.options import at_least_one, fraction, nonnegative, option, positive
 from ..methods.structured import STREAM
 from ..evaluation.perplexity import perplexity
+from ..nn.dispatch import environment_record
 from ..patterns import Structured
+from .results import mean_std, verdict_cell
+from .study import Arm, Study
+from .verdict import RULE, paired_verdict
 
 FORMATS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_FORMATS = {"float32": torch.float32, **FORMATS}
@@ -255,3 +267,354 @@ def eta_sweep(model: nn.Module, etas, ratio: float, calib: Tensor, *, name: str 
                      "agreement": agreement(base, pruned_groups(report)),
                      "spearman": rank_correlation(base_scores, scores), "moreau": report["moreau"]})
     return {"format": name, "arithmetic": arithmetic, "ratio": ratio, "options": report["options"], "rows": rows}
+
+
+
+# -- the study: MoreauPruner's Table 1 on SmolLM2-135M, with its controls ------------------------
+
+#: the table's rows: a name -> (pyprune method, its options)
+VARIANTS = {
+    "taylor": ("taylor", {}),
+    "smoothgrad": ("smoothgrad", {}),  # averages the scores (v2 paper)
+    "smoothgrad-gradients": ("smoothgrad", {"average": "gradients"}),  # averages the gradients (v1 paper)
+    "moreau": ("moreau", {}),
+    "moreau-gs": ("moreau-gs", {}),
+    # the authors' released loop (spec Appendix X): no decay, mean δ of the last 5 steps, per-row RMS operator,
+    # every parameter smoothed
+    "moreau-gs-released": ("moreau-gs", {"operator": "released", "decay": False, "average_last": 5, "smooth": "all"}),
+}
+VARIANT_NAMES = tuple(VARIANTS)
+PAPER_LAYERS, PAPER_FIRST, PAPER_END = 32, 4, 30  # LLaMA-7B: layers 4..29 pruned (range(4, 30))
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def layer_protocol(layers: str, ratio: float, n_layers: int):
+    """(first_layer, last_layer, per-layer ratio) of protocol ``layers`` at overall ``ratio``: ``all``
+    prunes every layer at the ratio; ``middle`` is the v2 paper's (App. E.2) scaled to ``n_layers``."""
+    if layers == "all":
+        return 0, n_layers - 1, ratio
+    first = round(PAPER_FIRST * n_layers / PAPER_LAYERS)
+    last = round(PAPER_END * n_layers / PAPER_LAYERS) - 1
+    return first, last, ratio * n_layers / (last - first + 1)
+
+
+def _key(run):
+    return (run["method"], run["arithmetic"], run["layers"], run["overall_ratio"], run.get("structure", "groups"))
+
+
+def _run_key(run):
+    return (*_key(run), run["seed"])
+
+
+def _scores_path(directory, run, seed):
+    method, arithmetic, layers, ratio, structure = _key(run)
+    hidden = "-hidden" if structure == "hidden" else ""
+    return os.path.join(directory, f"{method}-{arithmetic}-{layers}{hidden}-{ratio}-seed{seed}.safetensors")
+
+
+def save_scores(path, report):
+    """The bf16 run's group scores and pruned groups (safetensors, atomically)."""
+    from safetensors.torch import save_file
+    tensors = {}
+    for layer, scores in report["scores"]["bfloat16"].items():
+        for kind, values in scores.items():
+            tensors[f"{layer}.{kind}"] = values.float().contiguous()
+    for layer, kind, index in report["groups"]["bfloat16"]:
+        tensors.setdefault(f"{layer}.pruned_{kind}s", [])
+        tensors[f"{layer}.pruned_{kind}s"].append(index)
+    tensors = {k: (torch.tensor(sorted(v)) if isinstance(v, list) else v) for k, v in tensors.items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_path(path) as temporary:
+        save_file(tensors, temporary)
+
+
+def load_scores(path):
+    """(layer scores, pruned groups) of a file :func:`save_scores` wrote."""
+    from safetensors.torch import load_file
+    tensors = load_file(path)
+    scores, groups = {}, set()
+    for name, values in tensors.items():
+        layer, kind = name.split(".", 1)
+        if kind.startswith("pruned_"):
+            groups.update((int(layer), kind[len("pruned_"):-1], int(i)) for i in values.tolist())
+        else:
+            scores.setdefault(int(layer), {})[kind] = values
+    return scores, groups
+
+
+def _floor_key(key):
+    """A setting's key in ``calibration_floor`` (the structure only when not the default)."""
+    return "|".join(map(str, key if key[4] != "groups" else key[:4]))
+
+
+def calibration_floor(runs, directory, previous=None):
+    """Per setting: mean agreement and rank correlation of the bf16 runs over pairs of seeds; a
+    ``previous`` floor stays when its runs' score files are not here (another machine's)."""
+    keys = {_key(r) for r in runs}
+    floors = {k: v for k, v in (previous or {}).items() if k in {_floor_key(key) for key in keys}}
+    for key in keys:
+        seeds = sorted(r["seed"] for r in runs if _key(r) == key)
+        paths = {s: _scores_path(directory, next(r for r in runs if _key(r) == key), s) for s in seeds}
+        if len(seeds) < 2 or not all(os.path.exists(p) for p in paths.values()):
+            continue
+        loaded = {s: load_scores(p) for s, p in paths.items()}
+        pairs = list(itertools.combinations(seeds, 2))
+        agreements = [agreement(loaded[a][1], loaded[b][1]) for a, b in pairs]
+        correlations = [rank_correlation(loaded[a][0], loaded[b][0]) for a, b in pairs]
+        floors[_floor_key(key)] = {
+            "pairs": [list(p) for p in pairs], "agreement": statistics.fmean(agreements),
+            "spearman": {kind: statistics.fmean(c[kind] for c in correlations) for kind in correlations[0]}}
+    return floors
+
+
+def _rho_channels(spearman):
+    """The channels' rank correlation: of the MLP channels, or of the hidden channels (structure hidden)."""
+    return spearman["channels"] if "channels" in spearman else spearman["hidden"]
+
+
+def verdicts(runs):
+    """MoreauPruner against the baselines over calibration seeds: for every MoreauPruner variant
+    and every other variant run in the same arithmetic, layers, ratio and structure, the
+    (MoreauPruner key, baseline key, agreement verdict, ppl_diff verdict) on the seeds both ran
+    (:func:`pyprune.studies.verdict.paired_verdict`; agreement: higher is better, ppl_diff: lower)."""
+    keys = sorted({_key(r) for r in runs}, key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]), k[1]))
+    found = []
+    for ours in (key for key in keys if key[0].startswith("moreau")):
+        for theirs in (key for key in keys if not key[0].startswith("moreau") and key[1:] == ours[1:]):
+            side = {key: {r["seed"]: r for r in runs if _key(r) == key} for key in (ours, theirs)}
+            if not side[ours].keys() & side[theirs].keys():
+                continue
+            found.append((ours, theirs, *(paired_verdict({s: r[metric] for s, r in side[ours].items()},
+                                                         {s: r[metric] for s, r in side[theirs].items()},
+                                                         lower_is_better=metric != "agreement")
+                                          for metric in ("agreement", "ppl_diff"))))
+    return found
+
+
+def verdict_lines(runs):
+    """The markdown of :func:`verdicts` (nothing when no MoreauPruner variant shares a seed with a baseline)."""
+    found = verdicts(runs)
+    if not found:
+        return []
+    lines = ["", f"MoreauPruner against the baselines, paired by calibration seed: ahead or behind only when {RULE} "
+             "(pyprune.studies.verdict), otherwise unsettled. Difference = MoreauPruner − baseline; agreement: "
+             "higher is better, ppl_diff: lower is better.", "",
+             "| method | against | arithmetic | structure | layers | ratio | agreement | ppl_diff |",
+             "|---|---|---|---|---|---:|---|---|"]
+    for ours, theirs, agreement_verdict, ppl_verdict in found:
+        lines.append(f"| {ours[0]} | {theirs[0]} | {ours[1]} | {ours[4]} | {ours[2]} | {ours[3]:g} | "
+                     f"{verdict_cell(agreement_verdict)} | {verdict_cell(ppl_verdict, '.2f')} |")
+    return lines
+
+
+def markdown(result) -> str:
+    settings, runs = result["settings"], result["runs"]
+    lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
+             f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
+             f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
+             "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
+             "calibration floor: bf16 runs of two calibration seeds (mean over pairs). Variants: "
+             + "; ".join(f"{name} = {method} {options}" for name, (method, options) in VARIANTS.items()
+                         if name != method) + ". Structure: groups = each layer's heads and MLP channels; hidden = "
+             "hidden channels in every layer (LLM-Pruner's channel-wise protocol), ρ channels then over hidden "
+             "channels.", "",
+             "| method | arithmetic | structure | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
+             "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
+             "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted({_key(r) for r in runs}, key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]), k[1])):
+        rows = [r for r in runs if _key(r) == key]
+        floor = result["calibration_floor"].get(_floor_key(key))
+        noise = [r["noise_floor"] for r in rows if r["noise_floor"]]
+        moreau = [r["runs"]["bfloat16"].get("moreau") or {} for r in rows]
+        ppl = [mean_std([r[k] for r in rows], ".2f") for k in ("ppl_bf16", "ppl_fp16", "ppl_diff")]
+        cells = [key[0], key[1], key[4], key[2], f"{key[3]:g}", str(len(rows)),
+                 mean_std([r["agreement"] for r in rows]),
+                 mean_std([_rho_channels(r["spearman"]) for r in rows], ".5f"),
+                 mean_std([r["spearman"].get("heads") for r in rows]),
+                 mean_std([n["agreement"] for n in noise]),
+                 mean_std([_rho_channels(n["spearman"]) for n in noise], ".5f"),
+                 f"{floor['agreement']:.4f}" if floor else "–",
+                 f"{_rho_channels(floor['spearman']):.5f}" if floor else "–",
+                 *ppl,
+                 mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
+                 mean_std([m.get("decay") for m in moreau], ".3f"),
+                 mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += verdict_lines(runs)
+    lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
+              "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
+              "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "
+              "prune s (bf16, fp16) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        cross = r["ppl_cross"]
+        backoffs = [r["runs"][f].get("loss_scale", {}).get("backoffs") for f in ("bfloat16", "float16")]
+        lines.append(
+            f"| {r['method']} | {r['arithmetic']} | {r.get('structure', 'groups')} | {r['layers']} | "
+            f"{r['overall_ratio']:g} | {r['seed']} | {r['agreement']:.4f} | {_rho_channels(r['spearman']):.5f} | "
+            f"{mean_std([r['spearman'].get('heads')])} | "
+            f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
+            f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
+            f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
+            f"{r['runs']['bfloat16']['time_s']:.0f}, {r['runs']['float16']['time_s']:.0f} |")
+    if not runs:
+        lines = lines[:1]
+    sweep = result.get("eta_sweep")
+    if sweep:
+        lines += ["", f"MoreauPruner-GS η sweep ({sweep['format']}, {sweep['arithmetic']}, ratio {sweep['ratio']:g}, "
+                  f"calibration seed {sweep['seed']}): selection against η = 0 (same ρ = {sweep['options']['rho']}, "
+                  f"γ = {sweep['options']['gamma']}, noise).", "",
+                  "| η | threshold γη | agreement with η = 0 | ρ channels | rows zeroed | rows shrunk >1% | "
+                  "median shrink |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in sweep["rows"]:
+            m = row["moreau"]
+            lines.append(f"| {row['eta']:g} | {row['threshold']:.3g} | {row['agreement']:.4f} | "
+                         f"{row['spearman']['channels']:.4f} | {m['gs_zeroed']:.4f} | {m['gs_shrunk_1pct']:.4f} | "
+                         f"{'–' if m['gs_shrink_median'] is None else format(m['gs_shrink_median'], '.3g')} |")
+    return "\n".join(lines) + "\n"
+
+
+class Robustness(Study):
+    """MoreauPruner's robustness claim (Table 1) on SmolLM2-135M, with its controls.
+
+    Every arm (method variant × arithmetic × ratio × calibration seed, seeds the outer loop) runs
+    :func:`study`: the agreement of the bf16 and fp16 runs' pruned groups, the rank correlation of
+    all group scores, both pruned models' perplexities in fp32 and the 2 × 2 pruned-in ×
+    evaluated-in. Controls: the Monte-Carlo floor (``noise_floor``) and the calibration floor
+    (agreement and rank correlation between the bf16 runs of two calibration seeds, from the
+    per-run scores kept in the ``.scores`` directory beside the results, not committed).
+    ``eta_sweep`` runs instead a MoreauPruner-GS η sweep against η = 0 (:func:`eta_sweep`; bf16,
+    rounding, the first seed and ratio) into ``NAME-eta-sweep.{json,md}``.
+
+    Layers ``middle``: the v2 paper's protocol (App. E.2) scaled to the model (:func:`layer_protocol`).
+    Structure ``hidden``: LLM-Pruner's channel-wise protocol (every layer's hidden channels).
+    Calibration: ``nsamples`` × ``seqlen`` random windows of Emma, one draw per seed; evaluation:
+    the first ``eval_tokens`` tokens of Pride and Prejudice in ``eval_seqlen``-token windows.
+    """
+
+    name = "robustness"
+    summary = "prune in bf16 and in fp16 and compare the choices, with noise and calibration floors (MoreauPruner Table 1)"
+    results = "robustness-smollm2-135m"
+    row_list = "runs"
+
+    model: str = option(DEFAULT_MODEL, "the model: an alias or a directory (recorded in the settings when not "
+                        "the default)")
+    methods: Tuple[str, ...] = option(("taylor", "moreau"), "the method variants: "
+                                      + "; ".join(f"{n} = {m} {o}" for n, (m, o) in VARIANTS.items() if o),
+                                      choices=VARIANT_NAMES)
+    arithmetic: Tuple[str, ...] = option(("rounding", "fp32-accumulate"), "how the 16-bit runs compute",
+                                         choices=ARITHMETIC)
+    seeds: Tuple[int, ...] = option((0, 1, 2), "calibration seeds", nonnegative)
+    layers: str = option("all", "the pruned layers: all, or the paper's middle layers scaled to the model",
+                         choices=("all", "middle"))
+    structure: str = option("groups", "what is removed: each layer's heads and MLP channels, or hidden channels "
+                            "(every layer)", choices=("groups", "hidden"))
+    ratios: Tuple[float, ...] = option((0.2,), "share of all blocks' groups removed", fraction)
+    nsamples: int = option(10, "calibration windows per seed", at_least_one)
+    seqlen: int = option(128, "calibration window length", at_least_one)
+    eval_tokens: int = option(4096, "evaluation tokens", at_least_one)
+    eval_seqlen: int = option(128, "evaluation window length", at_least_one)
+    smoothgrad_passes: int = option(10, "SmoothGrad's K (paper: 100)", at_least_one)
+    noise_floor: bool = option(True, "prune once more in bf16 with the next noise seed (methods with noise; +50% "
+                               "time)")
+    eta_sweep: Optional[Tuple[float, ...]] = option(None, "only a MoreauPruner-GS η sweep: these η against η = 0 "
+                                                    "(bf16, rounding, the first seed and ratio)", positive)
+
+    def check_options(self) -> None:
+        if self.structure == "hidden" and (self.layers != "all" or self.eta_sweep is not None):
+            raise ValueError("option structure of study 'robustness': hidden removes hidden channels in every layer; "
+                             "it takes layers 'all' and no eta_sweep")
+
+    def output_path(self, output):
+        path = super().output_path(output)
+        return os.path.splitext(path)[0] + "-eta-sweep.json" if self.eta_sweep is not None else path
+
+    def prepare(self, path):
+        model, tokenizer = load_model(self.model)
+        scores_dir = os.path.splitext(path)[0].removesuffix("-eta-sweep") + ".scores"
+        os.makedirs(scores_dir, exist_ok=True)
+        write_text(os.path.join(scores_dir, ".gitignore"), "*\n")
+        tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=self.eval_tokens)
+        return {"model": model, "tokenizer": tokenizer, "tokens": tokens, "scores": scores_dir}
+
+    def protocol(self, context):
+        tokens = context["tokens"]
+        settings = {"calibration": f"{self.nsamples} x {self.seqlen} tokens of emma",
+                    "evaluation": f"first {tokens.numel() // self.eval_seqlen * self.eval_seqlen} tokens of "
+                                  f"pride_and_prejudice, {self.eval_seqlen}-token windows",
+                    "smoothgrad_passes": self.smoothgrad_passes}
+        if self.model != DEFAULT_MODEL:
+            settings["model"] = self.model
+        if self.eta_sweep is not None:
+            settings.update(eta_sweep=list(self.eta_sweep), seed=self.seeds[0], layers=self.layers,
+                            ratio=self.ratios[0])
+        return settings
+
+    def arms(self, context):
+        if self.eta_sweep is not None:
+            yield Arm("eta-sweep", f"eta sweep {', '.join(map(str, self.eta_sweep))}")
+            return
+        for seed in self.seeds:
+            for ratio, arithmetic, method in itertools.product(self.ratios, self.arithmetic, self.methods):
+                yield Arm((method, arithmetic, self.layers, ratio, self.structure, seed),
+                          f"{method} {arithmetic} {self.structure} {self.layers} {ratio:g} seed {seed}")
+
+    def row_key(self, row):
+        return _run_key(row)
+
+    def done(self, result, arm):
+        return bool(result.get("eta_sweep")) if arm.key == "eta-sweep" else super().done(result, arm)
+
+    def record(self, result, arm, row):
+        if arm.key == "eta-sweep":
+            result["eta_sweep"] = row
+        else:
+            super().record(result, arm, row)
+
+    def _calibration(self, context, seed):
+        return data.calibration_samples(context["tokenizer"], "emma", nsamples=self.nsamples, seqlen=self.seqlen,
+                                        seed=seed)
+
+    def run_arm(self, context, arm, row, checkpoint):
+        model, n_layers = context["model"], context["model"].config.num_hidden_layers
+        if arm.key == "eta-sweep":
+            first, last, layer_ratio = layer_protocol(self.layers, self.ratios[0], n_layers)
+            sweep = eta_sweep(model, self.eta_sweep, layer_ratio, self._calibration(context, self.seeds[0]),
+                              first_layer=first, last_layer=last)
+            return {**sweep, "seed": self.seeds[0], "layers": self.layers}
+        method, arithmetic, layers, ratio, structure, seed = arm.key
+        run = {"method": method, "arithmetic": arithmetic, "layers": layers, "overall_ratio": ratio, "seed": seed,
+               "structure": structure}
+        first, last, layer_ratio = layer_protocol(layers, ratio, n_layers)
+        name, options = VARIANTS[method]
+        options = {**options, "first_layer": first, "last_layer": last} if structure == "groups" \
+            else {**options, "structure": "hidden"}
+        if name == "smoothgrad":
+            options["passes"] = self.smoothgrad_passes
+        start = time.perf_counter()
+        report = study(model, name, layer_ratio, self._calibration(context, seed), context["tokens"],
+                       eval_seqlen=self.eval_seqlen, arithmetic=arithmetic, keep_scores=True,
+                       noise_control=self.noise_floor, progress=False, **options)
+        report["method"] = method
+        save_scores(_scores_path(context["scores"], run, seed), report)
+        del report["scores"], report["groups"]
+        run.update(report, wall_s=round(time.perf_counter() - start, 1))
+        return run
+
+    def describe(self, row):
+        if "rows" in row:  # the η sweep
+            return "agreement with η = 0: " + ", ".join(f"{r['eta']:g} {r['agreement']:.4f}" for r in row["rows"])
+        floor = row["noise_floor"]
+        return (f"agreement {row['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
+                + f", rho {_rho_channels(row['spearman']):.4f}, ppl {row['ppl_bf16']:.2f} / {row['ppl_fp16']:.2f} "
+                f"({row['wall_s']} s)")
+
+    def complete(self, result, context):
+        runs = result["runs"]
+        runs.sort(key=lambda run: run["seed"])  # stable: each seed's runs in the order they were made
+        result["environment"] = environment_record(torch.device("cpu"))
+        result["calibration_floor"] = calibration_floor(runs, context["scores"], result.get("calibration_floor"))
+        return result
+
+    def markdown(self, result):
+        return markdown(result)

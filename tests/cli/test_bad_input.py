@@ -17,7 +17,7 @@ from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
 from pyprune.files import TEMP_TAG, write_json
-from tests.helpers import WORDS, tiny_llama, tiny_tokenizer
+from tests.helpers import WORDS, tiny_decoder, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,9 @@ def files(tmp_path_factory):
                 "calibration": "c"}, "finished": 1, "details": [None]})
     (base / "broken-checkpoint").mkdir()
     (base / "broken-checkpoint" / "blockwise.json").write_text("{ not json")
+    gemma = base / "gemma3"
+    tiny_decoder("gemma3", layers=2).save_pretrained(gemma)
+    tiny_tokenizer().save_pretrained(gemma)
     (base / "continual.json").write_text("{ not json")
     (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
     return base
@@ -109,6 +112,10 @@ CASES = [
      r"future-version/pyprune.json has version 99; this pyprune reads versions 1, 2, 3", {}),
     ("prune-binary-calib", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{binary.txt}"],
      r"binary.txt is not UTF-8 text", {}),
+    ("prune-pattern-not-dividing-a-layer", ["prune", "--model", "{tiny}", "--method", "wanda", "--pattern", "2:5",
+                                            "--calib", "{text.txt}"], r"2:5 .*(64|128)", {}),
+    ("prune-slicegpt-on-gemma", ["prune", "--model", "{gemma3}", "--method", "slicegpt", "--ratio", "0.25",
+                                 "--calib", "{text.txt}", "--seqlen", "16"], r"(Gemma|norm|\(1 \+ w\))", {}),
     ("prune-ratio-0", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0", "--calib", "{text.txt}"],
      r"--ratio must be in \(0, 1\): 0 removes nothing", {}),
     ("prune-copal-state-other-settings", ["prune", "--model", "{tiny}", "--method", "copal", "--pattern", "2:4",
@@ -228,6 +235,18 @@ CASES = [
     ("generate-threads-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--threads", "0"],
      r"--threads must be >= 1; got 0", {}),
     ("compare-threads-negative", ["compare", "{report.json}", "--threads", "-2"], r"--threads must be >= 1; got -2", {}),
+    # A study's settings are its declared options: checked, with the allowed values, before anything loads.
+    ("study-ratio-out-of-range", ["study", "robustness", "--model", "{tiny}", "--ratios", "0.2", "2"],
+     r"option ratios of study 'robustness' must be in \(0, 1\]; got 2.0$", {}),
+    ("study-hidden-middle", ["study", "robustness", "--structure", "hidden", "--layers", "middle"],
+     r"option structure of study 'robustness': hidden .* takes layers 'all' and no eta_sweep$", {}),
+    ("study-output-a-directory", ["study", "robustness", "--model", "{tiny}", "--output", "{a-directory}"],
+     r"the results file .*a-directory is a directory; give the path of a file$", {}),
+    ("study-continual-order-outside-the-protocol", ["study", "continual", "--orders", "austen,python"],
+     r"option orders of study 'continual': austen,python is not an order of datasets austen moby_dick python "
+     r"with permutations all; allowed: ", {}),
+    ("study-seeds-missing-input", ["study", "continual-seeds", "--inputs", "{nowhere.json}", "--output", "{new}.json"],
+     r"option inputs of study 'continual-seeds': .*nowhere.json is not a file$", {}),
 ]
 
 
@@ -253,6 +272,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(files, case, capsys,
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     argv = [re.sub(r"\{([^}]+)\}", lambda m: str(files / m.group(1)), arg) for arg in argv]
+    if argv[0] == "prune" and not {"--output", "--report", "--eval", "--tasks"} & set(argv):
+        argv += ["--report", str(tmp_path / "report.json")]  # a prune must keep its result somewhere
     before = _snapshot(files)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -325,16 +346,29 @@ def test_reports_record_the_run(tiny_model_dir, tmp_path):
     assert {key: report[key] for key in expected} == dict(expected, batch_size=8, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("argv", [[], ["--help"], ["frobnicate"], ["prnue", "--model", "x"], ["--version"]])
+@pytest.mark.parametrize("argv", [[], ["--help"], ["--version"], ["frobnicate"], ["prnue", "--model", "x"]])
 def test_help_and_a_missing_or_unknown_command_are_answered_without_importing_torch(argv):
     """The top-level parser is built from names and summaries alone: no subcommand module loads."""
     script = ("import sys\nfrom pyprune import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
               "    code = e.code\nprint('torch' in sys.modules, code)")
     done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(Path(pyprune.__file__).parents[1])))
-    assert done.stdout.strip().splitlines()[-1] == f"False {0 if argv == ['--help'] else 2}", done.stderr
-    if argv != ["--help"]:
+    answered = argv in (["--help"], ["--version"])
+    assert done.stdout.strip().splitlines()[-1] == f"False {0 if answered else 2}", done.stderr
+    if argv == ["--version"]:
+        assert done.stdout.splitlines()[0] == f"pyprune {pyprune.__version__}"
+    elif not answered:
         assert done.stderr.startswith("usage: pyprune") and "pyprune: error: " in done.stderr
+
+
+@pytest.mark.parametrize("argv", [["prune", "--method", "nope", "--help"], ["prune", "--method=nope", "-h"],
+                                  ["robustness", "--method", "wanda", "--help"]])
+def test_help_with_a_method_that_does_not_serve_the_command_is_an_error(argv, capsys):
+    """``--help`` is answered for a method's own flags, so a method that is unknown, or does not serve
+    the command, is refused first: one line, exit 2, never the generic help with exit 0."""
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "--method" in captured.err
 
 
 @pytest.mark.parametrize("method", [None, *sorted(pyprune.methods.METHODS)])

@@ -23,7 +23,6 @@ EMMA = "emma"  # the embedded corpus
     (["--method", "wanda", "--pattern", "2:4", "--calib", "missing.txt"], "source='missing.txt' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--eval", "nope/"], "source='nope/' is neither"),
     (["--method", "wanda", "--pattern", "2:4", "--nsamples", "0"], "--nsamples must be >= 1"),
-    (["--method", "wanda", "--pattern", "2:4", "--report", "/no/such/dir/r.json"], "its directory does not exist"),
     (["--method", "wanda", "--sparsity", "0.5", "--sparse-layers"], "--sparse-layers needs --pattern N:M"),
     (["--method", "wanda", "--pattern", "2:4", "--calib", "emma:third_half"], "emma:third_half' is neither"),
 ])
@@ -35,6 +34,34 @@ def test_bad_prune_arguments(tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1
     assert __import__("re").search(message, err), err
     assert not output.exists()
+
+
+def test_missing_parents_of_output_and_report_are_created(tiny_model_dir, tmp_path):
+    """As ``mkdir -p``: --output and --report under folders that do not exist yet are written, the
+    folders made when the results are written (never by a refused run: see test_bad_prune_arguments)."""
+    model_dir, _ = tiny_model_dir
+    output, report = tmp_path / "runs" / "a" / "out", tmp_path / "reports" / "b" / "r.json"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(output), "--report", str(report), "--quiet"]) == 0
+    assert (output / "pyprune.json").is_file() and report.is_file()
+
+
+def test_overwrite_replaces_only_a_directory_pyprune_saved(tiny_model_dir, tmp_path, capsys):
+    import json
+    model_dir, text = tiny_model_dir
+    output, foreign = tmp_path / "out", tmp_path / "mine"
+    prune = ["prune", "--model", str(model_dir), "--pattern", "2:4", "--quiet", "--output"]
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 0
+    assert cli.main(prune + [str(output), "--method", "magnitude"]) == 2
+    assert "already exists and is not an empty directory (--overwrite replaces" in capsys.readouterr().err
+    assert cli.main(prune + [str(output), "--method", "wanda", "--calib", str(text), "--nsamples", "2",
+                             "--seqlen", "16", "--overwrite"]) == 0
+    assert json.loads((output / "pyprune.json").read_text())["report"]["method"] == "wanda"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    assert cli.main(prune + [str(foreign), "--method", "magnitude", "--overwrite"]) == 2
+    assert "holds files pyprune did not write (no pyprune.json)" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 
 def test_existing_output_is_refused(tmp_path, capsys):
@@ -126,6 +153,11 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     (["--method", "safe", "--pattern", "2:4", "--beta2", "1"], "beta2 of method 'safe' must be in [0, 1)"),
     (["--method", "safe+", "--pattern", "2:4", "--lam", "300"], "must have lr * lam <= 1 with penalty 'decoupled'"),
     (["--method", "safe", "--ratio", "0.2"], "method 'safe' supports patterns Unstructured, NM; got structured 0.2"),
+    (["--method", "wanda", "--pattern", "2:4", "--scope", "tensor"], "--scope applies to --sparsity only; got it with "
+                                                                      "--pattern"),
+    (["--method", "wanda", "--sparsity", "0.5", "--uniform"], "--uniform applies to --ratio only; got it with --sparsity"),
+    (["--method", "alps", "--pattern", "2:4", "--admm-iterations", "5"], "must have min_iterations <= admm_iterations"),
+    (["--method", "wanda", "--pattern", "2:4"], "nothing would keep the pruned model or say how it did: give --output"),
 ])
 def test_bad_method_options_fail_before_loading(tmp_path, capsys, args, message):
     argv = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", "emma", *args]
@@ -149,6 +181,7 @@ def test_magnitude_needs_no_calibration(tiny_model_dir, tmp_path):
                      "--report", str(report_path), "--quiet"]) == 0
     report = json.loads(report_path.read_text())
     assert report["nm_valid"]["2:4"] is True and report["calib"] is None
+    assert not {"nsamples", "seqlen", "seed"} & set(report), "settings of a calibration that never ran"
 
 
 def test_calibrated_method_without_calib_is_refused(tmp_path, capsys):
@@ -218,7 +251,7 @@ def test_calibration_defaults_are_listed_per_method():
 
 def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path, capsys):
     """--channels true|false of the structured methods is no longer taken by DReSS's choices."""
-    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA]
+    base = ["prune", "--model", str(tmp_path / "never-loaded"), "--calib", EMMA, "--report", str(tmp_path / "r.json")]
     assert cli.main(base + ["--method", "taylor", "--ratio", "0.2", "--channels", "false"]) == 2
     assert "never-loaded" in capsys.readouterr().err  # got past parsing, to the model check
     assert cli.main(base + ["--method", "dress", "--ratio", "0.2", "--channels", "last"]) == 2
@@ -402,3 +435,75 @@ def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"pyprune tune: error: --model {model_dir} has no N:M sparse linear layers (prune it "
                        "with --pattern 2:4 or 4:8 first)"), err
+
+
+def test_safe_with_fewer_steps_than_its_dual_interval_warns_once_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """4 samples in batches of 2 for 1 epoch are 2 steps a block, under the dual interval of 8: no
+    ADMM dual update runs. Said in one line before the model loads (and not again), --quiet or not;
+    the run still does what was asked and its report shows 0 dual updates."""
+    import json
+    model_dir, text = tiny_model_dir
+    report_path = tmp_path / "report.json"
+    argv = ["prune", "--model", str(model_dir), "--method", "safe", "--pattern", "2:4", "--epochs", "1",
+            "--calib", str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(report_path), "--quiet"]
+    assert cli.main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["pyprune prune: warning: method 'safe': 4 calibration samples, 1 epochs of batches of 2 give "
+                      "2 steps a block, fewer than dual_interval=8, so no dual update will run; raise nsamples or "
+                      "epochs, or lower dual_interval"]
+    assert json.loads(report_path.read_text())["dual_updates_per_block"] == 0
+    assert cli.main(argv[:-1] + ["--dual-interval", "2"]) == 0  # two steps, one dual update: nothing to say
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_left_dense_matrices_are_named_not_guessed(tiny_model_dir, tmp_path, capsys):
+    """SliceGPT on a dense Llama leaves its shortcut rotations dense: the line names one of them and
+    no longer calls them MoE routers."""
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "slicegpt", "--ratio", "0.25", "--calib",
+                     str(text), "--nsamples", "4", "--seqlen", "16", "--report", str(tmp_path / "r.json"),
+                     "--quiet"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("left dense"))
+    assert "MoE" not in line and ", e.g. model.layers." in line, line
+
+
+def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir, tmp_path):
+    """``pyprune eval`` on a pyprune output records the prune's method, pattern and sparsity (from its
+    pyprune.json), so ``compare`` labels the row by what was measured, not "dense"; a model pyprune
+    did not prune records none."""
+    import json
+    from pyprune.studies import compare
+    model_dir, text = tiny_model_dir
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4", "--output",
+                     str(tmp_path / "m24"), "--quiet"]) == 0
+    for model, name in ((tmp_path / "m24", "pruned.json"), (model_dir, "dense.json")):
+        assert cli.main(["eval", "--model", str(model), "--data", str(text), "--seqlen", "16", "--report",
+                         str(tmp_path / name), "--quiet"]) == 0
+    pruned, dense = (json.loads((tmp_path / name).read_text()) for name in ("pruned.json", "dense.json"))
+    assert (pruned["method"], pruned["pattern"]) == ("magnitude", "2:4") and pruned["sparsity"] == pytest.approx(0.5)
+    assert not {"method", "pattern", "sparsity"} & set(dense)
+    labels = [(row["method"], row["pattern"]) for row in compare.rows([dense, pruned])]
+    assert labels == [("dense", "-"), ("magnitude", "2:4")]
+
+
+def test_generate_refuses_past_the_context_and_says_when_sparsify_converts_nothing(tiny_model_dir, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Tokens past max_position_embeddings (2048 here) are refused before the model loads, saying how
+    many fit; ``--sparsify 2:4`` on a 4:8 model says in one line that it converts nothing and why."""
+    model_dir, _ = tiny_model_dir
+    monkeypatch.setattr("pyprune.inputs.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt", "the man was good", "--max-new-tokens",
+                     "2048"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pyprune generate: error: --max-new-tokens 2048 after a prompt of ") and \
+        "passes the model's context of 2048 tokens; give at most 204" in err, err
+    monkeypatch.undo()
+    output = tmp_path / "m48"
+    assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "4:8",
+                     "--output", str(output), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(output), "--prompt", "the man", "--max-new-tokens", "1",
+                     "--sparsify", "2:4", "--sparse-where", "all"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pyprune generate: --sparsify 2:4 converts nothing: no linear layer is 2:4 sparse (14 are 4:8; "
+                   "--sparsify auto takes each layer's own pattern)"]

@@ -97,7 +97,7 @@ def _run(argv, capsys):
     return code, capsys.readouterr()
 
 
-@pytest.mark.parametrize("name", ["sparse-layers", "non-uniform-structured"])
+@pytest.mark.parametrize("name", ["sparse-layers", "non-uniform-structured", "residual-rotations"])
 def test_every_tool_takes_every_format(saved, name, tmp_path, capsys):
     model, text = saved / name, saved / "text.txt"
     small = ["--nsamples", "2", "--seqlen", "16", "--quiet"]
@@ -129,3 +129,12 @@ def test_compare_refuses_a_robustness_report_in_one_line(tmp_path, capsys):
                                "fields are not perplexity entries and zero-shot results (a robustness or continual "
                                "report?)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["robust.json"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_config_compatible_says_what_the_saved_directory_says(saved, name):
+    """The report's ``config_compatible`` (pyprune.io.config_compatible, what the CLI records) and the
+    saved pyprune.json agree for every format, SliceGPT's rotated width included."""
+    build, compatible = FORMATS[name]
+    assert pyprune.io.config_compatible(build()) is compatible
+    assert json.loads((saved / name / "pyprune.json").read_text())["config_compatible"] is compatible

@@ -144,6 +144,17 @@ def test_refuses_a_non_empty_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "saved"]
 
 
+def test_saved_files_are_readable_by_the_group_and_others(tmp_path):
+    """Every file pyprune.save writes has the umask's mode (safetensors alone would leave the weights 0600)."""
+    previous = os.umask(0o022)
+    try:
+        pyprune.save(tiny_llama(), None, tmp_path / "out")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
 def test_an_empty_directory_is_filled(tmp_path):
     out = tmp_path / "empty"
     out.mkdir()

@@ -1,6 +1,6 @@
 """Pruning with the decoder blocks offloaded to disk (pyprune.io.offload) gives the model pruned in
 memory, to the bit; a run whose estimated memory exceeds what is available is refused before it
-starts (pyprune.runtime.memory); bad offload arguments are refused naming them."""
+starts (pyprune.io.memory); bad offload arguments are refused naming them."""
 import os
 import re
 
@@ -9,7 +9,7 @@ import torch
 
 import pyprune
 from pyprune import cli
-from pyprune.runtime import memory
+from pyprune.io import memory
 from pyprune.io import offload
 from pyprune.evaluation.perplexity import perplexity
 from pyprune.inputs.models import load_model

@@ -43,6 +43,10 @@ def test_alps_options_are_the_authors_defaults_and_checked():
             settings["pcg_iterations"], settings["pcg_rtol"], settings["percdamp"]) == (0.1, 300, 3, 30, 10, 1e-4, 0.01)
     with pytest.raises(ValueError, match="option rho of method 'alps' must be > 0; got 0"):
         pyprune.methods.get("alps", rho=0)
+    with pytest.raises(ValueError, match="must have min_iterations <= admm_iterations .*got min_iterations=30, "
+                                         "admm_iterations=5"):
+        pyprune.methods.get("alps", admm_iterations=5)
+    assert pyprune.methods.get("alps", admm_iterations=5, min_iterations=5).settings["admm_iterations"] == 5
 
 
 def test_alps_cli_flags_come_from_its_options(capsys):

@@ -431,7 +431,7 @@ def test_copal_forgets_less_than_wanda_on_smollm2(smollm2):
     (4 x 128 calibration tokens of each first half, 1024 evaluation tokens of each second half),
     50% unstructured per output row. Wanda re-pruned on Python forgets Austen (positive BWT); COPAL, which keeps
     Austen's sensitivities, forgets much less, at no worse final perplexity.
-    benchmarks/continual_smollm2.py measures the full table."""
+    the continual study (pyprune study continual) measures the full table."""
     from pyprune.inputs import data
     model, tokenizer = smollm2  # continual.run leaves the model dense
     tasks = [continual.Task(name, data.calibration_samples(tokenizer, f"{name}:first_half", nsamples=4,

@@ -5,7 +5,7 @@ import torch
 import pyprune
 from pyprune.runtime import engine
 from pyprune.ops import reference as R
-from pyprune.methods.sparsegpt import SparseGPT, Hessian
+from pyprune.methods.sparsegpt import SparseGPT, _Hessian
 from pyprune.patterns import NM, Unstructured
 from tests.helpers import random_tokens, tiny_llama
 
@@ -81,7 +81,7 @@ def test_sparsegpt_reconstructs_better_than_magnitude_and_wanda():
             keep = pattern.weight_mask(layer.weight, x.square().sum(0))
             layer.weight.data.mul_(keep)
         else:
-            stats = Hessian(64, "cpu")
+            stats = _Hessian(64, "cpu")
             stats.add(x[:256])
             stats.add(x[256:])
             SparseGPT(blocksize=16).prune_layer(layer, stats, pattern)
@@ -90,13 +90,13 @@ def test_sparsegpt_reconstructs_better_than_magnitude_and_wanda():
     assert errors["sparsegpt"] < 0.8 * min(errors["wanda"], errors["magnitude"])
 
 
-def test_sparsegpt_hessian_is_the_mean_of_2xxT():
+def test_sparsegpt_hessian_is_the_running_mean_of_2xxT():
     x1, x2 = torch.randn(3, 5, 8), torch.randn(7, 8)
-    stats = Hessian(8, "cpu")
+    stats = _Hessian(8, "cpu")
     stats.add(x1)
     stats.add(x2)
     all_x = torch.cat([x1.reshape(-1, 8), x2])
-    torch.testing.assert_close(stats.matrix(), 2 * all_x.T @ all_x / all_x.shape[0])
+    torch.testing.assert_close(stats.H, 2 * all_x.T @ all_x / all_x.shape[0])
 
 
 @pytest.mark.parametrize("call,message", [

@@ -49,3 +49,27 @@ def test_a_bad_declaration_is_refused_when_its_class_is_made():
         type("Listed", (_Base,), {"__annotations__": {"extra": list}, "extra": option([], "extra")})
     with pytest.raises(TypeError, match="hides the option rate of its base"):
         type("Hiding", (_Base,), {"rate": 1.0})
+
+
+def test_a_tuple_option_takes_a_non_empty_list_each_item_converted_and_checked():
+    from typing import Tuple
+    from pyprune.methods.options import Option, resolve
+    rates = option((1.0,), "rates", positive)
+    kinds = option(("a",), "kinds", choices=("a", "b"))
+    rates.name, kinds.name = "rates", "kinds"
+    rates.bind(Tuple[float, ...])
+    kinds.bind(Optional[Tuple[str, ...]])
+    assert (rates.many, rates.type, rates.optional, kinds.many, kinds.optional) == (True, float, False, True, True)
+    assert resolve([rates, kinds], {"rates": [1, 2.5]}, "s", "study") == {"rates": (1.0, 2.5), "kinds": ("a",)}
+    for value, message in (([], "must be a non-empty list of float; got \\[\\]"),
+                           ("1.0", "must be a non-empty list of float; got '1.0'"),
+                           ([1.0, -1.0], "must be > 0; got -1.0")):
+        with pytest.raises(ValueError, match=f"option rates of study 's' {message}"):
+            resolve([rates], {"rates": value}, "s", "study")
+    with pytest.raises(ValueError, match="option kinds of study 's' must be one of a, b; got 'c'"):
+        kinds.convert(["a", "c"], "s", "study")
+    assert kinds.convert(None, "s", "study") is None
+    fixed = Option((1, 2), "a pair")
+    fixed.name = "pair"
+    with pytest.raises(TypeError, match=r"or Tuple\[type, \.\.\.\] of one\); got typing.Tuple\[int, int\]"):
+        fixed.bind(Tuple[int, int])

@@ -108,3 +108,16 @@ def test_numpy_token_ids_prune_once_converted_as_the_message_says():
     model = _model()
     report = pyprune.prune(model, "wanda", "2:4", torch.from_numpy(CALIB.numpy()), progress=False)
     assert report["nm_valid"]["2:4"]
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_a_model_on_the_meta_device_is_refused_before_pruning_and_saving(method, tmp_path):
+    """A model built under ``init_empty_weights`` / a meta device map has no weights: prune and save
+    say so in one line (not torch's "Tensor.item() cannot be called on meta tensors" after the run)."""
+    with torch.device("meta"):
+        model = _model()
+    with pytest.raises(ValueError, match=r"^pruning with .*: \d+ tensors of the model are on the meta device"):
+        pyprune.prune(model, method, 0.5, CALIB)
+    with pytest.raises(ValueError, match=r"^saving to .*on the meta device.*load them first"):
+        pyprune.save(model, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -439,3 +439,15 @@ def test_safe_plus_projects_by_the_activation_statistic_and_safe_by_magnitude():
         assert torch.equal(masks["safe+"][name], mask), name
         assert torch.equal(masks["safe"][name], masks["magnitude"][name]), name
     assert any(not torch.equal(mask, masks["magnitude"][name]) for name, mask in masks["wanda"].items())
+
+
+def test_too_few_steps_for_one_dual_update_is_a_run_warning():
+    """The API says it too (pyprune.methods.RunWarning); enough steps say nothing."""
+    import warnings
+    calib = random_tokens((4, 16), seed=1)
+    with pytest.warns(pyprune.methods.RunWarning, match=r"give 2 steps a block, fewer than dual_interval=8"):
+        pyprune.prune(tiny_llama(seed=0, layers=1), "safe+", "2:4", calib, progress=False, epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyprune.methods.RunWarning)
+        report = pyprune.prune(tiny_llama(seed=0, layers=1), "safe+", "2:4", calib, progress=False, epochs=4)
+    assert report["dual_updates_per_block"] == 1

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
-KERNEL_SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "pyprune", "ops", "kernels", "*.py")
+KERNEL_SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "kernels", "*.py")
 
 
 def shipped_kernels():
-    """Every ``*_kernel`` function under ``@triton.jit`` in pyprune/ops/kernels/, read from the source (the
+    """Every ``*_kernel`` function under ``@triton.jit`` in kernels/ (installed as pyprune.ops.kernels), read from the source (the
     compile check must launch them all; a new kernel joins this list by being written)."""
     names = set()
     for path in glob.glob(KERNEL_SOURCES):

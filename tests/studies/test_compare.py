@@ -38,6 +38,19 @@ def test_table_marks_the_best_of_each_column():
     assert table.count("**") == 2 * 3
 
 
+def test_perplexities_of_other_protocols_get_their_own_columns():
+    """2048 and 1024 evaluation tokens of one text are two measurements, not one column with a best."""
+    long, short = _report("dense", None, None, 27.5, 0.8), _report("wanda", "2:4", 0.5, 26.0, 0.6)
+    long["eval"][0].update(tokens=2048, seqlen=256)
+    short["eval"][0].update(tokens=1024, seqlen=256)
+    table = compare.markdown_table(compare.rows([long, short]))
+    assert table.splitlines()[0].startswith("| method | pattern | sparsity | ppl pride_and_prejudice (2048 tokens, "
+                                            "seqlen 256) | ppl pride_and_prejudice (1024 tokens, seqlen 256) |")
+    assert _cells(table, "dense")[3:5] == ["**27.50**", "–"] and _cells(table, "wanda")[3:5] == ["–", "**26.00**"]
+    short["eval"][0]["tokens"] = 2048  # one protocol: one column, as before
+    assert "ppl pride_and_prejudice |" in compare.markdown_table(compare.rows([long, short])).splitlines()[0]
+
+
 def test_ties_for_best_are_all_marked():
     reports = [_report("wanda", "2:4", 0.5, 40.0, 0.5), _report("sparsegpt", "2:4", 0.5, 40.0, 0.4)]
     table = compare.markdown_table(compare.rows(reports))

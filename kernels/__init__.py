@@ -1,4 +1,5 @@
-"""Triton kernels of pyprune, installed as ``pyprune.ops.kernels``; one module per family.
+"""Triton kernels of pyprune: ``kernels/`` at the top of the repository (beside ``csrc/``), installed as
+``pyprune.ops.kernels`` (setup.py ``package_dir``); one module per family.
 
 Each module exposes launchers that take validated, contiguous tensors and return torch tensors;
 :mod:`pyprune.ops` is the only caller. Import this package only after deciding on

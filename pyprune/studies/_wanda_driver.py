@@ -1,12 +1,13 @@
-"""Runs the authors' Wanda / SparseGPT (locuslab/wanda ``lib/``) for ``crosscheck_wanda.py``.
+"""Runs the authors' Wanda / SparseGPT (locuslab/wanda ``lib/``) for the ``crosscheck-wanda`` study (:mod:`pyprune.studies.crosscheck_wanda`).
 
-Started by that script with the python of a separate virtual environment (transformers 4.36,
-which the authors' code targets), never imported by pyprune: it imports only torch,
+Started by that study with the python of a separate virtual environment (transformers 4.36,
+which the authors' code targets); pyprune imports it only for AUTHORS_FILES (the files the study
+checks in the checkout and records by their sha256, :mod:`pyprune.studies.authors_code`). It imports only torch,
 transformers and the authors' ``lib`` from the checkout named in the job, read-only.
 
-    python _crosscheck_driver.py JOB.pt OUT.pt
+    python _wanda_driver.py JOB.pt OUT.pt
 
-JOB.pt (written by crosscheck_wanda.py with torch.save) holds the checkout path, a model
+JOB.pt (written by the study with torch.save) holds the checkout path, a model
 directory, the expected ``rope_theta``, the calibration token ids [nsamples, seqlen], the
 evaluation windows [windows, seqlen] and the runs. OUT.pt receives the environment, the dense
 perplexity and, per run, the perplexity, the time and the nonzero mask of every pruned linear.
@@ -19,8 +20,6 @@ no-op. Their own prints go to the job's log file.
 """
 import contextlib
 import copy
-import hashlib
-import os
 import platform
 import sys
 import time
@@ -33,15 +32,6 @@ AUTHORS_FILES = ("lib/prune.py", "lib/sparsegpt.py", "lib/layerwrapper.py", "lib
 
 def log(message):
     print(f"[authors' code] {message}", file=sys.stderr, flush=True)
-
-
-def file_digests(repo):
-    """sha256 of the authors' files this run executes, to name the exact code that ran."""
-    digests = {}
-    for name in AUTHORS_FILES:
-        with open(os.path.join(repo, name), "rb") as handle:
-            digests[name] = hashlib.sha256(handle.read()).hexdigest()
-    return digests
 
 
 def calibration_loader(calib):
@@ -90,7 +80,6 @@ def main(job_path, output_path):
         "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(),
                         "attention": dense.config._attn_implementation},
-        "authors_files": file_digests(job["wanda_repo"]),
         "runs": {},
     }
     with open(job["log"], "a", encoding="utf-8", buffering=1) as authors_log, contextlib.redirect_stdout(authors_log):

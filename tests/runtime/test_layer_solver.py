@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from pyprune.methods.sparsegpt import SparseGPT, Hessian
+from pyprune.methods.sparsegpt import SparseGPT, _Hessian
 from pyprune.ops.conventions import kept_count
 from pyprune.patterns import NM, Unstructured
-from pyprune.runtime.reconstruction import (AdmmSchedule, admm_support, normalise, pcg_on_support,
+from pyprune.runtime.layer_solver import (AdmmSchedule, admm_support, normalise, pcg_on_support,
                                             reconstruction_error)
 
 OUT, IN = 32, 64
@@ -17,14 +17,14 @@ def _layer(seed=0):
     generator = torch.Generator().manual_seed(seed)
     W = torch.randn(OUT, IN, generator=generator)
     x = torch.randn(512, IN, generator=generator) @ torch.randn(IN, IN, generator=generator)
-    stats = Hessian(IN, "cpu")
+    stats = _Hessian(IN, "cpu")
     stats.add(x)
     return W, x, stats
 
 
 def _normalised(seed=0):
     W, _, stats = _layer(seed)
-    return normalise(stats.matrix(), W, 0.01)
+    return normalise(stats.H, W, 0.01)
 
 
 def _restricted_least_squares(H, W, keep):
@@ -39,9 +39,9 @@ def _restricted_least_squares(H, W, keep):
 
 def test_normalise_keeps_the_damped_error_and_gives_a_unit_diagonal():
     W, _, stats = _layer()
-    H, Wn, scale = normalise(stats.matrix(), W, 0.01)
+    H, Wn, scale = normalise(stats.H, W, 0.01)
     torch.testing.assert_close(torch.diagonal(H), torch.ones(IN), rtol=1e-5, atol=1e-5)
-    damped = stats.matrix() + 0.01 * torch.diagonal(stats.matrix()).mean() * torch.eye(IN)
+    damped = stats.H + 0.01 * torch.diagonal(stats.H).mean() * torch.eye(IN)
     W_hat = W * (torch.rand(OUT, IN, generator=torch.Generator().manual_seed(1)) > 0.5)
     assert reconstruction_error(H, Wn, W_hat * scale) == pytest.approx(reconstruction_error(damped, W, W_hat),
                                                                       rel=1e-4)
@@ -103,7 +103,7 @@ def test_a_too_large_rho_is_lowered_until_the_support_moves():
 def test_alps_reconstructs_better_than_sparsegpt(pattern):
     """The paper's claim on the layer objective (ALPS ≤ SparseGPT), on correlated inputs."""
     W, x, stats = _layer()
-    H, Wn, scale = normalise(stats.matrix(), W, 0.01)
+    H, Wn, scale = normalise(stats.H, W, 0.01)
     projected, keep, _ = admm_support(H, Wn, pattern)
     alps = pcg_on_support(H, Wn, projected, keep) / scale
     linear = torch.nn.Linear(IN, OUT, bias=False)

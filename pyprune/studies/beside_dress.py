@@ -1,0 +1,344 @@
+"""SLEB and SliceGPT beside DReSS: the structured methods that remove whole blocks or hidden
+directions, on the calibration and evaluation of DReSS's table (``results/dress-<model>.json``).
+
+Both draw DReSS's windows (``nsamples`` x ``seqlen`` random Emma windows, seed 0) and evaluate
+perplexity on the first ``eval_tokens`` tokens of Pride and Prejudice and of Moby Dick in
+``eval_seqlen``-token windows, with zero-shot accuracy on the first ``limit`` items of each of
+``tasks``. The DReSS rows of their tables are read from DReSS's results file when it was measured
+the same way, never re-run here, and so are its dense scores.
+
+* ``sleb`` (:class:`Sleb`): SLEB (Song et al. 2024) removes ``ratio`` of the decoder blocks,
+  searching on the first ``sleb_windows`` windows (every step runs the model once per candidate
+  block, so a CPU affords few); no recovery. ``results/sleb-<model>.{json,md}``, rebuilt by every run.
+* ``slicegpt`` (:class:`SliceGpt`): SliceGPT (Ashkboos et al. 2024) slices ``ratio`` of the hidden
+  size with PCAs on the first three quarters of the windows (or the first ``pca_windows`` of them),
+  then LoRA on the last quarter with DReSS's recovery settings (unless ``recovery`` is false).
+  ``results/dress-slicegpt-<model>.{json,md}``, one row per setting, resumed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from ..evaluation import zeroshot
+from ..evaluation.perplexity import perplexity
+from ..inputs import data
+from ..inputs.models import load_model
+from ..methods.options import at_least_one, fraction, option, positive
+from ..methods.pruning import prune
+from ..nn.dispatch import environment_record
+from ..patterns import Structured
+from ..runtime.recovery import lora_finetune
+from .baselines import DEFAULT_MODEL, MODELS, model_name, model_results
+from .study import RESULTS_DIR, Arm, Study
+
+EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
+
+
+def zero_shot(model, tokenizer, tasks, limit: int) -> dict:
+    """{task: {acc, stderr, n, chance}} of ``model`` on the first ``limit`` items of each task."""
+    return {name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
+            for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=limit).items()}
+
+
+def read_dress(model: str) -> Optional[dict]:
+    """DReSS's results file of ``model`` (``results/dress-<model>.json``), None when there is none."""
+    path = os.path.join(RESULTS_DIR, f"dress-{model_name(model)}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _evaluation(eval_tokens: int, eval_seqlen: int) -> str:
+    """The evaluation as DReSS's settings state it."""
+    return f"first {eval_tokens} tokens of {' and '.join(EVAL_TEXTS)}, {eval_seqlen}-token windows"
+
+
+class _BesideDress(Study):
+    """What SLEB's and SliceGPT's studies share: the model, DReSS's windows, two evaluation texts
+    and the zero-shot tasks."""
+
+    model: str = option(DEFAULT_MODEL, "the model: an alias or a directory (pyprune.inputs.models)")
+    ratio: float = option(0.25, "the share removed (SLEB: of the blocks; SliceGPT: of the hidden size)", fraction)
+    nsamples: int = option(800, "DReSS's calibration windows (drawn the same, seed 0)", at_least_one)
+    seqlen: int = option(128, "calibration window length", at_least_one)
+    eval_tokens: int = option(4096, "the first N tokens of each evaluation text", at_least_one)
+    eval_seqlen: int = option(256, "evaluation window length", at_least_one)
+    tasks: Optional[Tuple[str, ...]] = option(None, "zero-shot tasks (pyprune.evaluation.zeroshot), scored after "
+                                              "the perplexities")
+    limit: int = option(200, "items per zero-shot task", at_least_one)
+
+    def output_path(self, output):
+        return super().output_path(output if output is not None else model_results(self.results, self.model))
+
+    def prepare(self, path):
+        model, tokenizer = load_model(self.model)
+        calib = data.calibration_samples(tokenizer, "emma", nsamples=self.nsamples, seqlen=self.seqlen, seed=0)
+        tokens = {text: data.eval_tokens(tokenizer, text, max_tokens=self.eval_tokens) for text in EVAL_TEXTS}
+        return {"model": model, "tokenizer": tokenizer, "bos": data.window_bos(tokenizer), "calib": calib,
+                "tokens": tokens, "tasks": zeroshot.load_tasks(self.tasks) if self.tasks is not None else None}
+
+    def perplexities(self, context, model) -> dict:
+        """``model``'s perplexity on each evaluation text (windows start with BOS where the tokenizer's do)."""
+        return {text: perplexity(model, ids, self.eval_seqlen, progress=False, bos_token_id=context["bos"])
+                for text, ids in context["tokens"].items()}
+
+    def scores(self, context, model) -> dict:
+        return {} if context["tasks"] is None else zero_shot(model, context["tokenizer"], context["tasks"], self.limit)
+
+
+def _score(scores, task):
+    return f"{scores[task]['acc']:.3f} ± {scores[task]['stderr']:.3f} (n {scores[task]['n']})" if task in scores \
+        else "–"
+
+
+class Sleb(_BesideDress):
+    """SLEB's block removal beside DReSS's rows (DReSS's after LoRA recovery; SLEB's without).
+    Ratio 0.25 removes 7 of SmolLM2's 30 blocks (23 kept: 0.75 x 30 rounded half up)."""
+
+    name = "sleb"
+    summary = "SLEB's block removal beside DReSS's rows, perplexity and zero-shot"
+    results = "sleb-<model>"
+    resumes = False  # one arm: the file is rebuilt by every run
+
+    sleb_windows: int = option(4, "the first N calibration windows SLEB's search runs on", at_least_one)
+
+    def check_options(self):
+        if self.sleb_windows > self.nsamples:
+            raise ValueError(f"option sleb_windows of study 'sleb' must be at most nsamples ({self.nsamples}); "
+                             f"got {self.sleb_windows}")
+
+    def protocol(self, context):
+        return {"ratio": self.ratio, "nsamples": self.nsamples, "seqlen": self.seqlen,
+                "sleb_windows": self.sleb_windows, "eval_tokens": self.eval_tokens,
+                "eval_seqlen": self.eval_seqlen, "limit": self.limit, "threads": torch.get_num_threads()}
+
+    def dress(self, settings: dict) -> Optional[dict]:
+        """DReSS's results, when they were evaluated as ``settings`` say (else None)."""
+        dress = read_dress(self.model)
+        same = dress is not None and dress["settings"]["evaluation"] == _evaluation(settings["eval_tokens"],
+                                                                                    settings["eval_seqlen"])
+        return dress if same else None
+
+    def start(self, settings, context):
+        dress = self.dress(settings)
+        dense = dress["dense"] if dress else self.perplexities(context, context["model"])
+        dense_zero_shot = dress.get("dense_zero_shot", {}) if dress and self.limit == 200 else {}
+        if not set(self.tasks or ()) <= set(dense_zero_shot):
+            dense_zero_shot = self.scores(context, context["model"])
+        return {"model": MODELS.get(self.model, self.model), "settings": settings,
+                "environment": environment_record(torch.device("cpu")), "dense": dense,
+                "dense_zero_shot": dense_zero_shot, "row": None}
+
+    def arms(self, context):
+        return [Arm("sleb", f"sleb {self.ratio:g}")]
+
+    def find(self, result, key):
+        return result["row"]
+
+    def record(self, result, arm, row):
+        result["row"] = row
+
+    def run_arm(self, context, arm, row, checkpoint):
+        model = copy.deepcopy(context["model"])
+        report = prune(model, "sleb", Structured(self.ratio), context["calib"][:self.sleb_windows], batch_size=4)
+        row = {"blocks": len(report["removed_blocks"]) + len(report["kept_blocks"]),
+               "removed_blocks": report["removed_blocks"], "steps": report["steps"], "time_s": report["time_s"],
+               "parameters": [report["parameters_before"], report["parameters_after"]], "options": report["options"],
+               "ppl": self.perplexities(context, model), "zero_shot": {}}
+        if context["tasks"] is not None:
+            checkpoint(row)  # the perplexities while the tasks are scored
+            row = dict(row, zero_shot=self.scores(context, model))
+        return row
+
+    def describe(self, row):
+        return f"removed {row['removed_blocks']}, ppl {row['ppl']}, {row['time_s']:.0f} s"
+
+    def markdown(self, result):
+        dress = self.dress(result["settings"])
+        s, row = result["settings"], result["row"]
+        tasks = sorted(row["zero_shot"])  # none until they are scored
+        lines = [f"# SLEB on {result['model']}" + (" beside DReSS" if dress else ""), "",
+                 f"Ratio {s['ratio']}: {len(row['removed_blocks'])} of {row['blocks']} blocks removed (in order "
+                 f"{row['removed_blocks']}); SLEB searched on {s['sleb_windows']} x {s['seqlen']} Emma windows (the "
+                 f"first of DReSS's {s['nsamples']} x {s['seqlen']}, seed 0); evaluation first {s['eval_tokens']} "
+                 f"tokens of {' and '.join(EVAL_TEXTS)}, {s['eval_seqlen']}-token windows; {s['threads']} thread(s). "
+                 f"Parameters {row['parameters'][0]:,} -> {row['parameters'][1]:,} "
+                 f"({1 - row['parameters'][1] / row['parameters'][0]:.1%} removed). Prune time "
+                 f"{row['time_s']:.0f} s.", ""]
+
+        def line(cells):
+            return "| " + " | ".join(cells) + " |"
+
+        def removed(parameters):
+            return f"{1 - parameters[1] / parameters[0]:.1%}"
+
+        lines += [line(["method", "setting", *(f"{t} ppl" for t in EVAL_TEXTS), *tasks, "parameters removed"]),
+                  "|---|---|" + "---:|" * (len(EVAL_TEXTS) + len(tasks) + 1)]
+        lines.append(line(["dense", "–", *(f"{result['dense'][t]:.2f}" for t in EVAL_TEXTS),
+                           *(_score(result["dense_zero_shot"], t) for t in tasks), "0"]))
+        lines.append(line(["SLEB", "no recovery", *(f"{row['ppl'][t]:.2f}" for t in EVAL_TEXTS),
+                           *(_score(row["zero_shot"], t) for t in tasks), removed(row["parameters"])]))
+        for d in (dress or {}).get("rows", []):
+            if d.get("ppl_lora") is None:
+                continue  # a DReSS row without recovery: nothing to quote beside the LoRA perplexities
+            lines.append(line([f"DReSS ({d['channels']} channels)", f"{d['label']}, + LoRA",
+                               *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
+                               *(_score(d.get("zero_shot_lora") or {}, t) for t in tasks),
+                               removed(d["parameters"])]))
+        lines += ["", "Calibration perplexity after each removal: "
+                  + ", ".join(f"block {step['removed']}: {step['perplexity']:.2f}" for step in row["steps"]) + "."]
+        return "\n".join(lines) + "\n"
+
+
+class SliceGpt(_BesideDress):
+    """SliceGPT beside DReSS, perplexity and zero-shot sliced and after LoRA (the recovery DReSS's
+    table uses: rank 32, alpha 10, ``lora_steps``, ``lora_lr``, ``train_batch`` on the last quarter
+    of the windows). Prune time (PCA + rotation) and parameter counts recorded (SliceGPT's model
+    carries an untied LM head and two k x k shortcut matrices per block)."""
+
+    name = "slicegpt"
+    summary = "SliceGPT beside DReSS, sliced and after LoRA, perplexity and zero-shot"
+    results = "dress-slicegpt-<model>"
+
+    lora_steps: int = option(50, "LoRA steps after slicing (DReSS's table: 50)", at_least_one)
+    lora_lr: float = option(1e-4, "LoRA learning rate (DReSS's)", positive)
+    train_batch: int = option(4, "LoRA batch (DReSS's)", at_least_one)
+    batch_size: int = option(8, "SliceGPT's calibration batch", at_least_one)
+    pca_windows: Optional[int] = option(None, "SliceGPT's PCAs on the first N of the calibration windows (default "
+                                        "all; DReSS ranks its quiet channels on the first 64)", at_least_one)
+    recovery: bool = option(True, "LoRA after slicing (false: the sliced model only, the row says so)")
+
+    def _split(self) -> int:
+        return (3 * self.nsamples) // 4
+
+    def check_options(self):
+        if self.pca_windows is not None and self.pca_windows > self._split():
+            raise ValueError(f"option pca_windows of study 'slicegpt' must be at most the {self._split()} windows "
+                             f"that calibrate (3/4 of nsamples {self.nsamples}); got {self.pca_windows}")
+
+    def protocol(self, context):
+        split = self._split()
+        settings = {"hidden": f"{context['model'].config.hidden_size} -> ratio {self.ratio}",
+                    "calibration": f"{split} x {self.seqlen} Emma windows train, {self.nsamples - split} train LoRA",
+                    "evaluation": _evaluation(self.eval_tokens, self.eval_seqlen),
+                    "lora": f"{self.lora_steps} steps, rank 32, alpha 10, lr {self.lora_lr:g}, "
+                            f"batch {self.train_batch}",
+                    "threads": torch.get_num_threads()}
+        if self.model != DEFAULT_MODEL:
+            settings["model"] = self.model
+        return settings
+
+    def dress_rows(self, settings: dict) -> list:
+        """DReSS's rows, when its results file was measured with ``settings`` (else none)."""
+        dress = read_dress(self.model)
+        return dress["rows"] if dress is not None and dress.get("settings") == settings else []
+
+    def start(self, settings, context):
+        dress = read_dress(self.model)
+        if dress is not None and dress.get("settings") == settings:
+            dense, dense_zero_shot = dress["dense"], dict(dress.get("dense_zero_shot", {}))
+        else:
+            dense, dense_zero_shot = self.perplexities(context, context["model"]), {}
+        return {"settings": settings, "environment": None, "dense": dense, "dense_zero_shot": dense_zero_shot,
+                "rows": []}
+
+    def _windows(self, context):
+        return context["calib"][:self._split()][:self.pca_windows]
+
+    def arms(self, context):
+        label = (f"ratio {self.ratio:g}, PCA on {self._windows(context).shape[0]} of the {self._split()} windows"
+                 + ("" if self.recovery else ", no LoRA run"))
+        return [Arm(label, label)]
+
+    def row_key(self, row):
+        return row["label"]
+
+    def finished(self, row):
+        return set(self.tasks or ()) <= set(row.get("zero_shot_sliced", {}))  # else rerun (the PCA is deterministic)
+
+    def run_arm(self, context, arm, row, checkpoint):
+        model = copy.deepcopy(context["model"])
+        report = prune(model, "slicegpt", Structured(self.ratio), self._windows(context), batch_size=self.batch_size,
+                       progress=True)
+        ppl_sliced = self.perplexities(context, model)
+        sliced_scores = self.scores(context, model)
+        ppl_lora, scores, lora_s = None, {}, None
+        if self.recovery:
+            start = time.perf_counter()
+            lora_finetune(model, context["calib"][self._split():], steps=self.lora_steps, rank=32, alpha=10.0,
+                          lr=self.lora_lr, batch_size=self.train_batch, progress=True)
+            lora_s = time.perf_counter() - start
+            ppl_lora = self.perplexities(context, model)
+            scores = self.scores(context, model)
+        return {"label": arm.key, "ratio": self.ratio, "hidden_size": report["hidden_size"],
+                "parameters": [report["parameters_before"], report["parameters_after"]],
+                "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
+                "zero_shot_sliced": sliced_scores, "zero_shot_lora": scores,
+                "prune_s": report["time_s"], "lora_s": lora_s, "kept_variance": report["kept_variance"],
+                "rotation_parameters": report["rotation_parameters"], "deviations": report["deviations"]}
+
+    def describe(self, row):
+        return (f"ppl sliced {row['ppl_sliced']}, + LoRA {row['ppl_lora']}, zero-shot sliced "
+                f"{row['zero_shot_sliced']}, + LoRA {row['zero_shot_lora']}")
+
+    def complete(self, result, context):
+        result["environment"] = environment_record(torch.device("cpu"))
+        if not set(self.tasks or ()) <= set(result["dense_zero_shot"]):
+            result["dense_zero_shot"].update(self.scores(context, context["model"]))
+        return result
+
+    def markdown(self, result):
+        dress_rows = self.dress_rows(result["settings"])
+        s = result["settings"]
+        texts = list(result["dense"])
+        tasks = sorted({t for r in result["rows"] + dress_rows
+                        for t in {**r.get("zero_shot_sliced", {}), **(r.get("zero_shot_lora") or {})}})
+        lines = ["# SliceGPT beside DReSS on SmolLM2-135M", "",
+                 f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
+                 f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
+                 + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and "
+                 "evaluation as benchmarks/dress_smollm2.py; its rows are quoted from dress-smollm2-135m.json. "
+                 "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
+                 "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
+                 + "".join(f" | {t} sliced | {t} + LoRA" for t in tasks) + " | prune (s) | LoRA (s) |",
+                 "|---|---|---:|" + "---:|---:|" * (len(texts) + len(tasks)) + "---:|---:|"]
+
+        def scores(row):
+            """Each task's accuracy sliced, then after LoRA ('–' where not scored)."""
+            found = [row.get("zero_shot_sliced") or {}, row.get("zero_shot_lora") or {}]
+            return [f"{scored[t]['acc']:.3f} ± {scored[t]['stderr']:.3f}" if t in scored else "–"
+                    for t in tasks for scored in found]
+
+        for r in result["rows"]:
+            lora = r["ppl_lora"] or {}
+            lines.append(f"| SliceGPT | {r['label']} | {r['parameters'][1]:,} | "
+                         + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
+                                      for t in texts)
+                         + "".join(f" | {v}" for v in scores(r)) + f" | {r['prune_s']:.0f} | "
+                         + (f"{r['lora_s']:.0f} |" if r["lora_s"] is not None else "– |"))
+        for r in dress_rows:
+            lora = r["ppl_lora"] or {}  # none for a row without recovery
+            lines.append(f"| DReSS ({r['channels']}) | {r['label']} | {r['parameters'][1]:,} | "
+                         + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
+                                      for t in texts)
+                         + "".join(f" | {v}" for v in scores(r)) + f" | {r['train_s']:.0f} | "
+                         + (f"{r['lora_s']:.0f} |" if r["lora_s"] is not None else "– |"))
+        dense = result.get("dense_zero_shot", {})
+        if dense:
+            lines += ["", "Dense zero-shot: " + ", ".join(f"{t} {v['acc']:.3f} ± {v['stderr']:.3f}"
+                                                        for t, v in sorted(dense.items())) + "."]
+        for r in result["rows"]:
+            kept = r["kept_variance"]
+            lines += ["", f"SliceGPT {r['label']}: share of the residual signal's variance (Σ eigenvalues) in the "
+                      f"kept {r['hidden_size'][1]} of {r['hidden_size'][0]} directions: embedding "
+                      f"{kept['embedding']:.4f}, block outputs min {min(kept['block_output']):.4f} / max "
+                      f"{max(kept['block_output']):.4f}, attention outputs min {min(kept['attention_output']):.4f} "
+                      f"/ max {max(kept['attention_output']):.4f}."]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,126 @@
+"""The ``robustness`` study at tiny scale: each row is the method variant, seed and protocol its
+label names, the calibration floor compares the seeds' own runs, and a rerun resumes."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyprune import studies
+from pyprune.inputs import data
+from pyprune.inputs.models import load_model
+from pyprune.io.storage import StateError
+from pyprune.studies import robustness
+
+SETTINGS = dict(methods=["taylor", "moreau-gs-released"], arithmetic=["rounding"], seeds=[0, 1], ratios=[0.25],
+                nsamples=2, seqlen=16, eval_tokens=64, eval_seqlen=16, noise_floor=False)
+
+
+def test_layer_protocols():
+    assert robustness.layer_protocol("all", 0.2, 30) == (0, 29, 0.2)
+    first, last, ratio = robustness.layer_protocol("middle", 0.2, 30)  # LLaMA-7B's 4..29 of 32, scaled
+    assert (first, last) == (4, 27) and ratio == pytest.approx(0.2 * 30 / 24)
+    assert robustness.layer_protocol("middle", 0.2, 32)[:2] == (4, 29)
+
+
+def test_robustness_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = str(tiny_model_dir[0])
+    output = tmp_path / "robust.json"
+    calls, study = [], robustness.study
+
+    def recorded(model, method, ratio, calib, tokens, **options):
+        calls.append({"method": method, "ratio": ratio, "calib": calib, **options})
+        return study(model, method, ratio, calib, tokens, **options)
+
+    monkeypatch.setattr(robustness, "study", recorded)
+    result = studies.run("robustness", str(output), model=model_dir, **SETTINGS)
+    assert result == json.loads(output.read_text())
+    assert result["settings"]["model"] == model_dir and result["settings"]["calibration"] == "2 x 16 tokens of emma"
+    runs = result["runs"]
+    assert [(r["method"], r["seed"]) for r in runs] == [("taylor", 0), ("moreau-gs-released", 0), ("taylor", 1),
+                                                        ("moreau-gs-released", 1)]
+    # each label's method and options: the released -GS loop is moreau-gs with the authors' settings
+    _, tokenizer = load_model(model_dir)
+    for run, call in zip(runs, calls):
+        method, variant = robustness.VARIANTS[run["method"]]
+        assert call["method"] == method and all(run["options"][k] == v for k, v in variant.items())
+        assert (call["first_layer"], call["last_layer"], call["ratio"]) == (0, 1, 0.25)  # layers all
+        expected = data.calibration_samples(tokenizer, "emma", nsamples=2, seqlen=16, seed=run["seed"])
+        assert torch.equal(call["calib"], expected)  # the seed is the calibration draw
+        assert run["noise_floor"] is None and 0 <= run["agreement"] <= 1
+    assert "operator" not in runs[0]["options"] and runs[1]["options"]["operator"] == "released"
+    # the calibration floor: the bf16 selections of seeds 0 and 1, from the kept scores
+    scores = str(output.with_suffix(".scores"))
+    for method in ("taylor", "moreau-gs-released"):
+        run = next(r for r in runs if r["method"] == method)
+        groups = [robustness.load_scores(robustness._scores_path(scores, run, seed))[1] for seed in (0, 1)]
+        floor = result["calibration_floor"][f"{method}|rounding|all|0.25"]
+        assert floor["pairs"] == [[0, 1]] and floor["agreement"] == robustness.agreement(*groups)
+    text = output.with_suffix(".md").read_text()
+    assert text == robustness.markdown(result)
+    assert "| taylor | rounding | groups | all | 0.25 | 2 |" in text
+    assert "| moreau-gs-released | rounding | groups | all | 0.25 | 2 |" in text
+
+    calls.clear()
+    studies.run("robustness", str(output), model=model_dir, **{**SETTINGS, "seeds": [0, 1, 2]})
+    assert [(c["method"], torch.equal(c["calib"], data.calibration_samples(
+        tokenizer, "emma", nsamples=2, seqlen=16, seed=2))) for c in calls] == [("taylor", True), ("moreau-gs", True)]
+    assert len(json.loads(output.read_text())["runs"]) == 6
+    before = output.read_text()
+    with pytest.raises(StateError, match=r"other settings: calibration '2 x 16 tokens of emma' \(now '3 x 16"):
+        studies.run("robustness", str(output), model=model_dir, **{**SETTINGS, "nsamples": 3})
+    assert output.read_text() == before
+
+
+def test_the_eta_sweep_goes_to_its_own_file_against_eta_zero(tiny_model_dir, tmp_path):
+    output = tmp_path / "robust.json"
+    result = studies.run("robustness", str(output), model=str(tiny_model_dir[0]), seeds=[1], ratios=[0.25],
+                         nsamples=2, seqlen=16, eval_tokens=64, eval_seqlen=16, eta_sweep=[1e-3])
+    assert not output.exists() and json.loads((tmp_path / "robust-eta-sweep.json").read_text()) == result
+    sweep = result["eta_sweep"]
+    assert result["runs"] == [] and (sweep["seed"], sweep["layers"], sweep["ratio"]) == (1, "all", 0.25)
+    assert [row["eta"] for row in sweep["rows"]] == [1e-3]
+    assert result["settings"]["eta_sweep"] == [1e-3]
+    assert "MoreauPruner-GS η sweep" in (tmp_path / "robust-eta-sweep.md").read_text()
+
+
+def _runs(method, arithmetic, agreements, ppl_diffs, layers="all"):
+    return [{"method": method, "arithmetic": arithmetic, "layers": layers, "overall_ratio": 0.2,
+             "structure": "groups", "seed": seed, "agreement": agreement, "ppl_diff": ppl_diff}
+            for seed, (agreement, ppl_diff) in enumerate(zip(agreements, ppl_diffs))]
+
+
+def test_the_verdict_column_pairs_moreau_with_each_baseline_by_seed():
+    """MoreauPruner ahead where every seed's agreement is higher and ppl_diff lower by more than
+    two standard errors; behind where both go the other way; unsettled where signs differ or only
+    one seed ran; no line for a baseline of another arithmetic or layers, or one sharing no seed."""
+    runs = (_runs("moreau", "rounding", [0.99, 0.98, 0.97], [1.0, 2.0, 3.0])
+            + _runs("taylor", "rounding", [0.95, 0.94, 0.94], [5.0, 6.5, 7.0])           # moreau ahead on both
+            + _runs("smoothgrad", "rounding", [0.999, 0.995, 0.99], [0.1, 0.2, 0.4])     # moreau behind on both
+            + _runs("moreau-gs", "rounding", [0.97], [3.0])
+            + _runs("taylor", "native", [0.5, 0.6, 0.7], [9.0, 9.0, 9.0])               # no moreau in native
+            + _runs("taylor", "rounding", [0.5], [9.0], layers="middle"))
+    runs += [dict(r, seed=r["seed"] + 10) for r in _runs("smoothgrad-gradients", "rounding", [0.9], [1.0])]
+    found = {(ours[0], theirs[0]): (agreement.word, ppl.word) for ours, theirs, agreement, ppl in
+             robustness.verdicts(runs)}
+    assert found == {("moreau", "taylor"): ("ahead", "ahead"), ("moreau", "smoothgrad"): ("behind", "behind"),
+                     ("moreau-gs", "taylor"): ("unsettled", "unsettled"),
+                     ("moreau-gs", "smoothgrad"): ("unsettled", "unsettled")}
+    lines = robustness.verdict_lines(runs)
+    assert "| moreau | taylor | rounding | groups | all | 0.2 | +0.0367 ± 0.0058, 3 seeds: ahead | " \
+           "-4.17 ± 0.29, 3 seeds: ahead |" in lines
+    assert "| moreau | smoothgrad | rounding | groups | all | 0.2 | -0.0147 ± 0.0055, 3 seeds: behind | " \
+           "+1.77 ± 0.85, 3 seeds: behind |" in lines
+    assert "| moreau-gs | taylor | rounding | groups | all | 0.2 | +0.0200, 1 seed: unsettled (one seed) | " \
+           "-2.00, 1 seed: unsettled (one seed) |" in lines
+    mixed = _runs("moreau", "rounding", [0.99, 0.90], [1.0, 9.0]) + _runs("taylor", "rounding", [0.95, 0.95], [5.0, 5.0])
+    [(_, _, agreement, ppl)] = robustness.verdicts(mixed)
+    assert agreement.word == ppl.word == "unsettled" and agreement.reason == "signs differ across seeds"
+    assert robustness.verdict_lines(_runs("taylor", "rounding", [0.9], [1.0])) == []
+
+
+@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut"])
+def test_the_committed_tables_are_what_the_renderer_makes_of_their_results(name):
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    result = json.loads((results / f"{name}.json").read_text(encoding="utf-8"))
+    assert (results / f"{name}.md").read_text(encoding="utf-8") == robustness.markdown(result)

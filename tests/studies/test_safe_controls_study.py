@@ -1,0 +1,95 @@
+"""The ``safe-controls`` study at tiny scale: the control arm is masked reconstruction from the start
+its label names, the training options reach every training arm alike and no one-shot arm, each seed
+is its own calibration draw, a rerun resumes; the paired table's verdict follows the rule on
+made-up rows (ahead, behind, unsettled)."""
+import copy
+import json
+
+import pytest
+import torch
+
+import pyprune
+from pyprune import studies
+from pyprune.evaluation.perplexity import perplexity
+from pyprune.inputs import data
+from pyprune.inputs.models import load_model
+from pyprune.studies import safe_controls
+from pyprune.studies.verdict import paired_verdict
+
+TINY = dict(patterns=["0.5"], variants=["sparsegpt", "masked-recon sparsegpt", "safe+ rho=0"], seeds=[0, 1],
+            nsamples=2, seqlen=16, eval_tokens=64, eval_seqlen=16, flat_blocks=[1], flat_pairs=1,
+            flat_iterations=1, epochs=1, lr=1e-3)
+
+
+def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = str(tiny_model_dir[0])
+    output = tmp_path / "controls.json"
+    calls, prune = [], safe_controls.prune
+
+    def recorded(model, method, pattern, calib, **options):
+        calls.append((method, str(pattern), calib, options))
+        return prune(model, method, pattern, calib, **options)
+
+    monkeypatch.setattr(safe_controls, "prune", recorded)
+    settings = dict(model=model_dir, **TINY)
+    result = studies.run("safe-controls", str(output), **settings)
+    assert result == json.loads(output.read_text())
+    assert output.with_suffix(".md").read_text() == safe_controls.markdown(result)
+    assert result["settings"]["training"] == {"epochs": 1, "lr": 1e-3}
+    rows = result["rows"]
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        ("sparsegpt", 0), ("sparsegpt", 1), ("masked-recon sparsegpt", 0), ("masked-recon sparsegpt", 1),
+        ("safe+ rho=0", 0), ("safe+ rho=0", 1)]
+    _, tokenizer = load_model(model_dir)
+    draws = {seed: data.calibration_samples(tokenizer, "emma:first_half", nsamples=2, seqlen=16, seed=seed)
+             for seed in (0, 1)}
+    expected = {"sparsegpt": ("sparsegpt", {}),  # one-shot: no training option
+                "masked-recon sparsegpt": ("masked-recon", {"start": "sparsegpt", "epochs": 1, "lr": 1e-3}),
+                "safe+ rho=0": ("safe+", {"rho": 0.0, "epochs": 1, "lr": 1e-3})}
+    for (method, pattern, calib, options), row in zip(calls, sorted(rows, key=lambda r: r["seed"])):
+        assert (method, {k: v for k, v in options.items() if k != "progress"}) == expected[row["arm"]]
+        assert pattern == row["pattern"] == "unstructured 0.5" and torch.equal(calib, draws[row["seed"]])
+        assert list(row["flatness"]) == ["1"] and row["flatness"]["1"]["top_eigenvalue"] is not None
+    control = next(r for r in rows if r["arm"] == "masked-recon sparsegpt" and r["seed"] == 1)
+    assert [control["options"][k] for k in ("start", "epochs", "lr")] == ["sparsegpt", 1, 1e-3]
+    # the control row is masked reconstruction from SparseGPT's mask on seed 1's windows, nothing else
+    model, tokenizer = load_model(model_dir)
+    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice:second_half", max_tokens=64)
+    pruned = copy.deepcopy(model)
+    pyprune.prune(pruned, "masked-recon", 0.5, draws[1], progress=False, start="sparsegpt", epochs=1, lr=1e-3)
+    bos = data.window_bos(tokenizer)
+    assert control["perplexity"] == perplexity(pruned, tokens, 16, progress=False, bos_token_id=bos)
+    assert result["dense"] == perplexity(model, tokens, 16, progress=False, bos_token_id=bos)
+    sam = next(r for r in rows if r["arm"] == "safe+ rho=0")
+    assert sam["options"]["rho"] == 0.0 and sam["summary"]["sam_relative"] == 0.0  # no ascent without SAM
+    side = lambda arm: {r["seed"]: r["perplexity"] for r in rows if r["arm"] == arm}  # noqa: E731
+    word = paired_verdict(side("masked-recon sparsegpt"), side("sparsegpt")).word
+    [line] = [line for line in output.with_suffix(".md").read_text().splitlines()
+              if line.startswith("| unstructured 0.5 | masked-recon sparsegpt − sparsegpt |")]
+    assert line.endswith(f" | {word} |")
+
+    calls.clear()
+    studies.run("safe-controls", str(output), **{**settings, "seeds": [0, 1, 2], "skip_flatness": True})
+    draw = data.calibration_samples(tokenizer, "emma:first_half", nsamples=2, seqlen=16, seed=2)
+    assert [method for method, *_ in calls] == ["sparsegpt", "masked-recon", "safe+"]  # only seed 2 ran,
+    assert all(torch.equal(calib, draw) for _, _, calib, _ in calls)  # on its own draw
+    assert "2°: " in output.with_suffix(".md").read_text()  # its rows skipped flatness, and say so
+
+
+def _made_up(differences):
+    """A controls result with safe+ and its control on three seeds, safe+ − control = ``differences``."""
+    rows = [{"pattern": "2:4", "arm": arm, "seed": seed, "perplexity": 50.0 + (d if arm == "safe+" else 0.0),
+             "flatness": {}, "summary": {}, "time_s": 1.0, "options": {}}
+            for arm in ("safe+", "masked-recon wanda") for seed, d in enumerate(differences)]
+    settings = {"calibration": "c", "evaluation": "e", "tuning": "t", "training": {"epochs": 3}, "protocol_cut": "p",
+                "flat_blocks": ["2"]}
+    return {"settings": settings, "environment": {"device": "CPU", "cpu_threads": 1, "torch": "2"}, "dense": 40.0,
+            "rows": rows}
+
+
+@pytest.mark.parametrize("differences, word", [((1.0, 1.2, 0.9), "behind"), ((-1.0, -1.2, -0.9), "ahead"),
+                                               ((1.0, -0.5, 2.0), "unsettled"), ((0.1, 3.0, 0.2), "unsettled")])
+def test_the_paired_table_s_verdict_follows_the_rule(differences, word):
+    [line] = [line for line in safe_controls.markdown(_made_up(differences)).splitlines()
+              if line.startswith("| 2:4 | safe+ − masked-recon wanda |")]
+    assert line.endswith(f" | {word} |")
