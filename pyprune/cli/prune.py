@@ -96,8 +96,8 @@ def _run(args) -> int:
 def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
     from ..methods import pruning
-    model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
     from ..runtime import distributed
+    model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
                            progress=not args.quiet and distributed.is_main(), **options.method_option_values(args))
     if not distributed.is_main():  # every rank holds the same pruned model; rank 0 writes it
