@@ -44,18 +44,26 @@ BATCH = 2
 CALIB = dict(shape=(8, 16), vocab=128, seed=3)  # 4 batches of 2: two per rank
 
 
-def _prune_all(cases):
+def _model(family):
+    """A fresh model of ``family``: a tiny random one, or the real SmolLM2-135M."""
+    if family == "smollm2":
+        from pyprune.inputs.models import load_model
+        return load_model("smollm2-135m")[0]
+    return tiny_decoder(family, layers=2)
+
+
+def _prune_all(cases, families=FAMILIES):
     """{family/case: {linear name: weight}} of every case on every family, in this process."""
     import pyprune
     from pyprune.nn.anatomy import block_linears, decoder_blocks
     from pyprune.nn.experts import expert_linears
     calib = random_tokens(**CALIB)
     results = {}
-    for family in FAMILIES:
+    for family in families:
         for case, method, pattern, options in cases:
-            if (isinstance(pattern, Structured) and family in MOE) or family not in ONLY.get(case, FAMILIES):
+            if (isinstance(pattern, Structured) and family in MOE) or family not in ONLY.get(case, families):
                 continue
-            model = tiny_decoder(family, layers=2)
+            model = _model(family)
             report = pyprune.prune(model, method, pattern, calib, batch_size=BATCH, progress=False, **options)
             weights = {}
             for index, block in enumerate(decoder_blocks(model)):
@@ -66,7 +74,7 @@ def _prune_all(cases):
     return results
 
 
-def _worker(rank, world, rendezvous, out, cases, mode):
+def _worker(rank, world, rendezvous, out, cases, mode, families):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
@@ -86,7 +94,7 @@ def _worker(rank, world, rendezvous, out, cases, mode):
                 return prune_layer(self, linear, stats, pattern)
             Wanda.prune_layer = failing
         try:
-            result = dict(_prune_all(cases), solves=len(solves))
+            result = dict(_prune_all(cases, families), solves=len(solves))
         except Exception as error:  # noqa: BLE001 (the test reads what each rank raised)
             result = f"{type(error).__name__}: {error}"
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -94,8 +102,8 @@ def _worker(rank, world, rendezvous, out, cases, mode):
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path, cases, mode="reduced", world=2):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path), cases, mode), nprocs=world)
+def _run_ranks(tmp_path, cases, mode="reduced", world=2, families=FAMILIES):
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path), cases, mode, families), nprocs=world)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -140,7 +148,9 @@ def test_without_the_reductions_the_results_differ(tmp_path, one_process):
     and block training on its own shard's gradients lands outside the bound of the next test."""
     cases = [case for case in CASES if case[0] in ("wanda", "wanda-owl", "taylor", "slicegpt")]
     training = [case for case in TRAINING if case[0].endswith("seed0")]
+    names = {case[0] for case in cases + training}
     for rank, result in enumerate(_run_ranks(tmp_path, cases + training, mode="unreduced")):
+        assert set(result) - {"solves"} == {key for key in one_process if key.split("/")[1] in names}, rank
         for key in set(result) - {"solves"}:
             if key.endswith("seed0"):
                 seed1 = one_process[key.replace("seed0", "seed1")][0]
@@ -162,6 +172,22 @@ def test_block_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path,
         seed0, seed1 = (one_process[f"llama/{method}-seed{seed}"][0] for seed in (0, 1))
         ranks = result[f"llama/{method}-seed0"][0]
         assert _distance(ranks, seed0) < 0.1 * _distance(seed1, seed0), method
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_masks_of_one_process_on_smollm2(tmp_path):
+    cases = [case for case in CASES if case[0] in ("wanda", "wanda-owl")]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = _prune_all(cases, ("smollm2",))
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(expected) == ["smollm2/wanda", "smollm2/wanda-owl"]
+    for rank, result in enumerate(_run_ranks(tmp_path, cases, families=("smollm2",))):
+        assert isinstance(result, dict), f"rank {rank}: {result}"
+        assert _differing(result, expected) == [], f"rank {rank}"
+        assert all(result[key][1] == expected[key][1] for key in expected)  # OWL's allocation
 
 
 def test_a_rank_that_raises_ends_every_rank_with_one_line_naming_it(tmp_path):
