@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Iterable, List, Optional
 
@@ -67,6 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         build_parser(commands=()).parse_args(argv)
         return 2  # not reached: that parse prints the help or the usage error and exits
     from . import environment, options
+    from ..runtime.distributed import RankFailed
     from .. import methods
     method = options.method_named_in(argv)
     if method is not None and methods.serving(command):  # before the parse, so --help names a bad --method too
@@ -83,11 +85,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         with environment.applied(args):
             return args.run(args)
     except (UsageError, ValueError, FileNotFoundError) as error:
-        print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks the same arguments
+            print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # a file that could not be read or written, named in one line
-        print(f"pyprune {args.command}: error: {error.strerror or error}"
+        rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        print(f"pyprune {args.command}: error: {rank}{error.strerror or error}"
               + (f": {error.filename}" if error.filename else ""), file=sys.stderr)
+        return 1
+    except RankFailed as error:  # every rank of a torchrun job raises it; rank 0 says which failed
+        if error.on_rank == 0:
+            print(f"pyprune {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"pyprune {args.command}: interrupted", file=sys.stderr)

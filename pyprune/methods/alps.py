@@ -19,15 +19,14 @@ from typing import Optional
 import torch
 
 from ..nn.experts import expert_linears
-from ..runtime import engine
+from ..runtime import distributed, engine
 from ..runtime.layer_solver import (AdmmSchedule, admm_support, normalise, pcg_on_support,
                                       reconstruction_error)
-from .base import LayerwiseMaskMethod
 from .options import at_least_one, block_checkpoint, fraction, nonnegative, option, positive
-from .sparsegpt import _Hessian
+from .sparsegpt import _Hessian, HessianMethod
 
 
-class Alps(LayerwiseMaskMethod):
+class Alps(HessianMethod):
     name = "alps"
     default_scope = "tensor"
 
@@ -55,20 +54,14 @@ class Alps(LayerwiseMaskMethod):
                              f"{settings['min_iterations']}, admm_iterations={settings['admm_iterations']}")
 
     def working_bytes(self, block):
-        """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
+        """Every layer's float64 Hessian sum (all are filled in one pass over the block), and for the
         largest layer the float64 temporaries of its normalisation, its normalised copy, eigenvectors
         and (H + ρI)⁻¹ (32 bytes per entry of H in all), and six fp32 [out, in] matrices (W, WH, the
         iterate, v, masks and PCG's vectors)."""
         with expert_linears(block, strict=False):
             linears = list(engine.block_linears(block).values())
-        hessians = sum(4 * linear.in_features ** 2 for linear in linears)
+        hessians = sum(8 * linear.in_features ** 2 for linear in linears)
         return hessians + max(32 * linear.in_features ** 2 + 24 * linear.weight.numel() for linear in linears)
-
-    def new_stats(self, name, linear):
-        return _Hessian(linear.in_features, linear.weight.device)
-
-    def update(self, stats, x, y):
-        stats.add(x)
 
     @torch.no_grad()
     def prune_layer(self, linear, stats: _Hessian, pattern) -> None:
@@ -85,6 +78,8 @@ class Alps(LayerwiseMaskMethod):
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         self._layer_reports = []
         report = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        # in a process group each rank solved its share of the layers
+        self._layer_reports = [layer for rank in distributed.all_gather_objects(self._layer_reports) for layer in rank]
         if self._layer_reports:
             iterations, admm, pcg = (sum(column) / len(self._layer_reports) for column in zip(*self._layer_reports))
             report["admm"] = {"layers": len(self._layer_reports), "iterations_mean": iterations,

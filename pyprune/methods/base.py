@@ -2,6 +2,7 @@
 and how it runs."""
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, Optional, Tuple, Type
 
@@ -12,7 +13,7 @@ from ..nn import anatomy
 from ..nn.experts import expert_linears, fused_experts
 from ..nn.sliced import check_plain_linears
 from ..io import memory
-from ..runtime import engine, tokens
+from ..runtime import distributed, engine, tokens
 from ..patterns import NM, Pattern, Structured, Unstructured, written_as
 from . import owl
 from .options import Option, collect, nonnegative, option, positive, resolve
@@ -54,6 +55,9 @@ class Method(ABC):
     uses_gradients: bool = False
     #: why this method cannot prune an offloaded model (:mod:`pyprune.io.offload`); None when it can
     offload_refusal: Optional[str] = "it computes gradients through the whole model at once"
+    #: the method runs data-parallel in a torch.distributed process group (:mod:`pyprune.runtime.distributed`),
+    #: reducing its statistics over the ranks so that they give the one-process result
+    data_parallel: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -137,6 +141,13 @@ class Method(ABC):
         """Warn (:class:`RunWarning`) when ``nsamples`` calibration samples are too few for the run
         the options ask for (the CLI asks before the model loads); nothing by default."""
 
+    def check_distributed(self) -> None:
+        """In a process group of several ranks, refuse a method that does not reduce its statistics
+        over them (each rank would prune from its own shard of the calibration)."""
+        if distributed.active() and not self.data_parallel:
+            raise ValueError(f"method {self.name!r} does not run data-parallel yet; run it in one process, not in "
+                             f"a torch.distributed group of {distributed.world_size()} ranks")
+
     def check_grad_mode(self) -> None:
         """A method that computes gradients turns them on itself (it runs under ``torch.no_grad()``
         too), but no code can leave ``torch.inference_mode()``: refused there, saying so."""
@@ -150,6 +161,7 @@ class Method(ABC):
         (:meth:`check`, :meth:`check_calibration`, the memory it needs:
         :func:`pyprune.io.memory.check_prune`), then runs :meth:`_prune` on the resolved pattern."""
         self.check_grad_mode()
+        self.check_distributed()
         anatomy.check_materialised(model, f"pruning with {self.name}")
         self.check(model, pattern)
         self.check_calibration(model, calib)
@@ -209,6 +221,7 @@ class LayerSparsityMethod(Method):
         if not self.owl:
             return super().prune(model, pattern, calib, batch_size=batch_size, progress=progress)
         self.check_grad_mode()
+        self.check_distributed()
         self.check(model, pattern)
         self.check_calibration(model, calib)
         ratios = owl.block_outlier_ratios(model, calib, self.owl_m, batch_size=batch_size, progress=progress)
@@ -274,6 +287,17 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
     def prune_layer(self, linear: nn.Linear, stats, pattern: Pattern) -> None:
         """Prune ``linear`` in place from its statistics."""
 
+    #: the layer solve is costly (SparseGPT's OBS sweep, ALPS's ADMM): in a process group each rank
+    #: solves its share of a block's layers (:func:`pyprune.runtime.distributed.owners`) and broadcasts
+    #: their weights; otherwise every rank prunes every layer from the same reduced statistics
+    distribute_solves = False
+
+    def reduce_stats(self, stats, dst: Optional[int]):
+        """A layer's statistics summed over the ranks, on every rank (``dst`` None) or on rank ``dst``
+        alone (None on the others); they are a sum, a float64 tensor by default (see
+        :mod:`pyprune.runtime.distributed` on exactness). In one process, ``stats``."""
+        return distributed.all_reduce_(stats) if dst is None else distributed.reduce_(stats, dst)
+
     def prepare_block(self, ctx: engine.BlockContext) -> None:
         """Called before a block's inputs are captured (e.g. to restore weights a method keeps).
         With cumulative statistics: every layer back to its dense weights."""
@@ -327,12 +351,8 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
                 self.update(stats[name], x, y)
 
             outputs = ctx.capture(observe)
+            self.prune_block_layers(linears, stats, tokens, block_pattern)
             unreached = [name for name in linears if tokens[name] == 0]
-            for name, linear in linears.items():
-                if tokens[name]:
-                    self.prune_layer(linear, stats.pop(name), block_pattern)
-                else:  # an MoE expert no calibration token is routed to: no statistics, so by magnitude
-                    apply_mask(linear, block_pattern.weight_mask(linear.weight))
             if self._kept_tokens is not None:
                 self._kept_tokens.update({f"{ctx.name}.{name}": count for name, count in tokens.items()})
             if self.propagate == "dense":
@@ -344,6 +364,39 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
         fallback = [name for block in blocks for name in (block or {}).get("magnitude_fallback", [])]
         return {"scope": getattr(pattern, "scope", None),
                 "magnitude_fallback": {"layers": len(fallback), "names": fallback}}
+
+
+    def prune_block_layers(self, linears: Dict[str, nn.Linear], stats: Dict[str, Any], tokens: Dict[str, int],
+                           pattern: Pattern) -> None:
+        """Prune a block's layers from their statistics, reduced over the ranks first (``tokens``, the
+        tokens each layer saw, too: in place); a layer no token reached (an MoE expert) by magnitude.
+        With :attr:`distribute_solves` every statistic is reduced onto its layer's owner, each rank
+        solves its own layers, then every solved weight is broadcast from its owner."""
+        counts = distributed.all_reduce_(torch.tensor([tokens[name] for name in linears], dtype=torch.int64))
+        tokens.update(zip(linears, counts.tolist()))
+        owners = dict(zip(linears, distributed.owners([self.solve_cost(linear) for linear in linears.values()])))
+        reduced = {}
+        for name in linears:
+            if tokens[name]:
+                local = stats.pop(name)
+                if self._kept_stats is not None and distributed.active():
+                    local = copy.deepcopy(local)  # the kept statistics stay this rank's own sums
+                reduced[name] = self.reduce_stats(local, owners[name] if self.distribute_solves else None)
+        for name, linear in linears.items():
+            if not tokens[name]:  # no statistics anywhere, so by magnitude
+                apply_mask(linear, pattern.weight_mask(linear.weight))
+            elif reduced[name] is not None:
+                self.prune_layer(linear, reduced.pop(name), pattern)
+        if self.distribute_solves and distributed.active():
+            for name, linear in linears.items():
+                if tokens[name]:
+                    distributed.broadcast_(linear.weight.data, owners[name])
+
+    @staticmethod
+    def solve_cost(linear: nn.Linear) -> float:
+        """A layer solve's relative cost for :attr:`distribute_solves`: in²·(in + out), the
+        factorisation of its [in, in] statistic and a sweep of its weights against it."""
+        return float(linear.in_features ** 2 * (linear.in_features + linear.out_features))
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ class Magnitude(LayerSparsityMethod):
     patterns = (Unstructured, NM)
     needs_calibration = False
     offload_refusal = None
+    data_parallel = True  # the mask needs no data; OWL's statistics are reduced over the ranks
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         for index, block in engine.resident_blocks(model, write=True):

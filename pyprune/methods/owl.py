@@ -20,7 +20,18 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..runtime import engine
+from ..runtime import distributed, engine
+
+
+def new_sqnorms(linear: nn.Linear) -> Tensor:
+    """A float64 accumulator of ``linear``'s input column sums of squares (:func:`add_sqnorms`)."""
+    return torch.zeros(linear.in_features, dtype=torch.float64, device=linear.weight.device)
+
+
+def add_sqnorms(acc: Tensor, x: Tensor) -> None:
+    """``acc`` += Σ_tokens x_j², one batch's float32 sums added in float64, so that the total does not
+    depend on how the batches are split over ranks (:mod:`pyprune.runtime.distributed`)."""
+    acc += ops.accumulate_sqnorm_(torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x)
 
 
 def outlier_ratio(linears: Dict[str, nn.Linear], sqnorms: Dict[str, Tensor], m: float) -> float:
@@ -40,14 +51,14 @@ def outlier_ratio(linears: Dict[str, nn.Linear], sqnorms: Dict[str, Tensor], m: 
 def block_outlier_ratios(model: nn.Module, calib: Tensor, m: float, *, batch_size: int,
                          progress: bool) -> List[float]:
     """Every decoder block's outlier ratio D (:func:`outlier_ratio`) on the calibration tokens,
-    the blocks run dense in turn (the model is not changed)."""
+    the blocks run dense in turn (the model is not changed); in a process group, from the input
+    statistics summed over the ranks."""
 
     def measure(ctx: engine.BlockContext) -> float:
         linears = ctx.linears()
-        sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
-                   for name, linear in linears.items()}
-        ctx.next_inputs = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
-        return outlier_ratio(linears, sqnorms, m)
+        sqnorms = {name: new_sqnorms(linear) for name, linear in linears.items()}
+        ctx.next_inputs = ctx.capture(lambda name, linear, x, y: add_sqnorms(sqnorms[name], x))
+        return outlier_ratio(linears, {name: distributed.all_reduce_(acc).float() for name, acc in sqnorms.items()}, m)
 
     return engine.run_blockwise(model, calib, measure, batch_size=batch_size, progress=progress,
                                 desc="owl outlier ratios")

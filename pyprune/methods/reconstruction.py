@@ -40,6 +40,7 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
 
     patterns = (Unstructured, NM)
     uses_gradients = True
+    data_parallel = True  # statistics reduced, gradients summed over the ranks (runtime.training.train_block)
     default_scope = "row"
     #: 64 x 256 tokens, 3 passes (96 steps per block at batch 2): 4x the windows of (16, 256) at 10
     #: passes for about the same steps; held-out block error 0.416 of Wanda's one-shot against 0.455
@@ -141,10 +142,15 @@ class MaskedReconstruction(BlockTraining):
         start = REGISTRY[self.start]()
         if isinstance(start, LayerwiseMaskMethod):
             stats = {name: start.new_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
-            targets = ctx.capture(lambda name, linear, x, y: start.update(stats[name], x, y))
+            tokens = dict.fromkeys(linears, 0)
+
+            def observe(name, linear, x, y):
+                tokens[name] += x.numel() // x.shape[-1]
+                start.update(stats[name], x, y)
+
+            targets = ctx.capture(observe)
             with torch.no_grad():
-                for name, linear in linears.items():
-                    start.prune_layer(linear, stats.pop(name), pattern)
+                start.prune_block_layers(linears, stats, tokens, pattern)
         else:  # magnitude, which needs no statistics
             targets = ctx.forward()
             with torch.no_grad():

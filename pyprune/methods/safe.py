@@ -36,13 +36,11 @@ import math
 import warnings
 from typing import Optional
 
-import torch
-
-from ..runtime import engine
-from .. import ops
+from ..runtime import distributed, engine
 from ..runtime.optim import SafeOptimizer
 from .base import RunWarning
 from .options import at_least_one, block_checkpoint, nonnegative, option
+from .owl import add_sqnorms, new_sqnorms
 from .reconstruction import BlockTraining
 
 
@@ -94,10 +92,10 @@ class Safe(BlockTraining):
         linears = ctx.linears()
         importance = None
         if self.weighted_projection:
-            sqnorms = {name: torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
-                       for name, linear in linears.items()}
-            targets = ctx.capture(lambda name, linear, x, y: ops.accumulate_sqnorm_(sqnorms[name], x))
-            importance = {linear.weight: sqnorms[name] for name, linear in linears.items()}
+            sqnorms = {name: new_sqnorms(linear) for name, linear in linears.items()}
+            targets = ctx.capture(lambda name, linear, x, y: add_sqnorms(sqnorms[name], x))
+            importance = {linear.weight: distributed.all_reduce_(sqnorms[name]).float()
+                          for name, linear in linears.items()}
         else:
             targets = ctx.forward()
         first_masks = {}

@@ -26,6 +26,7 @@ from ..nn.anatomy import decoder_blocks
 from ..nn.compact import keep_blocks_
 from ..ops.conventions import kept_count
 from ..patterns import Structured
+from ..runtime import distributed
 from .base import Method
 from .options import nonnegative, option
 
@@ -54,13 +55,16 @@ def skipped(block: nn.Module):
 
 @torch.no_grad()
 def calibration_loss(model: nn.Module, calib: Tensor, batch_size: int) -> float:
-    """Mean next-token cross-entropy of ``model`` over the calibration windows (log of their perplexity)."""
+    """Mean next-token cross-entropy of ``model`` over the calibration windows (log of their perplexity).
+    Each batch's float32 mean times its size is added in float64 (exact), so in a process group the
+    ranks' sums over their shards add up to the one-process value."""
     device = next(model.parameters()).device
-    total = 0.0
-    for start in range(0, calib.shape[0], batch_size):
-        batch = calib[start:start + batch_size].to(device)
+    shard = distributed.shard(calib, batch_size)
+    total = torch.zeros(1, dtype=torch.float64)
+    for start in range(0, shard.shape[0], batch_size):
+        batch = shard[start:start + batch_size].to(device)
         total += float(model(input_ids=batch, labels=batch, use_cache=False).loss) * batch.shape[0]
-    return total / calib.shape[0]
+    return float(distributed.all_reduce_(total)) / calib.shape[0]
 
 
 class SLEB(Method):
@@ -68,6 +72,7 @@ class SLEB(Method):
     patterns = (Structured,)
     calibration = (16, 256)
     offload_refusal = "it runs the whole model once per candidate block"
+    data_parallel = True  # the calibration losses are summed over the ranks
 
     early_barrier: int = option(1, "SLEB: this many first remaining blocks are never removed (authors' code: 1)",
                                 nonnegative)

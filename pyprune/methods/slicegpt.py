@@ -41,7 +41,7 @@ from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import block_family, config_accepts, hidden_stream
 from ..nn.rotation import add_residual_rotations_, sublayers
 from ..patterns import Structured
-from ..runtime import engine
+from ..runtime import distributed, engine
 from .base import Method
 from .options import at_least_one, option
 
@@ -93,6 +93,7 @@ class SliceGPT(Method):
     patterns = (Structured,)
     calibration = (1024, 2048)  # the authors' code: 1024 WikiText-2 windows of 2048 tokens
     offload_refusal = "it rotates the embedding and every block in one pass"
+    data_parallel = True  # the Gram matrices are summed over the ranks (equal up to their rounding)
 
     multiple: int = option(8, "SliceGPT: keep a multiple of this many directions (the authors' round_interval 8), "
                            "besides a multiple of the head count", at_least_one)
@@ -157,7 +158,7 @@ class SliceGPT(Method):
         kept: List[Dict[str, float]] = []
 
         def pca(signals) -> Tuple[Tensor, Tensor]:
-            gram = sum(_gram(x, eigen_dtype) for x in signals)
+            gram = distributed.all_reduce_(sum(_gram(x, eigen_dtype) for x in signals))  # over the ranks' shards
             values, vectors = principal_directions(gram)
             return values, vectors.double()
 

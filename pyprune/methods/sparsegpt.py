@@ -21,26 +21,59 @@ import torch
 from torch import Tensor
 
 from ..nn.experts import expert_linears
-from ..runtime import engine
+from ..runtime import distributed, engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
 from .options import at_least_one, block_checkpoint, fraction, option
 
 
 class _Hessian:
+    """H = (2/N) Σ x xᵀ over the N calibration tokens of a layer, kept as the float64 sum of each
+    batch's float32 xᵀx and the token count, so that ranks add their sums (:meth:`reduced`)."""
+
     def __init__(self, columns: int, device):
-        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.sum = torch.zeros(columns, columns, dtype=torch.float64, device=device)
         self.tokens = 0
 
     def add(self, x: Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        total = self.tokens + x.shape[0]
-        self.H.mul_(self.tokens / total)
-        self.H.addmm_(x.T, x, alpha=2.0 / total)
-        self.tokens = total
+        self.sum += x.T @ x
+        self.tokens += x.shape[0]
+
+    @property
+    def H(self) -> Tensor:
+        """H in float32 (a new tensor each time)."""
+        return (self.sum * (2.0 / self.tokens)).float()
+
+    def reduced(self, dst: Optional[int]) -> Optional["_Hessian"]:
+        """This Hessian summed over the ranks (sums and token counts), in place, on every rank or on
+        rank ``dst`` alone (None on the others)."""
+        tokens = distributed.all_reduce_(torch.tensor([self.tokens], dtype=torch.int64))
+        total = distributed.all_reduce_(self.sum) if dst is None else distributed.reduce_(self.sum, dst)
+        if total is None:
+            return None
+        self.tokens = int(tokens)
+        return self
 
 
-class SparseGPT(LayerwiseMaskMethod):
+class HessianMethod(LayerwiseMaskMethod):
+    """A layer-wise method that prunes each layer from its :class:`_Hessian` (SparseGPT, ALPS); in a
+    process group a block's layer solves are spread over the ranks."""
+
+    data_parallel = True
+    distribute_solves = True
+
+    def new_stats(self, name, linear):
+        return _Hessian(linear.in_features, linear.weight.device)
+
+    def update(self, stats, x, y):
+        stats.add(x)
+
+    def reduce_stats(self, stats, dst):
+        return stats.reduced(dst)
+
+
+class SparseGPT(HessianMethod):
     name = "sparsegpt"
     default_scope = "tensor"
     can_accumulate = True  # H is the mean of 2·x xᵀ over every token seen, of every dataset
@@ -51,19 +84,13 @@ class SparseGPT(LayerwiseMaskMethod):
     checkpoint: Optional[str] = block_checkpoint()
 
     def working_bytes(self, block):
-        """Every layer's fp32 Hessian (all are filled in one pass over the block), and for the
-        largest layer an fp32 copy of W with its swept block and H⁻¹ with its Cholesky factor (an MoE's
-        expert matrices each a layer)."""
+        """Every layer's float64 Hessian sum (all are filled in one pass over the block), and for the
+        largest layer an fp32 copy of W with its swept block and H with its inverse and Cholesky factor
+        (an MoE's expert matrices each a layer)."""
         with expert_linears(block, strict=False):
             linears = list(engine.block_linears(block).values())
-        hessians = sum(4 * linear.in_features ** 2 for linear in linears)
-        return hessians + max(8 * linear.weight.numel() + 8 * linear.in_features ** 2 for linear in linears)
-
-    def new_stats(self, name, linear):
-        return _Hessian(linear.in_features, linear.weight.device)
-
-    def update(self, stats, x, y):
-        stats.add(x)
+        hessians = sum(8 * linear.in_features ** 2 for linear in linears)
+        return hessians + max(8 * linear.weight.numel() + 12 * linear.in_features ** 2 for linear in linears)
 
     def _inverse_cholesky(self, H: Tensor, W: Tensor) -> Tensor:
         dead = torch.diag(H) == 0
@@ -79,8 +106,7 @@ class SparseGPT(LayerwiseMaskMethod):
     @torch.no_grad()
     def prune_layer(self, linear, stats: _Hessian, pattern: Pattern) -> None:
         W = linear.weight.detach().float().clone()
-        # the inversion dampens H in place: on a copy when the statistics are kept for the next call
-        Hinv = self._inverse_cholesky(stats.H if self._kept_stats is None else stats.H.clone(), W)
+        Hinv = self._inverse_cholesky(stats.H, W)
         columns = W.shape[1]
         nm = pattern if isinstance(pattern, NM) else None
         blocksize = self.blocksize if nm is None else nm.m * math.ceil(self.blocksize / nm.m)

@@ -248,6 +248,7 @@ class StructuredMethod(Method):
 
     patterns = (Structured,)
     uses_gradients = True
+    data_parallel = True  # its calibration enters only through calibration_gradients, summed over the ranks
     commands = ("prune", "robustness")
     calibration = (10, 128)  # LLM-Pruner's and MoreauPruner's batch: 10 samples of 128 tokens
     first_layer: int = option(0, "structured: first pruned decoder layer (negative: from the end)")

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from .. import ops
 from .base import LayerwiseMaskMethod, apply_mask
+from .owl import add_sqnorms, new_sqnorms
 from .options import block_checkpoint
 
 
 class Wanda(LayerwiseMaskMethod):
     name = "wanda"
     can_accumulate = True  # Σ‖x_j‖² sums over datasets as over batches
+    data_parallel = True
     commands = ("prune", "continual")
     checkpoint: Optional[str] = block_checkpoint()
 
     def new_stats(self, name, linear):
-        return torch.zeros(linear.in_features, dtype=torch.float32, device=linear.weight.device)
+        return new_sqnorms(linear)
 
     def update(self, stats, x, y):
-        ops.accumulate_sqnorm_(stats, x)
+        add_sqnorms(stats, x)
 
     def prune_layer(self, linear, stats, pattern):
-        apply_mask(linear, pattern.weight_mask(linear.weight, stats))
+        apply_mask(linear, pattern.weight_mask(linear.weight, stats.float()))

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..io import storage
+from . import distributed
 from .checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from ..nn.anatomy import (BLOCK_STORE, block_linears, block_prefix, block_store, decoder_blocks, first_tensor,
                            resident_blocks)
@@ -127,6 +128,10 @@ class BlockContext:
     #: the next block's inputs when a method sets them (default: this block's outputs after it
     #: is processed)
     next_inputs: Optional[Tensor] = None
+    #: in a process group: the calibration samples of all ranks, and the index of this rank's first
+    #: (``inputs`` holds this rank's rows, :func:`pyprune.runtime.distributed.shard`); None: ``inputs`` is all
+    samples: Optional[int] = None
+    offset: int = 0
 
     def linears(self) -> Dict[str, nn.Linear]:
         return block_linears(self.block)
@@ -224,7 +229,12 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     (:func:`pyprune.nn.experts.expert_linears`), whose hooks see the tokens routed to that expert.
     With ``checkpoint``, finished blocks are saved and a rerun resumes. An offloaded model's blocks
     (:mod:`pyprune.io.offload`) are read one at a time and written back when done. Returns every
-    block's details."""
+    block's details.
+
+    In a process group (:mod:`pyprune.runtime.distributed`) each rank runs its shard of ``tokens``
+    (whole batches) through the blocks, ``process_block`` reduces what it needs across the ranks,
+    rank 0 alone saves the checkpoint, and a rank that raises ends every rank with
+    :class:`~pyprune.runtime.distributed.RankFailed`."""
     blocks = decoder_blocks(model)
     store = block_store(model)
     prefix = block_prefix(model)
@@ -232,21 +242,25 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     was_training = model.training
     model.eval()
     try:
-        inputs, block_arguments = capture_block_inputs(model, tokens, batch_size)
+        first, stop = distributed.shard_bounds(tokens.shape[0], batch_size)
+        with distributed.failure_shared("the calibration inputs"):
+            inputs, block_arguments = capture_block_inputs(model, tokens[first:stop], batch_size)
         for index in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress):
             if store is not None:
                 store.fetch(index, blocks[index])
-            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size)
-            if index < finished:
-                if checkpoint.dense_propagation:
-                    ctx.next_inputs = ctx.forward()
-                checkpoint.restore(blocks[index], index)
-            else:
-                with expert_linears(blocks[index], where=ctx.name):  # fused MoE experts as one linear each
-                    details.append(process_block(ctx))
-                if checkpoint is not None:
-                    checkpoint.save(index, blocks[index], details)
-            inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
+            ctx = BlockContext(index, f"{prefix}.{index}", blocks[index], inputs, block_arguments[index], batch_size,
+                               samples=tokens.shape[0], offset=first)
+            with distributed.failure_shared(f"block {index} ({ctx.name})"):
+                if index < finished:
+                    if checkpoint.dense_propagation:
+                        ctx.next_inputs = ctx.forward()
+                    checkpoint.restore(blocks[index], index)
+                else:
+                    with expert_linears(blocks[index], where=ctx.name):  # fused MoE experts as one linear each
+                        details.append(process_block(ctx))
+                    if checkpoint is not None and distributed.is_main():
+                        checkpoint.save(index, blocks[index], details)
+                inputs = (ctx.forward() if ctx.next_inputs is None else ctx.next_inputs).detach()
             if store is not None:
                 store.store(index, blocks[index])
     finally:
@@ -257,16 +271,13 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
 def accumulate_gradients(model: nn.Module, tokens: Tensor, *, batch_size: int = 4,
                          progress: bool = True, desc: str = "gradients", zero_first: bool = True) -> None:
     """Fill ``.grad`` of every trainable parameter with the gradient of the mean next-token loss
-    over all calibration tokens (summed over batches, weighted by batch size); with
+    over all calibration tokens (:func:`loss_gradients`, in the parameters' dtype); with
     ``zero_first=False`` it is added to the ``.grad`` already there."""
-    device = next(model.parameters()).device
-    if zero_first:
-        model.zero_grad(set_to_none=True)
-    total = tokens.shape[0]
-    for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
-        batch = tokens[start:start + batch_size].to(device)
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        (loss * batch.shape[0] / total).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [None if zero_first or p.grad is None else p.grad.detach().clone() for p in params]
+    grads = loss_gradients(model, params, tokens, batch_size=batch_size, progress=progress, desc=desc)
+    for p, grad, old in zip(params, grads, before):
+        p.grad = grad.to(p.dtype) if old is None else old + grad.to(p.dtype)
 
 
 class LossScaler:
@@ -311,41 +322,43 @@ _MIN_LOSS_SCALE = 2.0 ** -24  # fp16's smallest subnormal: below it every scaled
 def loss_gradients(model: nn.Module, params: Sequence[nn.Parameter], tokens: Tensor, *, batch_size: int = 4,
                    scaler: Optional[LossScaler] = None, progress: bool = False,
                    desc: str = "gradients") -> List[Tensor]:
-    """∇ of the mean next-token loss over ``tokens`` for each of ``params`` (which require grad).
+    """∇ of the mean next-token loss over ``tokens`` for each of ``params`` (which require grad), fp32
+    (zeros for a parameter the loss does not reach); every ``.grad`` is cleared after.
 
-    Without ``scaler``: :func:`accumulate_gradients`, and the ``.grad`` tensors themselves are
-    returned (the parameters' dtype; zeros for a parameter the loss does not reach). With a
-    :class:`LossScaler`: each batch's backward runs on the loss times ``scaler.scale``; a batch
-    with an inf or NaN gradient is redone at the backed-off scale, and the finite gradients are
-    unscaled into fp32 sums, which are returned (fp32), so a 16-bit gradient is rounded once, at
-    scale. A loss that is itself not finite raises FloatingPointError (no scale can help)."""
-    if scaler is None:
-        accumulate_gradients(model, tokens, batch_size=batch_size, progress=progress, desc=desc)
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    Each batch's gradient is added to a float64 sum, so the sum does not depend on how the batches
+    are split: in a process group each rank runs its shard of whole batches and the sums are added
+    over the ranks (:mod:`pyprune.runtime.distributed`). With a :class:`LossScaler`: each batch's
+    backward runs on the loss times ``scaler.scale``; a batch with an inf or NaN gradient is redone
+    at the backed-off scale, and the finite gradients are unscaled into the sums, so a 16-bit
+    gradient is rounded once, at scale (each rank's scaler follows its own batches). A loss that is
+    itself not finite raises FloatingPointError (no scale can help)."""
     device = next(model.parameters()).device
-    sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-    total = tokens.shape[0]
+    sums = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    total, shard = tokens.shape[0], distributed.shard(tokens, batch_size)
+    where = f" of rank {distributed.rank()}'s shard" if distributed.active() else ""
     try:
-        for start in tqdm(range(0, total, batch_size), desc=desc, unit="batch", disable=not progress):
-            batch = tokens[start:start + batch_size].to(device)
+        for start in tqdm(range(0, shard.shape[0], batch_size), desc=desc, unit="batch", disable=not progress):
+            batch = shard[start:start + batch_size].to(device)
             while True:
                 model.zero_grad(set_to_none=True)
                 loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"the loss of calibration batch {start // batch_size} is "
+                scale = 1.0 if scaler is None else scaler.scale
+                if scaler is not None and not torch.isfinite(loss):
+                    raise FloatingPointError(f"the loss of calibration batch {start // batch_size}{where} is "
                                              f"{loss.item()}; loss scaling cannot help")
-                scale = scaler.scale
                 (loss * (batch.shape[0] / total * scale)).backward()
+                if scaler is None:
+                    break
                 finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
                 scaler.update(finite)
                 if finite:
                     break
                 if scaler.scale < _MIN_LOSS_SCALE:
-                    raise FloatingPointError(f"gradients of calibration batch {start // batch_size} are not "
-                                             f"finite even at loss scale {scale}")
+                    raise FloatingPointError(f"gradients of calibration batch {start // batch_size}{where} are "
+                                             f"not finite even at loss scale {scale}")
             for acc, p in zip(sums, params):
                 if p.grad is not None:
                     acc.add_(p.grad, alpha=1.0 / scale)
     finally:
         model.zero_grad(set_to_none=True)
-    return sums
+    return [distributed.all_reduce_(acc).float() for acc in sums]

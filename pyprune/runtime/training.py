@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import engine
+from . import distributed, engine
 from .checkpoint import Checkpoint
 
 
@@ -146,25 +146,40 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
     (a minibatch estimate of ‖Y − Ŷ‖² / ‖Y‖², 1 for Ŷ = 0, unchanged when inputs and targets scale
     together through a linear block). The minibatches and the block's keyword arguments are cast to
     the block's dtype (fp32 inside :func:`fp32_master_weights`). ``optimizer.step`` gets a closure
-    (SAM evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step."""
+    (SAM evaluates it twice); ``scheduler.step()`` follows each step. Returns the loss of every step.
+
+    In a process group (``ctx.samples`` > the rows of ``ctx.inputs``) the minibatches are drawn over
+    all ranks' samples alike on every rank; each rank adds the squared errors of its rows of a
+    minibatch and the gradients are summed over the ranks before every step (data parallel)."""
     dtype = next(ctx.block.parameters()).dtype
-    scale = float(targets.float().square().mean()) if relative else 1.0
+    samples = ctx.samples or ctx.inputs.shape[0]
+    per_sample = targets[0].numel()
+    if relative:
+        square_sum = distributed.all_reduce_(targets.double().square().sum().reshape(1))
+        scale = float(square_sum) / (samples * per_sample)
+    else:
+        scale = 1.0
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{desc}: relative reconstruction error needs targets with a finite, positive mean "
                          f"square; got {scale}")
     kwargs = _cast_floating(ctx.block_kwargs, dtype)
-    batches = minibatches(ctx.inputs.shape[0], min(batch_size, ctx.inputs.shape[0]),
-                          torch.Generator().manual_seed(seed))
+    batches = minibatches(samples, min(batch_size, samples), torch.Generator().manual_seed(seed))
+    trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     losses = []
     for _ in tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress):
         index = next(batches)
-        inputs, wanted = ctx.inputs[index].to(dtype), targets[index].to(dtype)
+        mine = index[(index >= ctx.offset) & (index < ctx.offset + ctx.inputs.shape[0])] - ctx.offset
+        inputs, wanted = ctx.inputs[mine].to(dtype), targets[mine].to(dtype)
 
         def closure() -> Tensor:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.mse_loss(engine.first_tensor(ctx.block(inputs, **kwargs)), wanted) / scale
-            loss.backward()
-            return loss
+            loss = torch.zeros((), dtype=torch.float32, device=targets.device)
+            if mine.numel():
+                outputs = engine.first_tensor(ctx.block(inputs, **kwargs))
+                loss = F.mse_loss(outputs, wanted, reduction="sum") / (index.numel() * per_sample * scale)
+                loss.backward()
+            distributed.all_reduce_gradients_(trained)
+            return distributed.all_reduce_(loss.detach().reshape(1)).reshape(())
 
         loss = float(optimizer.step(closure).detach())
         if not math.isfinite(loss):

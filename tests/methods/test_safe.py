@@ -254,7 +254,7 @@ def test_relative_block_loss_is_the_error_over_the_targets_mean_square_and_scale
         block = nn.Linear(16, 16, bias=False)
         with torch.no_grad():
             block.weight.copy_(w0)
-        ctx = SimpleNamespace(block=block, inputs=x * scale, block_kwargs={})
+        ctx = SimpleNamespace(block=block, inputs=x * scale, block_kwargs={}, samples=None, offset=0)
         optimizer = SafeOptimizer([block.weight], NM(2, 4), lr=1e-2, rho=1e-3, lam=0.1, dual_interval=4)
         losses = train_block(ctx, y * scale, optimizer, steps=24, batch_size=3, seed=0, progress=False,
                              relative=relative)
