@@ -106,9 +106,15 @@ class Method(ABC):
         return (f"pyprune.prune(model, {self.name!r}, {spelled}, ...)"
                 + (f" with from pyprune.patterns import {imported}" if imported else ""))
 
+    def check_loaded(self, model: nn.Module, pattern: Pattern) -> None:
+        """The checks that need the model's weights in memory (e.g. a saved state's model
+        fingerprint), after :meth:`check`; nothing by default."""
+
     def check(self, model: nn.Module, pattern: Pattern) -> None:
         """Reject a pattern this method cannot produce, or one the model's layers cannot take,
-        before anything is modified. Changes nothing, on the model or on this object."""
+        before anything is modified. Changes nothing, on the model or on this object. Reads the
+        model's structure alone, so the CLI runs it on the model built from its config (weights on
+        ``meta``) before loading; what needs the weights goes in :meth:`check_loaded`."""
         self.check_pattern(pattern)
         check_plain_linears(model, f"method {self.name!r} prunes nn.Linear weights")
         if engine.block_store(model) is not None and self.offload_refusal is not None:
@@ -164,6 +170,7 @@ class Method(ABC):
         self.check_distributed()
         anatomy.check_materialised(model, f"pruning with {self.name}")
         self.check(model, pattern)
+        self.check_loaded(model, pattern)
         self.check_calibration(model, calib)
         nsamples, seqlen = calib.shape if calib is not None else (0, 0)
         memory.check_prune(model, self, nsamples, seqlen, batch_size, f"pruning with {self.name}",
@@ -223,6 +230,7 @@ class LayerSparsityMethod(Method):
         self.check_grad_mode()
         self.check_distributed()
         self.check(model, pattern)
+        self.check_loaded(model, pattern)
         self.check_calibration(model, calib)
         ratios = owl.block_outlier_ratios(model, calib, self.owl_m, batch_size=batch_size, progress=progress)
         self._block_sparsities = owl.allocate(ratios, pattern.sparsity, self.owl_lambda)

@@ -114,15 +114,18 @@ class Copal(LayerwiseMaskMethod):
 
     def check(self, model: nn.Module, pattern: Pattern) -> None:
         super().check(model, pattern)
-        pattern = self.resolve(pattern)
         if self._incomplete:
             raise RuntimeError("COPAL: an earlier step failed midway or resumed from a block checkpoint, so this "
                                "method object's accumulators are incomplete; start from a new one (and its saved "
                                "state, if any)")
+
+    def check_loaded(self, model: nn.Module, pattern: Pattern) -> None:
+        """A saved state's settings and model against this run's (the model by its fingerprint)."""
+        super().check_loaded(model, pattern)
         stored, fingerprint = self._stored_key()
         if stored is not None:
             storage.check_key(f"COPAL state {self.state or '(in memory)'}", {"settings": stored, "model": fingerprint},
-                              {"settings": self._settings_key(pattern), "model": model_fingerprint(model)})
+                              {"settings": self._settings_key(self.resolve(pattern)), "model": model_fingerprint(model)})
 
     def check_config(self, config, pattern: Pattern) -> None:
         """A saved state's settings are refused from its metadata, before the model is loaded."""
