@@ -67,13 +67,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command is None:  # no or an unknown subcommand, or --help: answered without importing torch
         build_parser(commands=()).parse_args(argv)
         return 2  # not reached: that parse prints the help or the usage error and exits
-    from . import environment, options
+    from . import environment, flags
     from ..runtime.distributed import RankFailed
     from .. import methods
-    method = options.method_named_in(argv)
+    method = flags.method_named_in(argv)
     if method is not None and methods.serving(command):  # before the parse, so --help names a bad --method too
         try:
-            options.check_method(command, method)
+            flags.check_method(command, method)
         except UsageError as error:
             print(f"pyprune {command}: error: {error}", file=sys.stderr)
             return 2
@@ -81,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args, extras = parser.parse_known_args(argv)
     try:
         if extras:
-            raise UsageError(options.unrecognised(args, extras))
+            raise UsageError(flags.unrecognised(args, extras))
         with environment.applied(args):
             return args.run(args)
     except (UsageError, ValueError, FileNotFoundError) as error:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .commands import SUMMARIES
 from ..inputs import data
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 
 COMMAND = "continual"
@@ -12,15 +12,15 @@ COMMAND = "continual"
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    options.add_model_flags(parser)
-    options.add_method_flag(parser, COMMAND)
-    options.add_pattern_flags(parser, structured=False)
+    flags.add_model_flags(parser)
+    flags.add_method_flag(parser, COMMAND)
+    flags.add_pattern_flags(parser, structured=False)
     parser.add_argument("--datasets", nargs="+", required=True,
                         help="the sequence of texts (as --calib of prune); without --eval the first half of each "
                              "calibrates and the second half evaluates")
-    options.add_eval_flags(parser, nargs="+", eval_help="one evaluation text per dataset")
-    options.add_calibration_flags(parser, COMMAND, method, None,
-                                  nsamples_help="calibration samples per dataset")
+    flags.add_eval_flags(parser, nargs="+", eval_help="one evaluation text per dataset")
+    flags.add_calibration_flags(parser, COMMAND, method, None,
+                                nsamples_help="calibration samples per dataset")
     parser.add_argument("--permutations", choices=["given", "all"], default="given",
                         help="run the given order, or every order of the datasets")
     parser.add_argument("--init", choices=["global", "sequential", "cumulative"], default="global",
@@ -30,7 +30,7 @@ def register(sub, method) -> None:
                              "continual state")
     parser.add_argument("--report", required=True, help="JSON report (rewritten after every order; an existing "
                         "report of the same settings is resumed)")
-    options.add_method_flags(parser, COMMAND, method)
+    flags.add_method_flags(parser, COMMAND, method)
     parser.set_defaults(run=run)
 
 
@@ -55,9 +55,9 @@ def _sources(args):
 
 def run(args) -> int:
     from ..studies import continual
-    pattern = options.pattern_from(args)
-    runner = options.build_method(args)
-    options.check_pattern(runner, pattern)
+    pattern = flags.pattern_from(args)
+    runner = flags.build_method(args)
+    flags.check_pattern(runner, pattern)
     if args.init == "cumulative" and (runner.keeps_state or not getattr(runner, "can_accumulate", False)):
         raise UsageError(f"--init cumulative needs a method whose statistics add up across datasets (wanda, "
                          f"sparsegpt); got --method {args.method!r}")
@@ -68,7 +68,7 @@ def run(args) -> int:
     if len(set(args.datasets)) != len(args.datasets) or len(args.datasets) < 2:
         raise UsageError(f"--datasets needs two or more distinct texts; got {args.datasets}")
     pairs = _sources(args)
-    options.apply_calibration_defaults(args, runner)
+    flags.apply_calibration_defaults(args, runner)
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_report(args.report, args.model)
     checks.check_method_directories(runner, args.model)
@@ -103,7 +103,7 @@ def run(args) -> int:
 
     report = continual.run(model, args.method, pattern, tasks, init=args.init, permutations=args.permutations,
                            eval_seqlen=args.eval_seqlen, batch_size=args.batch_size, progress=not args.quiet,
-                           done=done, on_order=record, method_options=options.method_option_values(args))
+                           done=done, on_order=record, method_options=flags.method_option_values(args))
     report["settings"] = settings
     report["run"] = steps.run_info(args)
     print(f"{args.method} {pattern} ({report['init']}): A-PPL {report['a_ppl']:.3f}, M-PPL {report['m_ppl']:.3f}, "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .commands import SUMMARIES
 from ..inputs import data
-from . import checks, options
+from . import checks, flags
 
 COMMAND = "demo"
 
@@ -12,7 +12,7 @@ def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--nsamples", type=int, default=16,
                         help="calibration windows of 256 tokens of Emma (default 16)")
-    options.add_eval_tokens_flag(parser, default=8192)
+    flags.add_eval_tokens_flag(parser, default=8192)
     parser.set_defaults(run=run)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .commands import SUMMARIES
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 
 COMMAND = "eval"
@@ -10,12 +10,12 @@ COMMAND = "eval"
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    options.add_model_flags(parser)
+    flags.add_model_flags(parser)
     parser.add_argument("--data", nargs="*", default=[], help="texts for perplexity (as prune's --calib)")
     parser.add_argument("--seqlen", type=int, default=512, help="perplexity window (default 512)")
-    options.add_eval_tokens_flag(parser, old="--max-tokens")
+    flags.add_eval_tokens_flag(parser, old="--max-tokens")
     parser.add_argument("--report", help="JSON report path")
-    options.add_zero_shot_flags(parser)
+    flags.add_zero_shot_flags(parser)
     parser.set_defaults(run=run)
 
 

@@ -4,7 +4,7 @@ made here from an N:M-pruned model with ``--sparsify``)."""
 from __future__ import annotations
 
 from .commands import SUMMARIES
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 
 COMMAND = "generate"
@@ -14,7 +14,7 @@ WHERE = ("faster", "all")
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    parser.add_argument("--model", required=True, help=options.MODEL_HELP + "; SparseLinear layers included")
+    parser.add_argument("--model", required=True, help=flags.MODEL_HELP + "; SparseLinear layers included")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy new tokens (default 64)")
     parser.add_argument("--sparsify", default="off", choices=SPARSIFY,
@@ -26,7 +26,7 @@ def register(sub, method) -> None:
                              "table's sparse row included: see pyprune tune), the others are (turned back "
                              "into) nn.Linear; all: every N:M layer sparse")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    options.add_dtype_flag(parser)
+    flags.add_dtype_flag(parser)
     parser.set_defaults(run=run)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 
 from .commands import SUMMARIES
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 from ..files import make_temp_dir
 from ..patterns import NM
@@ -14,14 +14,14 @@ COMMAND = "prune"
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    options.add_model_flags(parser)
-    options.add_method_flag(parser, COMMAND)
-    options.add_pattern_flags(parser)
-    options.add_calibration_flags(parser, COMMAND, method,
-                                  options.source_help("calibration text (every method but magnitude)"))
-    options.add_eval_flags(parser)
+    flags.add_model_flags(parser)
+    flags.add_method_flag(parser, COMMAND)
+    flags.add_pattern_flags(parser)
+    flags.add_calibration_flags(parser, COMMAND, method,
+                                flags.source_help("calibration text (every method but magnitude)"))
+    flags.add_eval_flags(parser)
     parser.add_argument("--output", help="directory for the pruned model (written atomically)")
-    options.add_overwrite_flag(parser)
+    flags.add_overwrite_flag(parser)
     parser.add_argument("--sparse-layers", action="store_true",
                         help="with --pattern N:M and --output: store the pruned linears as SparseLinear "
                              "(compressed N:M, 9/16 of the dense bytes for 16-bit 2:4/4:8)")
@@ -33,8 +33,8 @@ def register(sub, method) -> None:
     parser.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                         help="under torchrun: seconds a rank waits for a silent one before the job fails "
                              "(default 600)")
-    options.add_zero_shot_flags(parser)
-    options.add_method_flags(parser, COMMAND, method)
+    flags.add_zero_shot_flags(parser)
+    flags.add_method_flags(parser, COMMAND, method)
     parser.set_defaults(run=run)
 
 
@@ -52,10 +52,10 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    pattern = options.pattern_from(args)
-    runner = options.build_method(args)
-    options.apply_calibration_defaults(args, runner)
-    options.check_pattern(runner, pattern)
+    pattern = flags.pattern_from(args)
+    runner = flags.build_method(args)
+    flags.apply_calibration_defaults(args, runner)
+    flags.check_pattern(runner, pattern)
     if runner.needs_calibration and args.calib is None:
         raise UsageError(f"method {args.method!r} needs --calib (a calibration text)")
     checks.check_sources(([args.calib] if args.calib is not None else []) + list(args.eval or []))
@@ -99,7 +99,7 @@ def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     from ..runtime import distributed
     model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
-                           progress=not args.quiet and distributed.is_main(), **options.method_option_values(args))
+                           progress=not args.quiet and distributed.is_main(), **flags.method_option_values(args))
     if not distributed.is_main():  # every rank holds the same pruned model; rank 0 writes it
         return
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .commands import SUMMARIES
 from ..runtime.recovery import DEFAULTS as LORA
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 
 COMMAND = "recover"
@@ -11,7 +11,7 @@ COMMAND = "recover"
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    options.add_model_flags(parser, batch_size=LORA.batch_size, batch_help="training samples per step, also the evaluation "
+    flags.add_model_flags(parser, batch_size=LORA.batch_size, batch_help="training samples per step, also the evaluation "
                             "batch (DReSS: 64)")
     parser.add_argument("--calib", required=True, help="training text (same forms as prune's --calib)")
     parser.add_argument("--nsamples", type=int, default=64, help="training samples (default 64)")
@@ -27,9 +27,9 @@ def register(sub, method) -> None:
     parser.add_argument("--target-modules", nargs="+", default=None, help="linears of the decoder blocks to adapt "
                         "(default all: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; PEFT's llama "
                         "default: q_proj v_proj)")
-    options.add_eval_flags(parser, eval_help="evaluation texts, measured before and after")
+    flags.add_eval_flags(parser, eval_help="evaluation texts, measured before and after")
     parser.add_argument("--output", required=True, help="directory for the recovered model (written atomically)")
-    options.add_overwrite_flag(parser)
+    flags.add_overwrite_flag(parser)
     parser.add_argument("--report", help="JSON report path")
     parser.set_defaults(run=run)
 

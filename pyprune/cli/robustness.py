@@ -5,19 +5,19 @@ import torch
 
 from .commands import SUMMARIES
 from ..studies import robustness
-from . import checks, options, steps
+from . import checks, flags, steps
 
 COMMAND = "robustness"
 
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    options.add_model_flags(parser, dtype=False, model_help="as for prune; loaded in fp32, then cast to each format")
-    options.add_method_flag(parser, COMMAND)
-    options.add_ratio_flags(parser, required=True)
-    options.add_calibration_flags(parser, COMMAND, method, "calibration text (as for prune)", calib_required=True)
-    options.add_eval_flags(parser, nargs=None, required=True, seqlen=128,
-                           eval_help="evaluation text (as for prune); perplexity windows of 128 as the paper")
+    flags.add_model_flags(parser, dtype=False, model_help="as for prune; loaded in fp32, then cast to each format")
+    flags.add_method_flag(parser, COMMAND)
+    flags.add_ratio_flags(parser, required=True)
+    flags.add_calibration_flags(parser, COMMAND, method, "calibration text (as for prune)", calib_required=True)
+    flags.add_eval_flags(parser, nargs=None, required=True, seqlen=128,
+                         eval_help="evaluation text (as for prune); perplexity windows of 128 as the paper")
     parser.add_argument("--arithmetic", choices=robustness.ARITHMETIC, default="rounding",
                         help="rounding (default): weights rounded to each format, held in fp32, fp32 arithmetic "
                              "(the papers vary the weights' bit format); fp32-accumulate: 16-bit weights and "
@@ -27,14 +27,14 @@ def register(sub, method) -> None:
                         help="the one format both pruned models are evaluated in (default float32); the 2 x 2 of "
                              "pruned in x evaluated in bf16/fp16 is in the report too")
     parser.add_argument("--report", required=True, help="JSON report path (written atomically)")
-    options.add_method_flags(parser, COMMAND, method)
+    flags.add_method_flags(parser, COMMAND, method)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    runner = options.build_method(args)
-    pattern = options.structured_from(args)
-    options.apply_calibration_defaults(args, runner)
+    runner = flags.build_method(args)
+    pattern = flags.structured_from(args)
+    flags.apply_calibration_defaults(args, runner)
     checks.check_counts(args, ("nsamples", "seqlen", "batch_size", "eval_seqlen"), optional=("eval_tokens",))
     checks.check_sources((args.calib, args.eval))
     checks.check_report(args.report, args.model)
@@ -51,7 +51,7 @@ def run(args) -> int:
     model, _ = steps.load(args, dtype=torch.float32, dense=True)
     report = robustness.study(model, args.method, args.ratio, calib, tokens, eval_seqlen=args.eval_seqlen,
                               arithmetic=args.arithmetic, eval_format=args.eval_format, uniform=args.uniform, batch_size=args.batch_size,
-                              progress=not args.quiet, **options.method_option_values(args))
+                              progress=not args.quiet, **flags.method_option_values(args))
     report.update({"model": args.model, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
                    "seed": args.seed, "eval": args.eval, "eval_tokens": tokens.numel() // args.eval_seqlen
                    * args.eval_seqlen, "eval_seqlen": args.eval_seqlen, **steps.run_info(args)})

@@ -10,7 +10,7 @@ import torch
 from ..inputs import data
 from ..io.manifest import write_report
 from .checks import UsageError, first_line
-from .options import DTYPES
+from .flags import DTYPES
 
 
 def tokenizer(model: str):

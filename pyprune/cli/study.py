@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .commands import SUMMARIES
-from . import environment, options
+from . import environment, flags
 
 COMMAND = "study"
 
@@ -21,7 +21,7 @@ def register(sub, method) -> None:
         where = f"benchmarks/results/{cls.results}.json" if cls.results else "required"
         study.add_argument("--output", help=f"JSON results file, the markdown beside it (default {where}); a rerun "
                                             "with the same settings resumes it")
-        options.add_option_flags(study.add_argument_group(f"options of study {name}"), cls.options, "setting_")
+        flags.add_option_flags(study.add_argument_group(f"options of study {name}"), cls.options, "setting_")
         environment.add_flags(study)
     parser.set_defaults(run=run)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from .commands import SUMMARIES
-from . import checks, options, steps
+from . import checks, flags, steps
 from .checks import UsageError
 
 COMMAND = "tune"
@@ -21,7 +21,7 @@ def register(sub, method) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help="token counts per forward to measure (default: every token bucket, "
                              "1 2 4 ... 256; batch size for decode, prompt length for prefill)")
-    options.add_dtype_flag(parser, "the model when it runs")  # the answers are kept per dtype and --threads
+    flags.add_dtype_flag(parser, "the model when it runs")  # the answers are kept per dtype and --threads
     parser.add_argument("--force", action="store_true", help="measure again the cases the cache already has")
     parser.set_defaults(run=run, device="cpu")
 
@@ -54,7 +54,7 @@ def run(args) -> int:
     if not groups:
         raise UsageError(f"--model {args.model} has no N:M sparse linear layers (prune it with --pattern 2:4 "
                          "or 4:8 first)")
-    device, dtype = torch.device("cpu"), options.DTYPES[args.dtype]
+    device, dtype = torch.device("cpu"), flags.DTYPES[args.dtype]
     env = dispatch.environment(device)
     print(f"machine {dispatch.device_key(device)}")
     print(f"environment: flags {' '.join(env['machine']['flags']) or 'none'}; last-level cache "
