@@ -77,7 +77,7 @@ def recorded_wanda_norms():
     prune_layer = Wanda.prune_layer
 
     def recording(self, linear, stats, pattern):
-        norms[linear] = stats.clone()
+        norms[linear] = stats.float()  # the fp32 norms the score takes (stats: float64 sums)
         prune_layer(self, linear, stats, pattern)
 
     Wanda.prune_layer = recording

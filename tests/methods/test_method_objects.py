@@ -70,9 +70,10 @@ def test_check_has_no_side_effects(tmp_path):
     copal, model = Copal(state=str(tmp_path)), tiny_llama(seed=0)
     before = _state(model)
     copal.check(model, Unstructured(0.5))
+    copal.check_loaded(model, Unstructured(0.5))
     assert copal.accumulators == {} and copal.dense == {} and copal.steps == []
     with pytest.raises(ValueError, match="other settings"):
-        copal.check(model, Unstructured(0.25))
+        copal.check_loaded(model, Unstructured(0.25))
     dress = DReSS(checkpoint=str(tmp_path / "dress"))
     attributes = dict(vars(dress))
     dress.check(model, Structured(0.25))
