@@ -19,6 +19,7 @@ What the methods take from it:
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -239,6 +240,9 @@ def run_blockwise(model: nn.Module, tokens: Tensor, process_block: Callable[[Blo
     store = block_store(model)
     prefix = block_prefix(model)
     finished, details = checkpoint.finished() if checkpoint is not None else (0, [])
+    if finished and progress and distributed.is_main():  # a resume says so, once, before the bar
+        print(f"pyprune: resuming from checkpoint {checkpoint.states.directory}: {finished} of {len(blocks)} "
+              "blocks already done, restored from it", file=sys.stderr)
     was_training = model.training
     model.eval()
     try:

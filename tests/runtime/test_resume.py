@@ -107,6 +107,16 @@ def test_a_killed_prune_resumes_to_the_same_model(killed_checkpoints, method, op
     assert perplexity(resumed, tokens, 16, progress=False) == perplexity(straight, tokens, 16, progress=False)
 
 
+def test_a_resume_says_so_once(tmp_path, capsys):
+    """A rerun that restores finished blocks prints one line naming the checkpoint and how many."""
+    checkpoint = str(tmp_path / "ckpt")
+    _prune("wanda", {}, checkpoint=checkpoint)
+    assert "resuming" not in capsys.readouterr().err
+    pyprune.prune(tiny_llama(seed=0, layers=3), "wanda", "2:4", random_tokens((4, 16), seed=1), checkpoint=checkpoint)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "resuming" in line]
+    assert lines == [f"pyprune: resuming from checkpoint {checkpoint}: 3 of 3 blocks already done, restored from it"]
+
+
 def test_a_checkpoint_of_another_method_or_calibration_is_refused(tmp_path):
     checkpoint = str(tmp_path / "ckpt")
     _prune("wanda", {}, checkpoint=checkpoint)
