@@ -38,6 +38,20 @@ def layer_pattern(spec: str):
     return Unstructured(pattern.sparsity, "tensor") if isinstance(pattern, Unstructured) else pattern
 
 
+def check_block_layers(study, model) -> None:
+    """``study.block`` is a decoder block of ``model`` and ``study.layers`` are linears of it (the
+    options of the studies that measure one block's layers)."""
+    blocks = engine.decoder_blocks(model)
+    if study.block >= len(blocks):
+        raise ValueError(f"option block of study {study.name!r} must be below the model's {len(blocks)} decoder "
+                         f"blocks; got {study.block}")
+    known = engine.block_linears(blocks[study.block])
+    unknown = [name for name in study.layers if name not in known]
+    if unknown:
+        raise ValueError(f"option layers of study {study.name!r}: {', '.join(unknown)} is not a linear of block "
+                         f"{study.block}; allowed: {', '.join(known)}")
+
+
 def hessians(model, calib, block, names):
     """SparseGPT's H of each named linear of decoder block ``block``, on the dense model."""
     linears = engine.block_linears(engine.decoder_blocks(model)[block])
@@ -96,15 +110,7 @@ class AlpsLayers(Study):
 
     def prepare(self, path):
         model, tokenizer = load_model(self.model)
-        blocks = engine.decoder_blocks(model)
-        if self.block >= len(blocks):
-            raise ValueError(f"option block of study {self.name!r} must be below the model's {len(blocks)} decoder "
-                             f"blocks; got {self.block}")
-        known = engine.block_linears(blocks[self.block])
-        unknown = [name for name in self.layers if name not in known]
-        if unknown:
-            raise ValueError(f"option layers of study {self.name!r}: {', '.join(unknown)} is not a linear of block "
-                             f"{self.block}; allowed: {', '.join(known)}")
+        check_block_layers(self, model)
         calib = data.calibration_samples(tokenizer, "emma", nsamples=NSAMPLES, seqlen=SEQLEN, seed=0)
         linears, stats = hessians(model, calib, self.block, self.layers)
         return {"linears": linears, "stats": stats}

@@ -30,6 +30,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import NM, Unstructured
 from ..runtime import engine
 from ..runtime.layer_solver import normalise, reconstruction_error
+from .alps_layers import check_block_layers
 from .authors_code import check_checkout, record
 from .study import Arm, Study
 
@@ -130,15 +131,7 @@ class CrosscheckAlps(Study):
     def prepare(self, path):
         authors = authors_module(self.alps_repo)
         model, tokenizer = load_model(self.model)
-        blocks = engine.decoder_blocks(model)
-        if self.block >= len(blocks):
-            raise ValueError(f"option block of study {self.name!r} must be below the model's {len(blocks)} decoder "
-                             f"blocks; got {self.block}")
-        known = engine.block_linears(blocks[self.block])
-        unknown = [name for name in self.layers if name not in known]
-        if unknown:
-            raise ValueError(f"option layers of study {self.name!r}: {', '.join(unknown)} is not a linear of block "
-                             f"{self.block}; allowed: {', '.join(known)}")
+        check_block_layers(self, model)
         calib = data.calibration_samples(tokenizer, "emma", nsamples=NSAMPLES, seqlen=SEQLEN, seed=0)
         linears, inputs = layer_inputs(model, calib, self.block, self.layers)
         stats = {}
