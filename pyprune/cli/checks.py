@@ -20,15 +20,20 @@ def first_line(error: BaseException) -> str:
 
 
 def input_dirs(model: Optional[str]) -> list:
-    """The directories holding the input ``--model`` (a directory, or an alias's cache entry),
-    which no output may overwrite or contain; found without loading or building anything."""
+    """The directories holding the input ``--model`` (a directory, an alias's cache entry, or a hub
+    id's repository in the Hugging Face cache), which no output may overwrite or contain; found
+    without loading, building or downloading anything."""
     if model is None:
         return []
     from ..files import cache_root
+    from ..inputs import hub
     from ..inputs.models import MODEL_ALIASES
     if os.fspath(model).lower() in MODEL_ALIASES:
         return [os.path.join(cache_root(), "models", os.fspath(model).lower())]
-    return [model] if os.path.isdir(model) else []
+    if os.path.isdir(model):
+        return [model]
+    hub_id = hub.parse(os.fspath(model))
+    return [hub.cache_folder(hub_id)] if hub_id is not None else []
 
 
 def check_destination(path: Optional[str], flag: str, *, directory: bool, model: Optional[str] = None) -> None:
@@ -105,7 +110,7 @@ def check_model(model: str):
     of its safetensors files checked: a broken file is named in one line."""
     from .. import io
     from ..inputs.models import resolve_model_dir
-    directory = resolve_model_dir(model)
+    directory = resolve_model_dir(model, weights=False)  # a hub id's weights come after the checks
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise UsageError(f"--model {model}: {directory} has no config.json, so it is not a Hugging Face model "
@@ -148,9 +153,8 @@ def check_offload(args, runner) -> None:
     if torch.device(args.device).type != "cpu":
         raise UsageError(f"--offload works on the CPU; got --device {args.device}")
     from ..io import read_manifest
-    from ..inputs.models import MODEL_ALIASES
-    if args.model.lower() not in MODEL_ALIASES and os.path.isdir(args.model) and \
-            read_manifest(args.model).get("sparse_layers"):
+    from ..inputs.models import resolve_model_dir
+    if read_manifest(resolve_model_dir(args.model, weights=False)).get("sparse_layers"):
         raise UsageError(f"--offload cannot read --model {args.model}: it stores SparseLinear layers (a --sparse-layers "
                          "output) and offload reads dense weights; prune it without --offload")
 
@@ -163,7 +167,7 @@ def check_memory(args, runner, offload: bool) -> None:
     from ..io.offload import skeleton
     if torch.device(args.device).type != "cpu":
         return
-    model = skeleton(resolve_model_dir(args.model), DTYPES[args.dtype])
+    model = skeleton(resolve_model_dir(args.model, weights=False), DTYPES[args.dtype])
     nsamples, seqlen = (args.nsamples, args.seqlen) if runner.needs_calibration else (0, 0)
     try:
         memory.check_prune(model, runner, nsamples, seqlen, args.batch_size,
@@ -191,6 +195,6 @@ def check_method_config(runner, args, config, pattern) -> None:
     from ..io.offload import skeleton
     try:
         runner.check_config(config, pattern)
-        runner.check(skeleton(resolve_model_dir(args.model), torch.float32), pattern)  # meta: the dtype is moot
+        runner.check(skeleton(resolve_model_dir(args.model, weights=False), torch.float32), pattern)  # meta: the dtype is moot
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -31,8 +31,9 @@ def method_named_in(argv: Sequence[str]) -> Optional[str]:
 
 
 #: What --model accepts, with every model alias pyprune fetches on first use.
-MODEL_HELP = ("a Hugging Face model directory, a pyprune output directory, or a model alias fetched on first "
-              f"use ({', '.join(sorted(MODEL_ALIASES))})")
+MODEL_HELP = ("a Hugging Face model directory, a pyprune output directory, a model alias fetched on first "
+              f"use ({', '.join(sorted(MODEL_ALIASES))}), or a Hugging Face hub id org/name[@REVISION] read from "
+              "the Hugging Face cache or downloaded into it (an existing directory of that name wins)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, dtype: bool = True, batch_size: int = 8,

@@ -54,7 +54,7 @@ def run(args) -> int:
                                  "--eval-seqlen")
 
     model, tok = steps.load(args, dense=True)
-    report = {"model": args.model, "calib": args.calib, **steps.run_info(args)}
+    report = {"model": args.model, **steps.pruned_by(args.model), "calib": args.calib, **steps.run_info(args)}
     report["eval_before"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
     report["recovery"] = done = recovery.lora_finetune(
         model, calib, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch_size=args.batch_size,

@@ -17,7 +17,7 @@ def tokenizer(model: str):
     from ..inputs.models import resolve_model_dir
     from ..io import read_tokenizer
     try:
-        return read_tokenizer(resolve_model_dir(model))
+        return read_tokenizer(resolve_model_dir(model, weights=False))
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: could not load its tokenizer ({first_line(error)})") from None
 
@@ -121,7 +121,7 @@ def pruned_by(model: str) -> dict:
     pyprune did not prune."""
     from ..inputs.models import resolve_model_dir
     from ..io import read_manifest
-    report = read_manifest(resolve_model_dir(model)).get("report") or {}
+    report = read_manifest(resolve_model_dir(model, weights=False)).get("report") or {}
     return {key: report[key] for key in ("method", "pattern", "sparsity") if key in report}
 
 

