@@ -244,3 +244,36 @@ def tiny_bos_tokenizer():
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", 1)])
     return tokenizer
+
+
+def hub_snapshot(cache, repo_id, commit, model, tokenizer=None, refs=(), card=None):
+    """Lay ``model`` (and ``tokenizer``, and a ``README.md`` of text ``card``) out in the Hugging Face
+    cache ``cache`` as the hub's download would: ``models--org--name/snapshots/<commit>/…``, with
+    ``refs/<ref>`` holding ``commit`` for every name in ``refs`` (a branch or tag). Returns the snapshot."""
+    from pathlib import Path
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    model.save_pretrained(snapshot)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snapshot)
+    if card is not None:
+        (snapshot / "README.md").write_text(card)
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def offline_hub(monkeypatch, cache):
+    """Point huggingface_hub at the cache ``cache`` with HF_HUB_OFFLINE=1, and make any socket
+    connection of this process fail, so a test that reaches for the network fails instead."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a test tried to open a network connection")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    return cache
