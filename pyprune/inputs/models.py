@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json, write_text
+from ..files import cache_root, ensure_cache_dir, make_temp_dir, standard_modes, write_json
 from . import hub
 
 __all__ = ["MODEL_ALIASES", "load_model", "resolve_model_dir", "default_cache_dir"]

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..files import write_json
+from . import model_card
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
@@ -94,7 +95,6 @@ def write_report(report: Optional[Dict], *, model_dir: Optional[str] = None,
     """Write ``report`` where asked, each file atomically: into the ``pyprune.json`` of the saved
     directory ``model_dir`` (replacing the report it records) and its model card
     (:mod:`pyprune.io.model_card`), then as JSON to ``report_file`` (e.g. the CLI's ``--report``)."""
-    from . import model_card
     if model_dir is not None:
         manifest = read_manifest(model_dir)
         if not manifest:

@@ -9,78 +9,19 @@ body: what was done, what it measured, how to load it. :func:`pyprune.save` writ
 the directory, atomically; :func:`pyprune.io.write_report` rewrites it when a report arrives after the
 save (the CLI evaluates after saving).
 
-:func:`base_of` finds what a model derives from, where it was loaded (``config.name_or_path``): a hub
-snapshot (``models--org--name/snapshots/<commit>``) is that repository at that commit; a directory
-pyprune wrote names its own base (its manifest, or the card of an alias's cache entry); the license
-comes from the source's card (``license``, and ``license_name`` / ``license_link`` for ``other``) or its
-``config.json``. A local directory of unknown origin gives no ``base_model`` (the hub wants an id).
+The base model and its license are what :func:`pyprune.io.provenance.base_of` recorded in the manifest.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 from typing import Any, Dict, List, Optional
 
 from ..files import write_text
 
-__all__ = ["CARD", "base_of", "render", "write", "write_source_card"]
+__all__ = ["CARD", "render", "write", "write_source_card"]
 
 #: the card's file name in a model directory
 CARD = "README.md"
-_LICENSE_KEYS = ("license", "license_name", "license_link")
-_SNAPSHOT = re.compile(r"models--(?P<repo>.+)/snapshots/(?P<commit>[0-9a-f]{40})$")
-
-
-def _front_matter(directory: str) -> Dict[str, Any]:
-    """The YAML front matter of ``directory``'s card ({} without one, or when it does not parse)."""
-    import yaml
-    from huggingface_hub.repocard import metadata_load
-    path = os.path.join(directory, CARD)
-    try:
-        found = metadata_load(path) if os.path.isfile(path) else None
-    except (ValueError, OSError, yaml.YAMLError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-def _snapshot(directory: str) -> Optional[Dict[str, str]]:
-    match = _SNAPSHOT.search(os.path.abspath(directory).replace(os.sep, "/"))
-    if match is None:
-        return None
-    return {"id": match["repo"].replace("--", "/"), "revision": match["commit"]}
-
-
-def base_of(model) -> Dict[str, Any]:
-    """``{"id", "revision", "license", "license_name", "license_link"}`` (the keys known) of the model
-    ``model`` derives from, read where it was loaded; {} when nothing is known."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-    from .manifest import read_manifest
-    source = getattr(getattr(model, "config", None), "name_or_path", "") or ""
-    if not os.path.isdir(source):
-        try:
-            validate_repo_id(source)  # from_pretrained("org/name") of transformers itself
-        except HFValidationError:
-            return {}
-        return {"id": source} if "/" in source else {}
-    card = _front_matter(source)
-    try:
-        recorded = read_manifest(source).get("base_model") or {}
-    except ValueError:
-        recorded = {}
-    base = _snapshot(source) or {k: recorded[k] for k in ("id", "revision") if recorded.get(k)}
-    if not base and card.get("library_name") == "pyprune" and isinstance(card.get("base_model"), str):
-        base = {"id": card["base_model"]}  # an alias's cache entry
-    licensed = recorded if recorded.get("license") else card
-    if not licensed.get("license"):
-        try:
-            with open(os.path.join(source, "config.json"), encoding="utf-8") as handle:
-                licensed = {"license": json.load(handle).get("license")}
-        except (OSError, ValueError, AttributeError):
-            licensed = {}
-    base.update({key: licensed[key] for key in _LICENSE_KEYS if isinstance(licensed.get(key), str)})
-    return base
 
 
 def _pattern_tag(pattern: str) -> str:
@@ -119,7 +60,7 @@ def _what_was_done(report: Dict[str, Any], base: Dict[str, Any]) -> List[str]:
         run = report.get("recovery") or report  # recovery records its own samples
         sizes = (f"{run['nsamples']} × {run['seqlen']} tokens of " if run.get("nsamples") else "")
         seed = f", seed {run['seed']}" if run.get("seed") is not None else ""
-        lines.append(f"Calibration: {sizes}`{report['calib']}`{seed}.")
+        lines.append(f"{'Training' if 'recovery' in report else 'Calibration'}: {sizes}`{report['calib']}`{seed}.")
     elif "calib" in report and report.get("method"):
         lines.append("Calibration: none (the method reads the weights alone).")
     elif report.get("method"):
@@ -128,7 +69,8 @@ def _what_was_done(report: Dict[str, Any], base: Dict[str, Any]) -> List[str]:
     if report.get("sparsity") is not None:
         kind = "parameters removed" if str(report.get("pattern", "")).startswith("structured") \
             else "zeros in the pruned linear layers"
-        lines.append(f"Measured sparsity: {report['sparsity']:.4f} ({kind}).")
+        when = " when it was pruned (the recovery keeps every zero)" if "recovery" in report else ""
+        lines.append(f"Measured sparsity{when}: {report['sparsity']:.4f} ({kind}).")
     left = (report.get("left_dense") or {}).get("tensors")
     if left:
         lines.append(f"Left dense: {len(left)} block matrices (e.g. `{left[0]}`), outside that sparsity.")
@@ -194,6 +136,7 @@ def render(manifest: Dict[str, Any], name: str) -> str:
                          pipeline_tag="text-generation", tags=tags, model_name=name if results else None,
                          eval_results=results or None, **extra)
     title = f"{name}: {report['method']} {report.get('pattern')}" if report.get("method") else name
+    title += " + LoRA recovery" if "recovery" in report else ""
     body = [f"# {title}", "", "## What was done", "", *[f"- {line}" for line in _what_was_done(report, base)], "",
             "## Evaluation", "",
             *_evaluation(report), "", "## How to load it", "", *_how_to_load(manifest, name), ""]

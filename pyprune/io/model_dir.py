@@ -11,7 +11,7 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
   pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``)
   and the MoE experts modules held as such layers (``sparse_experts``: :class:`~pyprune.nn.sparse.SparseExperts`),
   and the pruning report if given, and the model it derives from (``base_model``: hub id, revision,
-  license; :func:`pyprune.io.model_card.base_of`), and
+  license; :func:`pyprune.io.provenance.base_of`), and
 * ``README.md``, the model card (:mod:`pyprune.io.model_card`), written from ``pyprune.json``, and
 * for a model whose blocks hold residual rotations (SliceGPT, :mod:`pyprune.nn.rotation`), their
   size (``residual_rotations``); its ``config.json`` states the dense hidden size, so plain
@@ -43,7 +43,7 @@ from torch import nn
 
 from ..files import check_destination, make_temp_dir, standard_modes, write_json
 from ..nn import anatomy, rotation, sparse
-from . import model_card, offload
+from . import model_card, offload, provenance
 from .names import model_names
 from .manifest import (_FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer,
                        shape_as_saved_)
@@ -171,7 +171,7 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "sparse_layers": sparse_layers,
             "sparse_experts": sparse_experts,
             "residual_rotations": rotations,
-            "base_model": model_card.base_of(model),
+            "base_model": provenance.base_of(model),
         }
         recorded = dict(manifest, report=_json_safe(report))
         model_card.write(tmp, recorded, os.path.basename(os.path.abspath(directory)))

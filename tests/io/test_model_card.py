@@ -5,13 +5,12 @@ it: plain ``from_pretrained`` where it can, ``pyprune.load`` and why where it ca
 import json
 
 import pytest
-import torch
 from huggingface_hub import ModelCard
 
 import pyprune
 from pyprune import cli
 from pyprune.inputs.models import load_model, resolve_model_dir
-from pyprune.io import model_card, write_report
+from pyprune.io import model_card, provenance, write_report
 from pyprune.nn import sparsify_
 from pyprune.patterns import Structured
 from tests.helpers import WORDS, hub_snapshot, offline_hub, random_tokens, tiny_decoder, tiny_llama, tiny_tokenizer
@@ -137,4 +136,4 @@ def test_an_alias_entry_gets_a_card_naming_its_original_and_license(tmp_path, ti
     assert (data.base_model, data.license) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
     model = tiny_llama(hidden=64, heads=4, kv_heads=2)
     model.config.name_or_path = str(entry)  # as load_model records where it read the model
-    assert model_card.base_of(model) == {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
+    assert provenance.base_of(model) == {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
