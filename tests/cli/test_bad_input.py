@@ -17,7 +17,7 @@ from pyprune import cli
 from pyprune.io import storage
 from pyprune.cli import steps
 from pyprune.files import TEMP_TAG, write_json
-from tests.helpers import WORDS, tiny_decoder, tiny_llama, tiny_tokenizer
+from tests.helpers import WORDS, hub_snapshot, tiny_decoder, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,8 @@ def files(tmp_path_factory):
     tiny_tokenizer().save_pretrained(gemma)
     (base / "continual.json").write_text("{ not json")
     (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
+    hub_snapshot(base / "hf-cache", "org/tiny", "1" * 40, tiny_llama(hidden=64, heads=4, kv_heads=2), tiny_tokenizer(),
+                 refs=["main"])
     return base
 
 
@@ -82,6 +84,7 @@ def _copy_model(source: Path, target: Path) -> Path:
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 NO_DEVICE = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
 WANDA = ["--method", "wanda", "--pattern", "2:4"]
+HUB = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "{hf-cache}"}  # the cache the files fixture lays out
 
 #: (case id, argv with {placeholders} under the fixture's directory, the error's regex, environment)
 CASES = [
@@ -235,6 +238,12 @@ CASES = [
     ("generate-threads-0", ["generate", "--model", "{tiny}", "--prompt", "hello", "--threads", "0"],
      r"--threads must be >= 1; got 0", {}),
     ("compare-threads-negative", ["compare", "{report.json}", "--threads", "-2"], r"--threads must be >= 1; got -2", {}),
+    # A hub id the Hugging Face cache cannot serve offline (HF_HUB_OFFLINE=1: no connection is opened).
+    ("prune-hub-id-not-cached", ["prune", "--model", "org/missing", *WANDA, "--calib", "{text.txt}", "--output", "{new}"],
+     r"error: hub model org/missing is not in the Hugging Face cache .*hf-cache and HF_HUB_OFFLINE=1 forbids", HUB),
+    ("eval-hub-revision-not-cached", ["eval", "--model", "org/tiny@v9", "--data", "{text.txt}"],
+     r"error: hub model org/tiny@v9: revision 'v9' is not in the Hugging Face cache .*\(cached: main, 111111111111\)",
+     HUB),
     # A study's settings are its declared options: checked, with the allowed values, before anything loads.
     ("study-ratio-out-of-range", ["study", "robustness", "--model", "{tiny}", "--ratios", "0.2", "2"],
      r"option ratios of study 'robustness' must be in \(0, 1\]; got 2.0$", {}),
@@ -269,7 +278,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(files, case, capsys,
                                                            tmp_path):
     _, argv, message, env = case
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        monkeypatch.setenv(name, re.sub(r"\{([^}]+)\}", lambda m: str(files / m.group(1)), value))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     argv = [re.sub(r"\{([^}]+)\}", lambda m: str(files / m.group(1)), arg) for arg in argv]
     if argv[0] == "prune" and not {"--output", "--report", "--eval", "--tasks"} & set(argv):
