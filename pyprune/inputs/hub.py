@@ -100,8 +100,9 @@ def _missing_locally(hub_id: HubId, reason: str) -> HubError:
         return HubError(f"hub model {hub_id}: revision {hub_id.revision!r} is not in the Hugging Face cache {cache} "
                         f"(cached: {_cached_revisions(hub_id)}) and {reason}; give a cached revision, or fetch it "
                         f"with network access")
-    return HubError(f"hub model {hub_id} is not in the Hugging Face cache {cache} and {reason}; download it with "
-                    f"network access (unset HF_HUB_OFFLINE), or point HF_HUB_CACHE at a cache that holds it")
+    how = "unset HF_HUB_OFFLINE to download it" if offline() else "download it with network access"
+    return HubError(f"hub model {hub_id} is not in the Hugging Face cache {cache} and {reason}; {how}, or point "
+                    f"HF_HUB_CACHE at a cache that holds it")
 
 
 def _explain(hub_id: HubId, error: Exception) -> HubError:
@@ -134,16 +135,13 @@ def resolve(hub_id: HubId, *, weights: bool = True) -> str:
     its config, tokenizer and card, and with ``weights`` its safetensors weights. :class:`HubError`
     (one line) when it cannot be had or holds no config or, with ``weights``, no safetensors."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
     from .. import __version__
     key = (hub_cache(), hub_id.repo_id, hub_id.revision)
     try:
         directory = snapshot_download(hub_id.repo_id, revision=_COMMITS.get(key, hub_id.revision), cache_dir=key[0],
                                       local_files_only=offline(), allow_patterns=METADATA + (WEIGHTS if weights else []),
                                       library_name="pyprune", library_version=__version__)
-    except (HfHubHTTPError, FileNotFoundError) as error:
-        raise _explain(hub_id, error) from None
-    except OSError as error:  # a connection error huggingface_hub does not wrap
+    except OSError as error:  # huggingface_hub's errors: HfHubHTTPError, LocalEntryNotFoundError (no network)
         raise _explain(hub_id, error) from None
     _COMMITS[key] = os.path.basename(directory)
     if not os.path.isfile(os.path.join(directory, "config.json")):

@@ -52,6 +52,8 @@ def _what_was_done(report: Dict[str, Any], base: Dict[str, Any]) -> List[str]:
             lines.append(f"That model was pruned with {report['method']} to {report.get('pattern')}.")
     elif report.get("method"):
         options = ", ".join(f"{k}={v}" for k, v in sorted((report.get("options") or {}).items()) if v is not None)
+        if report.get("model") and report["model"] != base.get("id"):  # an alias (a dequantised GGUF), a revision
+            origin += f", loaded as `{report['model']}`,"
         lines.append(f"{origin} pruned by pyprune with **{report['method']}** to **{report.get('pattern')}**"
                      + (f" (options: {options})" if options else "") + ".")
     else:

@@ -119,6 +119,24 @@ def test_a_hub_model_is_checked_for_memory_before_it_loads_and_offloads_like_a_d
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), in_memory.state_dict().values()))
 
 
+def test_the_command_line_checks_memory_before_it_asks_for_the_weights(cache, tmp_path, monkeypatch, capsys):
+    """A prune that does not fit is refused having fetched the config, tokenizer and card alone."""
+    import huggingface_hub
+    from pyprune import cli
+    asked, download = [], huggingface_hub.snapshot_download
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["allow_patterns"])
+        return download(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    monkeypatch.setattr(memory, "available_bytes", lambda: memory.RUNTIME // 2)
+    assert cli.main(["prune", "--model", "org/tiny", "--method", "magnitude", "--pattern", "2:4",
+                     "--output", str(tmp_path / "out")]) == 2
+    assert "needs about" in capsys.readouterr().err
+    assert asked and all(hub.WEIGHTS[0] not in patterns and "config.json" in patterns for patterns in asked)
+
+
 def test_an_output_may_not_go_inside_the_hub_model_it_reads(cache):
     from pyprune.cli import checks
     assert checks.input_dirs("org/tiny@v1") == [str(cache / "models--org--tiny")]
