@@ -195,6 +195,7 @@ def check_method_config(runner, args, config, pattern) -> None:
     from ..io.offload import skeleton
     try:
         runner.check_config(config, pattern)
-        runner.check(skeleton(resolve_model_dir(args.model, weights=False), torch.float32), pattern)  # meta: the dtype is moot
+        model = skeleton(resolve_model_dir(args.model, weights=False), torch.float32)  # meta: the dtype is moot
+        runner.check(model, pattern)
     except ValueError as error:
         raise UsageError(str(error)) from None

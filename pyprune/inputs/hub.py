@@ -139,8 +139,8 @@ def resolve(hub_id: HubId, *, weights: bool = True) -> str:
     key = (hub_cache(), hub_id.repo_id, hub_id.revision)
     try:
         directory = snapshot_download(hub_id.repo_id, revision=_COMMITS.get(key, hub_id.revision), cache_dir=key[0],
-                                      local_files_only=offline(), allow_patterns=METADATA + (WEIGHTS if weights else []),
-                                      library_name="pyprune", library_version=__version__)
+                                      local_files_only=offline(), library_name="pyprune", library_version=__version__,
+                                      allow_patterns=METADATA + (WEIGHTS if weights else []))
     except OSError as error:  # huggingface_hub's errors: HfHubHTTPError, LocalEntryNotFoundError (no network)
         raise _explain(hub_id, error) from None
     _COMMITS[key] = os.path.basename(directory)
