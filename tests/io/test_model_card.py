@@ -138,3 +138,12 @@ def test_an_alias_entry_gets_a_card_naming_its_original_and_license(tmp_path, ti
     model = tiny_llama(hidden=64, heads=4, kv_heads=2)
     model.config.name_or_path = str(entry)  # as load_model records where it read the model
     assert provenance.base_of(model) == {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
+
+
+def test_the_license_comes_from_the_config_when_the_card_states_none(tmp_path):
+    snapshot = hub_snapshot(tmp_path, "org/plain", COMMIT, tiny_llama(), card="# no front matter\n")
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps(dict(config, license="mit")))
+    model = tiny_llama()
+    model.config.name_or_path = str(snapshot)
+    assert provenance.base_of(model) == {"id": "org/plain", "revision": COMMIT, "license": "mit"}
