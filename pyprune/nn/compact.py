@@ -29,6 +29,10 @@ MLP input linears, the outputs of their output linears and the input of lm_head.
 ``head_dim`` and MLP channels stay.
 
 :func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
+
+:func:`keep_experts_` (REAP) removes whole experts of MoE blocks: their slices of the fused expert
+parameters and their rows of the router, so that the router's top-k (and the renormalisation of the
+top-k weights where the family has one) chooses among the kept experts only.
 """
 from __future__ import annotations
 
@@ -40,13 +44,15 @@ import torch
 from torch import Tensor, nn
 
 from .anatomy import decoder_blocks
-from .families import Family, channel_rows, head_rows
+from .experts import fused_experts, routers
+from .families import EXPERT_FIELDS, Family, channel_rows, head_rows
 from .layout import (Indices, block_layout, check_block, check_heads_removable, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_"]
+           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_",
+           "keep_experts_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -336,3 +342,60 @@ def keep_blocks_(model: nn.Module, keep: Indices) -> None:
         for module in block.modules():
             if isinstance(getattr(module, "layer_idx", None), int):
                 module.layer_idx = new_index
+
+
+def _kept_parameter_(module: nn.Module, name: str, kept: Tensor) -> None:
+    """``module.name`` replaced by its slices ``kept`` along the first dimension (a new Parameter)."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(old.detach().index_select(0, kept.to(old.device)).clone(),
+                                       requires_grad=old.requires_grad))
+
+
+@torch.no_grad()
+def keep_experts_(model: nn.Module, keep: Dict) -> None:
+    """Keep only the experts ``keep[(block index, experts module name inside the block)]`` (distinct
+    indices, at least the router's top-k) of those fused experts modules: each expert parameter (and
+    bias) and the router's weight (and bias) keep those slices along their first dimension, in order,
+    and every ``num_experts`` the experts module, its router or their parent holds (a router
+    nn.Linear's ``out_features`` too) and the config's expert count (:data:`EXPERT_FIELDS`) become the
+    kept count, so that plain ``from_pretrained`` rebuilds the same model. One config states one
+    count: ValueError, before anything changes, when the model's experts modules would then differ."""
+    blocks = decoder_blocks(model)
+    plan, counts = [], {}
+    for index, block in enumerate(blocks):
+        for name, experts in fused_experts(block).items():
+            counts[(index, name)] = experts.gate_up_proj.shape[0]
+    for key, indices in keep.items():
+        if key not in counts:
+            raise ValueError(f"keep_experts_ keep: {key} names no fused experts module; those of this model are "
+                             f"{sorted(counts)}")
+        index, name = key
+        block = blocks[index]
+        router = routers(block)[name]
+        kept = checked_index(indices, counts[key], f"keep_experts_ keep[{key}]")
+        top_k = getattr(router, "top_k", None)
+        if isinstance(top_k, int) and kept.numel() < top_k:
+            raise ValueError(f"keep_experts_ keep[{key}]: {kept.numel()} experts cannot serve the router's top-{top_k}")
+        plan.append((block, name, router, kept, counts[key]))
+        counts[key] = kept.numel()
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"keep_experts_ keep: every experts module must keep the same number of experts (one config "
+                         f"field states it); the counts would be {sorted(set(counts.values()))}")
+    for block, name, router, kept, count in plan:
+        experts = block.get_submodule(name)
+        parent = block.get_submodule(name.rpartition(".")[0]) if "." in name else block
+        for own in [n for n, _ in experts.named_parameters(recurse=False)]:
+            _kept_parameter_(experts, own, kept)
+        for own in [n for n, _ in router.named_parameters(recurse=False)]:
+            _kept_parameter_(router, own, kept)
+        for module in (experts, router, parent):
+            if getattr(module, "num_experts", None) == count:
+                module.num_experts = kept.numel()
+        if isinstance(router, nn.Linear):
+            router.out_features = kept.numel()
+    config = getattr(model, "config", None)
+    if config is not None and plan:
+        text = config.get_text_config()
+        for field in EXPERT_FIELDS:
+            if getattr(text, field, None) == plan[0][4]:
+                setattr(text, field, plan[0][3].numel())

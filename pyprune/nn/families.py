@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "FINAL_NORMS"]
+__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "EXPERT_FIELDS", "FINAL_NORMS"]
 
 #: where a decoder (``get_decoder()``) keeps the norm after its last block
 FINAL_NORMS = ("norm", "final_layer_norm")
@@ -132,8 +132,12 @@ def channel_rows(family: Family, channels: int) -> Dict[str, List[Tensor]]:
             for name in family.mlp_in}
 
 
+#: the config fields that count an MoE block's experts (Mixtral's, gpt-oss's and Llama 4's; Qwen-MoE's)
+EXPERT_FIELDS = ("num_local_experts", "num_experts")
+
+
 def experts_in_config(config) -> int:
     """The experts a config's MoE blocks route between (Mixtral's ``num_local_experts``, Qwen-MoE's
     ``num_experts``), 0 for a dense model: what a method refuses before the weights are loaded."""
-    counts = [getattr(config, field, None) for field in ("num_local_experts", "num_experts")]
+    counts = [getattr(config, field, None) for field in EXPERT_FIELDS]
     return max([n for n in counts if isinstance(n, int)], default=0)

@@ -125,7 +125,7 @@ def test_structured_pruning_refuses_an_moe_model_before_touching_it(family):
     model = tiny_decoder(family)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"^method 'taylor' cannot prune an MoE model \(model.layers.0.mlp.experts\): "
-                                         "structured pruning of experts is not supported"):
+                                         "it removes heads and channels of dense blocks, not experts"):
         pyprune.prune(model, "taylor", Structured(0.25), random_tokens((2, 16)), progress=False)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 

@@ -134,7 +134,7 @@ def test_structured_methods_refuse_a_recurrent_mixer_by_name(family, method, tin
     """Heads/channels (Taylor) and hidden slicing (SliceGPT) name block 0's mixer (an MoE hybrid: its
     experts, checked first), in one line."""
     mixer = MIXER_STATE[family][0].split(".")[0]
-    refusal = ("structured pruning of experts is not supported" if family in MOE
+    refusal = ("it removes heads and channels of dense blocks, not experts" if family in MOE
                else f"model.layers.0 .*mixes tokens with {mixer} .*not attention heads")
     with pytest.raises(ValueError, match=refusal) as info:
         pyprune.prune(tiny(family), method, Structured(0.25), TOKENS, progress=False)
