@@ -30,6 +30,10 @@ MLP input linears, the outputs of their output linears and the input of lm_head.
 
 :func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
 
+:func:`keep_expert_channels_` removes intermediate channels of every expert of a fused experts module
+(each expert its own channels, the same number: the fused parameters hold one intermediate size), and
+:func:`keep_shared_expert_channels_` those of a shared expert, an ordinary gate/up/down MLP.
+
 :func:`keep_experts_` (REAP) removes whole experts of MoE blocks: their slices of the fused expert
 parameters and their rows of the router, so that the router's top-k (and the renormalisation of the
 top-k weights where the family has one) chooses among the kept experts only.
@@ -44,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .anatomy import decoder_blocks
-from .experts import fused_experts, routers
+from .experts import expert_layout, fused_experts, routers
 from .families import EXPERT_FIELDS, Family, channel_rows, head_rows
 from .layout import (Indices, block_layout, check_block, check_heads_removable, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
@@ -52,7 +56,7 @@ from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
            "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_",
-           "keep_experts_"]
+           "keep_experts_", "keep_expert_channels_", "keep_shared_expert_channels_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -399,3 +403,51 @@ def keep_experts_(model: nn.Module, keep: Dict) -> None:
         for field in EXPERT_FIELDS:
             if getattr(text, field, None) == plan[0][4]:
                 setattr(text, field, plan[0][3].numel())
+
+
+@torch.no_grad()
+def keep_expert_channels_(fused: nn.Module, channels: Tensor) -> None:
+    """Keep, of each expert e of the fused experts module ``fused``, only its intermediate channels
+    ``channels[e]`` ([E, k] distinct indices per expert, in that order): its gate and up entries of
+    ``gate_up_proj`` (and its bias) and its entries of ``down_proj`` along the channel dimension of
+    the module's :class:`~pyprune.nn.experts.ExpertLayout`; the module's intermediate size attribute
+    (``intermediate_dim``, ``intermediate_size``, ``expert_dim``) follows."""
+    layout, problem = expert_layout(fused)
+    if layout is None:
+        raise ValueError(f"keep_expert_channels_: {type(fused).__name__} is no fused experts module pyprune can "
+                         f"prune: {problem}")
+    intermediate, experts = layout.intermediate(fused), fused.gate_up_proj.shape[0]
+    channels = torch.as_tensor(channels, dtype=torch.long)
+    if channels.dim() != 2 or channels.shape[0] != experts:
+        raise ValueError(f"keep_expert_channels_ channels: needs one row of kept channels per expert, shape "
+                         f"[{experts}, k]; got {tuple(channels.shape)}")
+    channels = torch.stack([checked_index(row, intermediate, f"keep_expert_channels_ channels[{e}]")
+                            for e, row in enumerate(channels)])
+    for name in layout.parameters:
+        dim = layout.channel_dim(name)
+        if dim is None:
+            continue
+        old = getattr(fused, name)
+        positions = layout.channel_positions(name, channels, intermediate).to(old.device)
+        shape = [1] * old.dim()
+        shape[0], shape[dim] = experts, positions.shape[1]
+        size = list(old.shape)
+        size[dim] = positions.shape[1]
+        kept = old.detach().gather(dim, positions.view(shape).expand(size)).clone()
+        setattr(fused, name, nn.Parameter(kept, requires_grad=old.requires_grad))
+    for field in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if getattr(fused, field, None) == intermediate:
+            setattr(fused, field, channels.shape[1])
+
+
+@torch.no_grad()
+def keep_shared_expert_channels_(mlp: nn.Module, index: Indices) -> None:
+    """Keep only channels ``index`` of a shared expert ``mlp`` (rows of ``gate_proj`` and ``up_proj``,
+    columns of ``down_proj``), and its ``intermediate_size`` attribute."""
+    channels = mlp.down_proj.in_features
+    index = checked_index(index, channels, "keep_shared_expert_channels_")
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, _copied_linear(getattr(mlp, name), rows=index))
+    mlp.down_proj = _copied_linear(mlp.down_proj, cols=index)
+    if getattr(mlp, "intermediate_size", None) == channels:
+        mlp.intermediate_size = index.numel()

@@ -38,6 +38,7 @@ class ExpertLayout:
     biases: bool      #: with ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]
     prescaled: bool   #: called on [E·T, H], every token once per expert times its routing score (0: not routed),
     #: instead of (hidden_states, top_k_index, top_k_weights)
+    interleaved: bool = False  #: gate_up's gate and up entries alternate (gpt-oss), else gate half then up half
 
     @property
     def parameters(self) -> Tuple[str, ...]:
@@ -49,6 +50,37 @@ class ExpertLayout:
             gate_up, down = gate_up[::-1], down[::-1]
         return {"gate_up_proj": (experts, *gate_up), "down_proj": (experts, *down),
                 "gate_up_proj_bias": (experts, 2 * intermediate), "down_proj_bias": (experts, hidden)}
+
+    def channel_dim(self, name: str) -> Optional[int]:
+        """The dimension of fused parameter ``name`` ([E, ...]) that indexes the intermediate channels
+        (gate_up's: both halves), None for ``down_proj_bias`` (it indexes the hidden size)."""
+        return {"gate_up_proj": 2 if self.transposed else 1, "down_proj": 1 if self.transposed else 2,
+                "gate_up_proj_bias": 1}.get(name)
+
+    def channel_positions(self, name: str, channels: Tensor, intermediate: int) -> Tensor:
+        """The positions along :meth:`channel_dim` of channels ``channels`` ([E, k]) in parameter
+        ``name``: themselves in ``down_proj``; their gate and up entries in ``gate_up_proj`` (and its
+        bias), ``(2c, 2c + 1)`` interleaved or ``(c, I + c)`` halves."""
+        if name == "down_proj":
+            return channels
+        if self.interleaved:
+            return torch.stack((2 * channels, 2 * channels + 1), dim=-1).flatten(-2)
+        return torch.cat((channels, intermediate + channels), dim=-1)
+
+    def channel_totals(self, name: str, values: Tensor, intermediate: int) -> Tensor:
+        """``values`` shaped like parameter ``name`` summed into its intermediate channels: [E, I]
+        (a channel's gate and up entries together)."""
+        experts = values.shape[0]
+        totals = values.movedim(self.channel_dim(name), -1).reshape(experts, -1, values.shape[self.channel_dim(name)])
+        totals = totals.sum(dim=1)
+        if name == "down_proj":
+            return totals
+        return totals.view(experts, intermediate, 2).sum(-1) if self.interleaved \
+            else totals.view(experts, 2, intermediate).sum(1)
+
+    def intermediate(self, fused: nn.Module) -> int:
+        """The channels of each expert of ``fused``."""
+        return fused.down_proj.shape[self.channel_dim("down_proj")]
 
     def weight(self, fused: nn.Module, matrix: str, index: int) -> Tensor:
         """Expert ``index``'s ``matrix`` as an [out, in] view of the fused parameter."""
@@ -65,7 +97,7 @@ class ExpertLayout:
 LAYOUTS = (
     (ExpertLayout("mixtral", transposed=False, biases=False, prescaled=False),  # Mixtral, Qwen2/3/3.5-MoE
      {"is_transposed": False, "has_bias": False, "is_concatenated": True}),
-    (ExpertLayout("gpt_oss", transposed=True, biases=True, prescaled=False),
+    (ExpertLayout("gpt_oss", transposed=True, biases=True, prescaled=False, interleaved=True),
      {"is_transposed": True, "has_bias": True, "is_concatenated": False}),
     (ExpertLayout("llama4", transposed=True, biases=False, prescaled=True),
      {"is_transposed": True, "has_bias": False, "is_concatenated": True}),

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "EXPERT_FIELDS", "FINAL_NORMS"]
+__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "EXPERT_FIELDS", "EXPERT_CHANNEL_FIELDS",
+           "SHARED_EXPERT_CHANNEL_FIELDS", "FINAL_NORMS"]
 
 #: where a decoder (``get_decoder()``) keeps the norm after its last block
 FINAL_NORMS = ("norm", "final_layer_norm")
@@ -134,6 +135,12 @@ def channel_rows(family: Family, channels: int) -> Dict[str, List[Tensor]]:
 
 #: the config fields that count an MoE block's experts (Mixtral's, gpt-oss's and Llama 4's; Qwen-MoE's)
 EXPERT_FIELDS = ("num_local_experts", "num_experts")
+
+
+#: the config fields stating an MoE model's per-expert and shared-expert intermediate sizes (the first one
+#: the config has: Qwen-MoE's own fields, else Mixtral's, gpt-oss's and Llama 4's ``intermediate_size``)
+EXPERT_CHANNEL_FIELDS = ("moe_intermediate_size", "intermediate_size")
+SHARED_EXPERT_CHANNEL_FIELDS = ("shared_expert_intermediate_size", "intermediate_size")
 
 
 def experts_in_config(config) -> int:
