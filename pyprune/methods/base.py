@@ -129,9 +129,9 @@ class Method(ABC):
             experts = fused_experts(block, where=f"{prefix}.{index}")  # refuses a layout pyprune cannot prune
             if experts and not isinstance(pattern, (Unstructured, NM)) and not self.structured_moe:
                 raise ValueError(f"method {self.name!r} cannot prune an MoE model ({prefix}.{index}."
-                                 f"{next(iter(experts))}): it removes heads and channels of dense blocks, not experts; "
-                                 "MoE models take unstructured or N:M patterns, or structured ones of sleb (blocks) "
-                                 "and reap (whole experts)")
+                                 f"{next(iter(experts))}): its structured pruning acts on dense blocks; "
+                                 "MoE models take unstructured or N:M patterns, or structured ones of taylor, moreau "
+                                 "and smoothgrad (expert channels), sleb (blocks) and reap (whole experts)")
             if isinstance(pattern, NM):
                 with expert_linears(block, where=f"{prefix}.{index}"):
                     for name, linear in engine.block_linears(block).items():

@@ -370,9 +370,12 @@ class StructuredMethod(Method):
 
     def check(self, model: nn.Module, pattern) -> None:
         super().check(model, pattern)
-        self.check_config(getattr(model, "config", None), pattern)
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
+        for index, block in enumerate(blocks):
+            if recurrent_mixer(block) is not None:  # a hybrid block is refused by its mixer, MoE or not
+                check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+        self.check_config(getattr(model, "config", None), pattern)
         if any(fused_experts(block) for block in blocks):
             return self._check_moe(model, blocks, prefix)
         for index, block in enumerate(blocks):
@@ -406,8 +409,7 @@ class StructuredMethod(Method):
         for index, block in enumerate(blocks):
             where = f"block {prefix}.{index} of {type(model).__name__}"
             experts = fused_experts(block, where=f"{prefix}.{index}")
-            if not experts or recurrent_mixer(block) is not None:
-                check_block(block, where)  # names the mixer
+            if not experts:
                 raise ValueError(f"{where} is a dense block beside mixture-of-experts blocks: structured pruning of "
                                  "such a mix is not supported yet")
             for name, fused in experts.items():
