@@ -306,14 +306,21 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
         setattr(config, key, value)
 
 
+#: config fields listing the indices of some blocks (not one entry per block): Llama 4's MoE blocks
+BLOCK_INDEX_LISTS = ("moe_layers",)
+
+
 def _kept_block_config(config, keep: list, count: int) -> Dict:
     """The config fields that change when only blocks ``keep`` (sorted, of ``count``) stay: the
     block count, every per-block list (``layer_types``, ...: any list of one entry per block whose
     name names layers), Qwen2's ``max_window_layers`` (the blocks before it use full attention) and
-    Qwen-MoE's dense blocks (``mlp_only_layers``, ``decoder_sparse_step``: made an explicit list)."""
+    Qwen-MoE's dense blocks (``mlp_only_layers``, ``decoder_sparse_step``: made an explicit list) and the
+    lists of block indices (:data:`BLOCK_INDEX_LISTS`, Llama 4's ``moe_layers``: renumbered)."""
     fields: Dict = {"num_hidden_layers": len(keep)}
     for name, value in vars(config).items():
-        if "layer" in name and isinstance(value, (list, tuple)) and len(value) == count and name != "mlp_only_layers":
+        if name in BLOCK_INDEX_LISTS and isinstance(value, (list, tuple)):
+            fields[name] = [new for new, old in enumerate(keep) if old in value]
+        elif "layer" in name and isinstance(value, (list, tuple)) and len(value) == count and name != "mlp_only_layers":
             fields[name] = [value[i] for i in keep]
     if isinstance(getattr(config, "max_window_layers", None), int):
         fields["max_window_layers"] = sum(1 for i in keep if i < config.max_window_layers)
