@@ -342,8 +342,8 @@ class StructuredMethod(Method):
             return (f"option structure='hidden' of method {self.name!r} cannot slice an MoE model's hidden channels "
                     "yet (every expert's matrices would lose them too); use structure='groups' with heads=False")
         if self.heads:
-            return (f"method {self.name!r} prunes an MoE model's expert channels only: pass heads=False (the heads of "
-                    "an MoE block's attention are not pruned yet)")
+            return (f"method {self.name!r} prunes an MoE model's expert channels only: pass heads=False "
+                    "(--heads false; the heads of an MoE block's attention are not pruned yet)")
         if (self.first_layer, self.last_layer) not in ((0, None), (0, -1)):
             return (f"method {self.name!r} prunes the expert channels of every layer of an MoE model (one config "
                     f"field states their count); first_layer={self.first_layer}, last_layer={self.last_layer} "
