@@ -88,8 +88,8 @@ from ..runtime import engine
 from ..ops.conventions import kept_count
 from ..nn import compact
 from ..nn.experts import expert_layout, fused_experts
-from ..nn.families import (EXPERT_CHANNEL_FIELDS, SHARED_EXPERT_CHANNEL_FIELDS, channel_rows, experts_in_config,
-                           head_rows)
+from ..nn.families import (EXPERT_CHANNEL_FIELDS, GATED_MLPS, SHARED_EXPERT_CHANNEL_FIELDS, channel_rows,
+                           experts_in_config, head_rows)
 from ..nn.layout import (block_family, block_layout, check_block, check_heads_removable, config_accepts, config_fields,
                          family_fields, head_counts, hidden_slices, hidden_stream, layouts_uniform, recurrent_mixer)
 from ..patterns import Structured
@@ -178,15 +178,30 @@ def shared_expert(block: nn.Module, experts_name: str) -> Optional[nn.Module]:
     return mlp if ok else None
 
 
-def shared_expert_scores(mlp: nn.Module, element_scores: ElementScores) -> Tensor:
-    """Importance of a shared expert's channels (fp32 [I]): its gate_proj and up_proj rows and its
-    down_proj column, as a dense MLP channel's."""
-    channels = mlp.down_proj.in_features
+def gated_mlp_scores(module: nn.Module, element_scores: ElementScores,
+                     names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Tensor:
+    """Importance of the channels of the gated MLP whose gate, up and down linears are ``names`` inside
+    ``module`` (fp32 [I]): each channel's gate and up rows and its down column, as a dense MLP channel's."""
+    gate, up, down = (module.get_submodule(name) for name in names)
+    channels = down.in_features
     rows = torch.arange(channels)[:, None]
     with torch.no_grad():
-        return (_score(mlp.gate_proj, rows, channels, element_scores) + _score(mlp.up_proj, rows, channels,
-                                                                               element_scores)
-                + _score(mlp.down_proj, None, channels, element_scores)).cpu()
+        return (_score(gate, rows, channels, element_scores) + _score(up, rows, channels, element_scores)
+                + _score(down, None, channels, element_scores)).cpu()
+
+
+def gated_mlp(block: nn.Module) -> Optional[Tuple[str, str, str]]:
+    """The (gate, up, down) names of ``block``'s gated MLP among :data:`pyprune.nn.families.GATED_MLPS`,
+    None without one."""
+    return next((names for names in GATED_MLPS
+                 if all(isinstance(_submodule(block, name), nn.Linear) for name in names)), None)
+
+
+def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def hidden_channel_scores(model: nn.Module, element_scores: ElementScores) -> Tensor:
@@ -336,19 +351,24 @@ class StructuredMethod(Method):
                              f"selects no layers of a model with {n_layers} decoder blocks")
         return first, last
 
-    def moe_refusal(self) -> Optional[str]:
-        """Why these options cannot prune an MoE model (its expert channels only, in every layer), or None."""
+    def channels_only_refusal(self, model_kind: str) -> Optional[str]:
+        """Why these options cannot prune ``model_kind`` (an MoE model; a hybrid model), whose MLP
+        (expert) channels alone are pruned, in every layer; None when they can."""
         if self.structure == "hidden":
-            return (f"option structure='hidden' of method {self.name!r} cannot slice an MoE model's hidden channels "
-                    "yet (every expert's matrices would lose them too); use structure='groups' with heads=False")
+            return (f"option structure='hidden' of method {self.name!r} cannot slice {model_kind}'s hidden channels "
+                    "yet; use structure='groups' with heads=False")
         if self.heads:
-            return (f"method {self.name!r} prunes an MoE model's expert channels only: pass heads=False "
-                    "(--heads false; the heads of an MoE block's attention are not pruned yet)")
+            return (f"method {self.name!r} prunes {model_kind}'s MLP channels only: pass heads=False "
+                    "(--heads false; its attention heads are not pruned yet)")
         if (self.first_layer, self.last_layer) not in ((0, None), (0, -1)):
-            return (f"method {self.name!r} prunes the expert channels of every layer of an MoE model (one config "
+            return (f"method {self.name!r} prunes the MLP channels of every layer of {model_kind} (one config "
                     f"field states their count); first_layer={self.first_layer}, last_layer={self.last_layer} "
                     "select fewer")
         return None
+
+    def moe_refusal(self) -> Optional[str]:
+        """Why these options cannot prune an MoE model (its expert channels only, in every layer), or None."""
+        return self.channels_only_refusal("an MoE model")
 
     def check_config(self, config, pattern) -> None:
         """An MoE model is refused from its config when the options ask for more than its expert
@@ -372,12 +392,18 @@ class StructuredMethod(Method):
         super().check(model, pattern)
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
-        for index, block in enumerate(blocks):
-            if recurrent_mixer(block) is not None:  # a hybrid block is refused by its mixer, MoE or not
-                check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
+        mixers = [(index, recurrent_mixer(block)) for index, block in enumerate(blocks) if recurrent_mixer(block)]
+        refusal = self.channels_only_refusal("a hybrid model") if mixers else None
+        if refusal:  # named by the first mixer, MoE or not
+            index, mixer = mixers[0]
+            raise ValueError(f"block {prefix}.{index} of {type(model).__name__} mixes tokens with {mixer} "
+                             f"({type(blocks[index].get_submodule(mixer)).__name__}), a convolution and recurrent "
+                             f"state kept dense: {refusal}")
         self.check_config(getattr(model, "config", None), pattern)
         if any(fused_experts(block) for block in blocks):
             return self._check_moe(model, blocks, prefix)
+        if mixers:
+            return self._check_hybrid(model, blocks, prefix)
         for index, block in enumerate(blocks):
             check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
             if self.structure == "groups" and self.heads:
@@ -421,6 +447,22 @@ class StructuredMethod(Method):
                     if text is not None and _size_field(text, fields, size) is None:
                         raise ValueError(f"{where}.{name}: no config field ({', '.join(fields)}) states its "
                                          f"{size} channels, so a pruned model could not be read back")
+
+    def _check_hybrid(self, model: nn.Module, blocks, prefix: str) -> None:
+        """A hybrid model (a recurrent mixer in some blocks): every block has a gated MLP
+        (:data:`pyprune.nn.families.GATED_MLPS`) whose channel count the config's ``intermediate_size``
+        states (LFM2's ``block_auto_adjust_ff_dim`` derives another: refused)."""
+        text = model.config.get_text_config() if getattr(model, "config", None) is not None else None
+        for index, block in enumerate(blocks):
+            where = f"block {prefix}.{index} of {type(model).__name__}"
+            names = gated_mlp(block)
+            if names is None:
+                raise ValueError(f"{where} has no gated MLP pyprune knows (gate, up, down linears: "
+                                 f"{'; '.join(', '.join(n) for n in GATED_MLPS)})")
+            size = block.get_submodule(names[2]).in_features
+            if text is not None and _size_field(text, ("intermediate_size",), size) is None:
+                raise ValueError(f"{where}: its MLP's {size} channels are not the config's intermediate_size "
+                                 f"({getattr(text, 'intermediate_size', None)}), so a pruned model could not be read back")
 
     def _uniform_kv_groups(self, model: nn.Module, blocks, ratio: float) -> int:
         """KV groups every layer keeps under uniform pruning, snapped to a count the model's
@@ -479,6 +521,8 @@ class StructuredMethod(Method):
                                     for index, block in enumerate(engine.decoder_blocks(model))]
         elif any(fused_experts(block) for block in engine.decoder_blocks(model)):
             details = self._prune_expert_channels(model, float(pattern.ratio), calib, batch_size, progress)
+        elif any(recurrent_mixer(block) for block in engine.decoder_blocks(model)):
+            details = self._prune_hybrid_channels(model, float(pattern.ratio), calib, batch_size, progress)
         else:
             details = self._prune_groups(model, pattern, calib, batch_size=batch_size, progress=progress)
         if self.scaler is not None:
@@ -505,7 +549,7 @@ class StructuredMethod(Method):
                 self.layer_scores.setdefault(index, {})[name] = experts
                 shared_kept = None
                 if shared is not None:
-                    shared_scores = shared_expert_scores(shared, lambda p: scores.get(id(p)))
+                    shared_scores = gated_mlp_scores(shared, lambda p: scores.get(id(p)))
                     self.layer_scores[index][f"{name}:shared"] = shared_scores
                     shared_kept = keep_channels(shared_scores, ratio)
                     entry.update(shared_channels=shared_kept.numel(),
@@ -516,10 +560,33 @@ class StructuredMethod(Method):
             for fused, kept, shared, shared_kept in plan:
                 compact.keep_expert_channels_(fused, kept)
                 if shared is not None:
-                    compact.keep_shared_expert_channels_(shared, shared_kept)
+                    compact.keep_gated_mlp_channels_(shared, shared_kept)
             text = model.config.get_text_config()
             for key, value in fields.items():
                 setattr(text, key, value)
+        return {"first_layer": 0, "last_layer": len(blocks) - 1, "config_compatible": True,
+                "structure": structure}
+
+    def _prune_hybrid_channels(self, model, ratio, calib, batch_size, progress) -> Dict:
+        """A hybrid model: score and keep every block's MLP channels, the same count in every block
+        (recurrent mixers and attention stay dense), and state it in the config."""
+        blocks = engine.decoder_blocks(model)
+        mlps = [(block, gated_mlp(block)) for block in blocks]
+        structure: List[Dict] = []
+        if ratio > 0 and self.channels:
+            params = [p for block, names in mlps for name in names for p in block.get_submodule(name).parameters()]
+            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            plan = []
+            for index, (block, names) in enumerate(mlps):
+                channel_scores = gated_mlp_scores(block, lambda p: scores.get(id(p)), names)
+                self.layer_scores[index] = {"channels": channel_scores}
+                kept = keep_channels(channel_scores, ratio)
+                plan.append((block, names, kept))
+                structure.append({"layer": index, "mlp": names[2].rpartition(".")[0], "channels": kept.numel(),
+                                  "pruned_channels": _complement(kept, channel_scores.numel())})
+            for block, names, kept in plan:
+                compact.keep_gated_mlp_channels_(block, kept, names)
+            model.config.get_text_config().intermediate_size = plan[0][2].numel()
         return {"first_layer": 0, "last_layer": len(blocks) - 1, "config_compatible": True,
                 "structure": structure}
 

@@ -32,7 +32,8 @@ MLP input linears, the outputs of their output linears and the input of lm_head.
 
 :func:`keep_expert_channels_` removes intermediate channels of every expert of a fused experts module
 (each expert its own channels, the same number: the fused parameters hold one intermediate size), and
-:func:`keep_shared_expert_channels_` those of a shared expert, an ordinary gate/up/down MLP.
+:func:`keep_gated_mlp_channels_` those of a gate/up/down MLP named by its linears (a shared expert, a
+hybrid block's MLP).
 
 :func:`keep_experts_` (REAP) removes whole experts of MoE blocks: their slices of the fused expert
 parameters and their rows of the router, so that the router's top-k (and the renormalisation of the
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +57,7 @@ from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
            "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_",
-           "keep_experts_", "keep_expert_channels_", "keep_shared_expert_channels_"]
+           "keep_experts_", "keep_expert_channels_", "keep_gated_mlp_channels_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -448,13 +449,18 @@ def keep_expert_channels_(fused: nn.Module, channels: Tensor) -> None:
 
 
 @torch.no_grad()
-def keep_shared_expert_channels_(mlp: nn.Module, index: Indices) -> None:
-    """Keep only channels ``index`` of a shared expert ``mlp`` (rows of ``gate_proj`` and ``up_proj``,
-    columns of ``down_proj``), and its ``intermediate_size`` attribute."""
-    channels = mlp.down_proj.in_features
-    index = checked_index(index, channels, "keep_shared_expert_channels_")
-    for name in ("gate_proj", "up_proj"):
-        setattr(mlp, name, _copied_linear(getattr(mlp, name), rows=index))
-    mlp.down_proj = _copied_linear(mlp.down_proj, cols=index)
+def keep_gated_mlp_channels_(module: nn.Module, index: Indices,
+                             names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """Keep only channels ``index`` of the gated MLP whose gate, up and down linears are ``names`` inside
+    ``module`` (a shared expert; a hybrid block's MLP): rows of gate and up, columns of down; an
+    ``intermediate_size`` attribute of the MLP follows."""
+    gate, up, down = names
+    channels = module.get_submodule(down).in_features
+    index = checked_index(index, channels, "keep_gated_mlp_channels_")
+    for name in (gate, up):
+        _replace(module, name, _copied_linear(module.get_submodule(name), rows=index))
+    _replace(module, down, _copied_linear(module.get_submodule(down), cols=index))
+    parent = down.rpartition(".")[0]
+    mlp = module.get_submodule(parent) if parent else module
     if getattr(mlp, "intermediate_size", None) == channels:
         mlp.intermediate_size = index.numel()

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "EXPERT_FIELDS", "EXPERT_CHANNEL_FIELDS",
-           "SHARED_EXPERT_CHANNEL_FIELDS", "FINAL_NORMS"]
+           "SHARED_EXPERT_CHANNEL_FIELDS", "GATED_MLPS", "FINAL_NORMS"]
 
 #: where a decoder (``get_decoder()``) keeps the norm after its last block
 FINAL_NORMS = ("norm", "final_layer_norm")
@@ -141,6 +141,13 @@ EXPERT_FIELDS = ("num_local_experts", "num_experts")
 #: the config has: Qwen-MoE's own fields, else Mixtral's, gpt-oss's and Llama 4's ``intermediate_size``)
 EXPERT_CHANNEL_FIELDS = ("moe_intermediate_size", "intermediate_size")
 SHARED_EXPERT_CHANNEL_FIELDS = ("shared_expert_intermediate_size", "intermediate_size")
+
+
+#: the gated MLPs of hybrid blocks, as (gate, up, down) linears inside the block: Qwen3.5's, Falcon-H1's,
+#: LFM2's (``w2(silu(w1 x) · w3 x)``); their channels are stated by the config's ``intermediate_size``
+GATED_MLPS = (("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+              ("feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"),
+              ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2"))
 
 
 def experts_in_config(config) -> int:
