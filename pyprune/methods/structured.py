@@ -351,24 +351,24 @@ class StructuredMethod(Method):
                              f"selects no layers of a model with {n_layers} decoder blocks")
         return first, last
 
-    def channels_only_refusal(self, model_kind: str) -> Optional[str]:
-        """Why these options cannot prune ``model_kind`` (an MoE model; a hybrid model), whose MLP
-        (expert) channels alone are pruned, in every layer; None when they can."""
+    def channels_only_refusal(self, model_kind: str, channels: str) -> Optional[str]:
+        """Why these options cannot prune ``model_kind`` (an MoE model; a hybrid model), whose
+        ``channels`` (expert channels; MLP channels) alone are pruned, in every layer; None when they can."""
         if self.structure == "hidden":
             return (f"option structure='hidden' of method {self.name!r} cannot slice {model_kind}'s hidden channels "
                     "yet; use structure='groups' with heads=False")
         if self.heads:
-            return (f"method {self.name!r} prunes {model_kind}'s MLP channels only: pass heads=False "
+            return (f"method {self.name!r} prunes {model_kind}'s {channels} only: pass heads=False "
                     "(--heads false; its attention heads are not pruned yet)")
         if (self.first_layer, self.last_layer) not in ((0, None), (0, -1)):
-            return (f"method {self.name!r} prunes the MLP channels of every layer of {model_kind} (one config "
+            return (f"method {self.name!r} prunes the {channels} of every layer of {model_kind} (one config "
                     f"field states their count); first_layer={self.first_layer}, last_layer={self.last_layer} "
                     "select fewer")
         return None
 
     def moe_refusal(self) -> Optional[str]:
         """Why these options cannot prune an MoE model (its expert channels only, in every layer), or None."""
-        return self.channels_only_refusal("an MoE model")
+        return self.channels_only_refusal("an MoE model", "expert channels")
 
     def check_config(self, config, pattern) -> None:
         """An MoE model is refused from its config when the options ask for more than its expert
@@ -393,7 +393,7 @@ class StructuredMethod(Method):
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
         mixers = [(index, recurrent_mixer(block)) for index, block in enumerate(blocks) if recurrent_mixer(block)]
-        refusal = self.channels_only_refusal("a hybrid model") if mixers else None
+        refusal = self.channels_only_refusal("a hybrid model", "MLP channels") if mixers else None
         if refusal:  # named by the first mixer, MoE or not
             index, mixer = mixers[0]
             raise ValueError(f"block {prefix}.{index} of {type(model).__name__} mixes tokens with {mixer} "

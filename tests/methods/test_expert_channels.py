@@ -173,7 +173,6 @@ def test_what_is_not_supported_on_an_moe_model_is_refused_untouched(options, ref
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
-def test_a_hybrid_moe_model_is_refused_by_its_mixer():
-    with pytest.raises(ValueError, match=r"model.layers.0 .*mixes tokens with linear_attn"):
-        pyprune.prune(tiny_decoder("qwen3_next", layers=2), "taylor", Structured(0.25), TOKENS, progress=False,
-                      heads=False)
+def test_a_hybrid_moe_model_with_heads_is_refused_by_its_mixer():
+    with pytest.raises(ValueError, match=r"model.layers.0 .*mixes tokens with linear_attn .*pass heads=False"):
+        pyprune.prune(tiny_decoder("qwen3_next", layers=2), "taylor", Structured(0.25), TOKENS, progress=False)
