@@ -123,7 +123,8 @@ def add_pattern_flags(parser: argparse.ArgumentParser, structured: bool = True) 
 
 
 def add_ratio_flags(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    parser.add_argument("--ratio", type=float, required=required, help="structured ratio of heads/channels removed")
+    parser.add_argument("--ratio", type=float, required=required, help="structured ratio removed: of the heads and channels (each expert's, "
+                        "in an MoE model), of the blocks (sleb), of the experts (reap)")
     parser.add_argument("--uniform", action="store_true",
                         help="structured: same sizes in every layer, so plain transformers can load it")
 

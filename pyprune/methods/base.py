@@ -58,6 +58,9 @@ class Method(ABC):
     #: the method runs data-parallel in a torch.distributed process group (:mod:`pyprune.runtime.distributed`),
     #: reducing its statistics over the ranks so that they give the one-process result
     data_parallel: bool = False
+    #: its structured pattern applies to MoE models as a whole (SLEB's blocks, REAP's experts); the other
+    #: structured methods prune heads and channels of dense blocks and refuse an MoE block
+    structured_moe: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -124,10 +127,11 @@ class Method(ABC):
         prefix = engine.block_prefix(model)
         for index, block in enumerate(engine.decoder_blocks(model)):
             experts = fused_experts(block, where=f"{prefix}.{index}")  # refuses a layout pyprune cannot prune
-            if experts and not isinstance(pattern, (Unstructured, NM)):
+            if experts and not isinstance(pattern, (Unstructured, NM)) and not self.structured_moe:
                 raise ValueError(f"method {self.name!r} cannot prune an MoE model ({prefix}.{index}."
-                                 f"{next(iter(experts))}): structured pruning of experts is not supported; "
-                                 "MoE models take unstructured or N:M patterns")
+                                 f"{next(iter(experts))}): its structured pruning acts on dense blocks; "
+                                 "MoE models take unstructured or N:M patterns, or structured ones of taylor, moreau "
+                                 "and smoothgrad (expert channels), sleb (blocks) and reap (whole experts)")
             if isinstance(pattern, NM):
                 with expert_linears(block, where=f"{prefix}.{index}"):
                     for name, linear in engine.block_linears(block).items():

@@ -280,6 +280,11 @@ class MoreauPrunerGS(MoreauPruner):
     operator: str = option("gst", "Moreau-GS: the group prox: gst (GST_γη, Eq. 8) or released (the released "
                            "code's: rows with RMS ≤ γη zeroed, the others scaled by 1 - η/RMS)", choices=_OPERATORS)
 
+    def moe_refusal(self):
+        """Its ℓ2,1 groups are rows or columns of 2-D weights: an MoE model's fused 3-D experts are refused."""
+        return ("method 'moreau-gs' groups the rows or columns of 2-D weights; an MoE model's experts are fused 3-D "
+                "parameters, not grouped yet (use moreau or taylor)")
+
 
 class SmoothGrad(StructuredMethod):
     """SmoothGrad: LLM-Pruner with gradients (or scores) averaged over noisy weights."""

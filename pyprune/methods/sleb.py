@@ -73,6 +73,7 @@ class SLEB(Method):
     calibration = (16, 256)
     offload_refusal = "it runs the whole model once per candidate block"
     data_parallel = True  # the calibration losses are summed over the ranks
+    structured_moe = True  # a block goes whole, its experts with it
 
     early_barrier: int = option(1, "SLEB: this many first remaining blocks are never removed (authors' code: 1)",
                                 nonnegative)

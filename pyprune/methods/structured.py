@@ -58,6 +58,17 @@ centres over every channel); every layer, so ``first_layer``/``last_layer``/``he
 keep their defaults. The scores of Gemma's norms are those of the stored w (its scale is 1 + w), as
 for any other parameter.
 
+MoE models (Mixtral, Qwen2-MoE, gpt-oss, Llama 4: every layout of :data:`pyprune.nn.experts.LAYOUTS`):
+the groups are each expert's intermediate channels (expert e's channel c: its gate and up entries of
+the fused ``gate_up_proj`` and its bias, its entry of ``down_proj``; :func:`expert_channel_scores`)
+and a shared expert's channels (as a dense MLP's). Each expert keeps its own top
+``round((1 - ratio)·I)`` channels, but every expert the same number: the fused 3-D parameters
+``[E, 2I, H]`` hold one intermediate size for all experts, and the config states one
+(``moe_intermediate_size`` / ``intermediate_size``), so unequal counts would need a module of another
+shape than the family's. Every layer is pruned, so the config states the new sizes and plain
+``from_pretrained`` reads the model. The router, attention heads (``heads=False`` is required: an MoE
+block's attention is not yet pruned) and hidden slicing are left out, each refused in one line.
+
 Layers. LLM-Pruner and MoreauPruner leave the first few and the last layers dense (e.g. layers
 4..29 of the 32 in LLaMA-7B). Options ``first_layer`` / ``last_layer`` (inclusive; negative counts
 from the end) choose the pruned range; the defaults prune every layer. Leaving layers dense makes
@@ -76,9 +87,11 @@ from torch import Tensor, nn
 from ..runtime import engine
 from ..ops.conventions import kept_count
 from ..nn import compact
-from ..nn.families import channel_rows, experts_in_config, head_rows
+from ..nn.experts import expert_layout, fused_experts
+from ..nn.families import (EXPERT_CHANNEL_FIELDS, GATED_MLPS, SHARED_EXPERT_CHANNEL_FIELDS, channel_rows,
+                           experts_in_config, head_rows)
 from ..nn.layout import (block_family, block_layout, check_block, check_heads_removable, config_accepts, config_fields,
-                         family_fields, head_counts, hidden_slices, hidden_stream, layouts_uniform)
+                         family_fields, head_counts, hidden_slices, hidden_stream, layouts_uniform, recurrent_mixer)
 from ..patterns import Structured
 from .base import Method
 from .options import option
@@ -138,6 +151,57 @@ def group_scores(block: nn.Module, element_scores: ElementScores) -> Dict[str, T
         out = block.get_submodule(family.attention_output)
         return {"heads": totals["q"] + _score(out, None, n_q, element_scores), "kv_heads": totals["kv"],
                 "channels": channels + _score(mlp_out, None, n_ch, element_scores)}
+
+
+def expert_channel_scores(fused: nn.Module, element_scores: ElementScores) -> Tensor:
+    """Importance of each expert's intermediate channels in the fused experts module ``fused``
+    (fp32 [E, I]): Σ of the element scores of its gate and up entries of ``gate_up_proj`` (and its
+    bias) and its entries of ``down_proj`` (a parameter without scores counts as zero)."""
+    layout = expert_layout(fused)[0]
+    intermediate = layout.intermediate(fused)
+    total = torch.zeros(fused.gate_up_proj.shape[0], intermediate, dtype=torch.float32)
+    with torch.no_grad():
+        for name in layout.parameters:
+            score = element_scores(getattr(fused, name)) if layout.channel_dim(name) is not None else None
+            if score is not None:
+                total += layout.channel_totals(name, score.float().cpu(), intermediate)
+    return total
+
+
+def shared_expert(block: nn.Module, experts_name: str) -> Optional[nn.Module]:
+    """The shared expert beside fused experts ``experts_name`` of ``block`` (Qwen2-MoE's, Llama 4's): a
+    sibling ``shared_expert`` with gate_proj, up_proj and down_proj linears; None without one."""
+    parent = experts_name.rpartition(".")[0]
+    mlp = getattr(block.get_submodule(parent) if parent else block, "shared_expert", None)
+    ok = mlp is not None and all(isinstance(getattr(mlp, n, None), nn.Linear)
+                                 for n in ("gate_proj", "up_proj", "down_proj"))
+    return mlp if ok else None
+
+
+def gated_mlp_scores(module: nn.Module, element_scores: ElementScores,
+                     names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Tensor:
+    """Importance of the channels of the gated MLP whose gate, up and down linears are ``names`` inside
+    ``module`` (fp32 [I]): each channel's gate and up rows and its down column, as a dense MLP channel's."""
+    gate, up, down = (module.get_submodule(name) for name in names)
+    channels = down.in_features
+    rows = torch.arange(channels)[:, None]
+    with torch.no_grad():
+        return (_score(gate, rows, channels, element_scores) + _score(up, rows, channels, element_scores)
+                + _score(down, None, channels, element_scores)).cpu()
+
+
+def gated_mlp(block: nn.Module) -> Optional[Tuple[str, str, str]]:
+    """The (gate, up, down) names of ``block``'s gated MLP among :data:`pyprune.nn.families.GATED_MLPS`,
+    None without one."""
+    return next((names for names in GATED_MLPS
+                 if all(isinstance(_submodule(block, name), nn.Linear) for name in names)), None)
+
+
+def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def hidden_channel_scores(model: nn.Module, element_scores: ElementScores) -> Tensor:
@@ -247,6 +311,7 @@ class StructuredMethod(Method):
     with ``structure="hidden"``, ``{STREAM: {"hidden": hidden_channel_scores}}``."""
 
     patterns = (Structured,)
+    structured_moe = True  # an MoE model's expert channels (see the module docstring)
     uses_gradients = True
     data_parallel = True  # its calibration enters only through calibration_gradients, summed over the ranks
     commands = ("prune", "robustness")
@@ -286,13 +351,33 @@ class StructuredMethod(Method):
                              f"selects no layers of a model with {n_layers} decoder blocks")
         return first, last
 
+    def channels_only_refusal(self, model_kind: str, channels: str) -> Optional[str]:
+        """Why these options cannot prune ``model_kind`` (an MoE model; a hybrid model), whose
+        ``channels`` (expert channels; MLP channels) alone are pruned, in every layer; None when they can."""
+        if self.structure == "hidden":
+            return (f"option structure='hidden' of method {self.name!r} cannot slice {model_kind}'s hidden channels "
+                    "yet; use structure='groups' with heads=False")
+        if self.heads:
+            return (f"method {self.name!r} prunes {model_kind}'s {channels} only: pass heads=False "
+                    "(--heads false; its attention heads are not pruned yet)")
+        if (self.first_layer, self.last_layer) not in ((0, None), (0, -1)):
+            return (f"method {self.name!r} prunes the {channels} of every layer of {model_kind} (one config "
+                    f"field states their count); first_layer={self.first_layer}, last_layer={self.last_layer} "
+                    "select fewer")
+        return None
+
+    def moe_refusal(self) -> Optional[str]:
+        """Why these options cannot prune an MoE model (its expert channels only, in every layer), or None."""
+        return self.channels_only_refusal("an MoE model", "expert channels")
+
     def check_config(self, config, pattern) -> None:
-        """An MoE model is refused from its config (its experts are neither heads nor MLP channels)."""
+        """An MoE model is refused from its config when the options ask for more than its expert
+        channels (:meth:`moe_refusal`)."""
         super().check_config(config, pattern)
         experts = experts_in_config(config)
-        if experts:
-            raise ValueError(f"method {self.name!r} prunes attention heads and MLP channels of dense decoder "
-                             f"blocks; {type(config).__name__} has mixture-of-experts blocks ({experts} experts)")
+        refusal = self.moe_refusal() if experts else None
+        if refusal:
+            raise ValueError(f"{refusal}; {type(config).__name__} has mixture-of-experts blocks ({experts} experts)")
 
     def check_options(self, settings):
         if settings["structure"] == "hidden":
@@ -305,9 +390,20 @@ class StructuredMethod(Method):
 
     def check(self, model: nn.Module, pattern) -> None:
         super().check(model, pattern)
-        self.check_config(getattr(model, "config", None), pattern)
         blocks = engine.decoder_blocks(model)
         prefix = engine.block_prefix(model)
+        mixers = [(index, recurrent_mixer(block)) for index, block in enumerate(blocks) if recurrent_mixer(block)]
+        refusal = self.channels_only_refusal("a hybrid model", "MLP channels") if mixers else None
+        if refusal:  # named by the first mixer, MoE or not
+            index, mixer = mixers[0]
+            raise ValueError(f"block {prefix}.{index} of {type(model).__name__} mixes tokens with {mixer} "
+                             f"({type(blocks[index].get_submodule(mixer)).__name__}), a convolution and recurrent "
+                             f"state kept dense: {refusal}")
+        self.check_config(getattr(model, "config", None), pattern)
+        if any(fused_experts(block) for block in blocks):
+            return self._check_moe(model, blocks, prefix)
+        if mixers:
+            return self._check_hybrid(model, blocks, prefix)
         for index, block in enumerate(blocks):
             check_block(block, f"block {prefix}.{index} of {type(model).__name__}")
             if self.structure == "groups" and self.heads:
@@ -327,6 +423,46 @@ class StructuredMethod(Method):
             if not layouts_uniform([block_layout(block) for block in blocks]):
                 raise ValueError("uniform (config-compatible) pruning needs decoder blocks of equal sizes; "
                                  "this model's blocks already differ")
+
+    def _check_moe(self, model: nn.Module, blocks, prefix: str) -> None:
+        """An MoE model: options :meth:`moe_refusal` accepts, every block an MoE block without a
+        recurrent mixer (its refusal names the mixer), config fields that state the expert sizes."""
+        refusal = self.moe_refusal()
+        if refusal:
+            raise ValueError(f"{refusal}; {type(model).__name__} has mixture-of-experts blocks")
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if config is not None else None
+        for index, block in enumerate(blocks):
+            where = f"block {prefix}.{index} of {type(model).__name__}"
+            experts = fused_experts(block, where=f"{prefix}.{index}")
+            if not experts:
+                raise ValueError(f"{where} is a dense block beside mixture-of-experts blocks: structured pruning of "
+                                 "such a mix is not supported yet")
+            for name, fused in experts.items():
+                shared = shared_expert(block, name)
+                sizes = {expert_layout(fused)[0].intermediate(fused): EXPERT_CHANNEL_FIELDS}
+                if shared is not None:
+                    sizes.setdefault(shared.down_proj.in_features, SHARED_EXPERT_CHANNEL_FIELDS)
+                for size, fields in sizes.items():
+                    if text is not None and _size_field(text, fields, size) is None:
+                        raise ValueError(f"{where}.{name}: no config field ({', '.join(fields)}) states its "
+                                         f"{size} channels, so a pruned model could not be read back")
+
+    def _check_hybrid(self, model: nn.Module, blocks, prefix: str) -> None:
+        """A hybrid model (a recurrent mixer in some blocks): every block has a gated MLP
+        (:data:`pyprune.nn.families.GATED_MLPS`) whose channel count the config's ``intermediate_size``
+        states (LFM2's ``block_auto_adjust_ff_dim`` derives another: refused)."""
+        text = model.config.get_text_config() if getattr(model, "config", None) is not None else None
+        for index, block in enumerate(blocks):
+            where = f"block {prefix}.{index} of {type(model).__name__}"
+            names = gated_mlp(block)
+            if names is None:
+                raise ValueError(f"{where} has no gated MLP pyprune knows (gate, up, down linears: "
+                                 f"{'; '.join(', '.join(n) for n in GATED_MLPS)})")
+            size = block.get_submodule(names[2]).in_features
+            if text is not None and _size_field(text, ("intermediate_size",), size) is None:
+                raise ValueError(f"{where}: its MLP's {size} channels are not the config's intermediate_size "
+                                 f"({getattr(text, 'intermediate_size', None)}), so a pruned model could not be read back")
 
     def _uniform_kv_groups(self, model: nn.Module, blocks, ratio: float) -> int:
         """KV groups every layer keeps under uniform pruning, snapped to a count the model's
@@ -383,11 +519,92 @@ class StructuredMethod(Method):
                                      **{key: block_layout(block)[key] for key in ("heads", "kv_heads")},
                                      "channels": block_layout(block)["intermediate"]}
                                     for index, block in enumerate(engine.decoder_blocks(model))]
+        elif any(fused_experts(block) for block in engine.decoder_blocks(model)):
+            details = self._prune_expert_channels(model, float(pattern.ratio), calib, batch_size, progress)
+        elif any(recurrent_mixer(block) for block in engine.decoder_blocks(model)):
+            details = self._prune_hybrid_channels(model, float(pattern.ratio), calib, batch_size, progress)
         else:
             details = self._prune_groups(model, pattern, calib, batch_size=batch_size, progress=progress)
         if self.scaler is not None:
             details["loss_scale"] = {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}
         return details
+
+    def _prune_expert_channels(self, model, ratio, calib, batch_size, progress) -> Dict:
+        """An MoE model: score every expert's and shared expert's channels, keep each expert's best
+        (the same count in every expert), compact the fused parameters, state the sizes in the config."""
+        blocks = engine.decoder_blocks(model)
+        modules = [(index, name, fused, shared_expert(block, name)) for index, block in enumerate(blocks)
+                   for name, fused in fused_experts(block).items()]
+        structure: List[Dict] = []
+        if ratio > 0 and self.channels:
+            params = [p for _, _, fused, shared in modules
+                      for p in [*fused.parameters(recurse=False), *(shared.parameters() if shared else ())]]
+            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            plan = []
+            for index, name, fused, shared in modules:
+                experts = expert_channel_scores(fused, lambda p: scores.get(id(p)))
+                kept = torch.stack([keep_channels(row, ratio) for row in experts])
+                entry = {"layer": index, "module": name, "experts": experts.shape[0], "channels": kept.shape[1],
+                         "pruned_channels": [_complement(row, experts.shape[1]) for row in kept]}
+                self.layer_scores.setdefault(index, {})[name] = experts
+                shared_kept = None
+                if shared is not None:
+                    shared_scores = gated_mlp_scores(shared, lambda p: scores.get(id(p)))
+                    self.layer_scores[index][f"{name}:shared"] = shared_scores
+                    shared_kept = keep_channels(shared_scores, ratio)
+                    entry.update(shared_channels=shared_kept.numel(),
+                                 pruned_shared_channels=_complement(shared_kept, shared_scores.numel()))
+                plan.append((fused, kept, shared, shared_kept))
+                structure.append(entry)
+            fields = self._expert_fields(model, modules, plan)
+            for fused, kept, shared, shared_kept in plan:
+                compact.keep_expert_channels_(fused, kept)
+                if shared is not None:
+                    compact.keep_gated_mlp_channels_(shared, shared_kept)
+            text = model.config.get_text_config()
+            for key, value in fields.items():
+                setattr(text, key, value)
+        return {"first_layer": 0, "last_layer": len(blocks) - 1, "config_compatible": True,
+                "structure": structure}
+
+    def _prune_hybrid_channels(self, model, ratio, calib, batch_size, progress) -> Dict:
+        """A hybrid model: score and keep every block's MLP channels, the same count in every block
+        (recurrent mixers and attention stay dense), and state it in the config."""
+        blocks = engine.decoder_blocks(model)
+        mlps = [(block, gated_mlp(block)) for block in blocks]
+        structure: List[Dict] = []
+        if ratio > 0 and self.channels:
+            params = [p for block, names in mlps for name in names for p in block.get_submodule(name).parameters()]
+            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            plan = []
+            for index, (block, names) in enumerate(mlps):
+                channel_scores = gated_mlp_scores(block, lambda p: scores.get(id(p)), names)
+                self.layer_scores[index] = {"channels": channel_scores}
+                kept = keep_channels(channel_scores, ratio)
+                plan.append((block, names, kept))
+                structure.append({"layer": index, "mlp": names[2].rpartition(".")[0], "channels": kept.numel(),
+                                  "pruned_channels": _complement(kept, channel_scores.numel())})
+            for block, names, kept in plan:
+                compact.keep_gated_mlp_channels_(block, kept, names)
+            model.config.get_text_config().intermediate_size = plan[0][2].numel()
+        return {"first_layer": 0, "last_layer": len(blocks) - 1, "config_compatible": True,
+                "structure": structure}
+
+    def _expert_fields(self, model, modules, plan) -> Dict[str, int]:
+        """The config fields stating the kept expert (and shared expert) channel counts; ValueError,
+        before anything changes, when one field would have to state two counts."""
+        text = model.config.get_text_config()
+        fields: Dict[str, int] = {}
+        for (_, name, fused, shared), (_, kept, _, shared_kept) in zip(modules, plan):
+            sizes = [(expert_layout(fused)[0].intermediate(fused), EXPERT_CHANNEL_FIELDS, kept.shape[1])]
+            if shared is not None:
+                sizes.append((shared.down_proj.in_features, SHARED_EXPERT_CHANNEL_FIELDS, shared_kept.numel()))
+            for size, names, count in sizes:
+                field = _size_field(text, names, size)
+                if fields.setdefault(field, count) != count:
+                    raise ValueError(f"method {self.name!r}: config field {field} would have to state {fields[field]} "
+                                     f"and {count} channels ({name}); prune experts and shared expert to one size")
+        return fields
 
     def _prune_groups(self, model, pattern, calib, *, batch_size, progress):
         blocks = engine.decoder_blocks(model)
@@ -420,6 +637,12 @@ class StructuredMethod(Method):
                 setattr(config, key, value)
         return {"uniform": uniform, "first_layer": first, "last_layer": last,
                 "config_compatible": fields is not None, "structure": structure}
+
+
+def _size_field(config, names: Sequence[str], size: int) -> Optional[str]:
+    """The first of the config fields ``names`` the config has, when it states ``size``; else None."""
+    field = next((name for name in names if isinstance(getattr(config, name, None), int)), None)
+    return field if field is not None and getattr(config, field) == size else None
 
 
 def _complement(kept: Tensor, total: int) -> List[int]:

@@ -80,7 +80,7 @@ def check_materialised(model: nn.Module, what: str) -> None:
 
 
 #: the names an MoE block gives the linear that routes tokens to its experts
-_ROUTER_NAMES = ("gate", "router")
+ROUTER_NAMES = ("gate", "router")
 
 
 def _is_router(block: nn.Module, name: str) -> bool:
@@ -88,7 +88,7 @@ def _is_router(block: nn.Module, name: str) -> bool:
     ``shared_expert_gate``, routers kept as nn.Linear): it scores tokens, it is never pruned."""
     parent_name, _, own = name.rpartition(".")
     parent = block.get_submodule(parent_name) if parent_name else block
-    return hasattr(parent, "experts") and (own in _ROUTER_NAMES or own.endswith("_gate"))
+    return hasattr(parent, "experts") and (own in ROUTER_NAMES or own.endswith("_gate"))
 
 
 def block_linears(block: nn.Module) -> Dict[str, nn.Linear]:

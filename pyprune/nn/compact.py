@@ -29,24 +29,35 @@ MLP input linears, the outputs of their output linears and the input of lm_head.
 ``head_dim`` and MLP channels stay.
 
 :func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
+
+:func:`keep_expert_channels_` removes intermediate channels of every expert of a fused experts module
+(each expert its own channels, the same number: the fused parameters hold one intermediate size), and
+:func:`keep_gated_mlp_channels_` those of a gate/up/down MLP named by its linears (a shared expert, a
+hybrid block's MLP).
+
+:func:`keep_experts_` (REAP) removes whole experts of MoE blocks: their slices of the fused expert
+parameters and their rows of the router, so that the router's top-k (and the renormalisation of the
+top-k weights where the family has one) chooses among the kept experts only.
 """
 from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .anatomy import decoder_blocks
-from .families import Family, channel_rows, head_rows
+from .experts import expert_layout, fused_experts, routers
+from .families import EXPERT_FIELDS, Family, channel_rows, head_rows
 from .layout import (Indices, block_layout, check_block, check_heads_removable, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_"]
+           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_",
+           "keep_experts_", "keep_expert_channels_", "keep_gated_mlp_channels_"]
 
 
 def _copied_linear(old: nn.Linear, rows: Optional[Tensor] = None, cols: Optional[Tensor] = None,
@@ -296,14 +307,21 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
         setattr(config, key, value)
 
 
+#: config fields listing the indices of some blocks (not one entry per block): Llama 4's MoE blocks
+BLOCK_INDEX_LISTS = ("moe_layers",)
+
+
 def _kept_block_config(config, keep: list, count: int) -> Dict:
     """The config fields that change when only blocks ``keep`` (sorted, of ``count``) stay: the
     block count, every per-block list (``layer_types``, ...: any list of one entry per block whose
     name names layers), Qwen2's ``max_window_layers`` (the blocks before it use full attention) and
-    Qwen-MoE's dense blocks (``mlp_only_layers``, ``decoder_sparse_step``: made an explicit list)."""
+    Qwen-MoE's dense blocks (``mlp_only_layers``, ``decoder_sparse_step``: made an explicit list) and the
+    lists of block indices (:data:`BLOCK_INDEX_LISTS`, Llama 4's ``moe_layers``: renumbered)."""
     fields: Dict = {"num_hidden_layers": len(keep)}
     for name, value in vars(config).items():
-        if "layer" in name and isinstance(value, (list, tuple)) and len(value) == count and name != "mlp_only_layers":
+        if name in BLOCK_INDEX_LISTS and isinstance(value, (list, tuple)):
+            fields[name] = [new for new, old in enumerate(keep) if old in value]
+        elif "layer" in name and isinstance(value, (list, tuple)) and len(value) == count and name != "mlp_only_layers":
             fields[name] = [value[i] for i in keep]
     if isinstance(getattr(config, "max_window_layers", None), int):
         fields["max_window_layers"] = sum(1 for i in keep if i < config.max_window_layers)
@@ -336,3 +354,113 @@ def keep_blocks_(model: nn.Module, keep: Indices) -> None:
         for module in block.modules():
             if isinstance(getattr(module, "layer_idx", None), int):
                 module.layer_idx = new_index
+
+
+def _kept_parameter_(module: nn.Module, name: str, kept: Tensor) -> None:
+    """``module.name`` replaced by its slices ``kept`` along the first dimension (a new Parameter)."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(old.detach().index_select(0, kept.to(old.device)).clone(),
+                                       requires_grad=old.requires_grad))
+
+
+@torch.no_grad()
+def keep_experts_(model: nn.Module, keep: Dict) -> None:
+    """Keep only the experts ``keep[(block index, experts module name inside the block)]`` (distinct
+    indices, at least the router's top-k) of those fused experts modules: each expert parameter (and
+    bias) and the router's weight (and bias) keep those slices along their first dimension, in order,
+    and every ``num_experts`` the experts module, its router or their parent holds (a router
+    nn.Linear's ``out_features`` too) and the config's expert count (:data:`EXPERT_FIELDS`) become the
+    kept count, so that plain ``from_pretrained`` rebuilds the same model. One config states one
+    count: ValueError, before anything changes, when the model's experts modules would then differ."""
+    blocks = decoder_blocks(model)
+    plan, counts = [], {}
+    for index, block in enumerate(blocks):
+        for name, experts in fused_experts(block).items():
+            counts[(index, name)] = experts.gate_up_proj.shape[0]
+    for key, indices in keep.items():
+        if key not in counts:
+            raise ValueError(f"keep_experts_ keep: {key} names no fused experts module; those of this model are "
+                             f"{sorted(counts)}")
+        index, name = key
+        block = blocks[index]
+        router = routers(block)[name]
+        kept = checked_index(indices, counts[key], f"keep_experts_ keep[{key}]")
+        top_k = getattr(router, "top_k", None)
+        if isinstance(top_k, int) and kept.numel() < top_k:
+            raise ValueError(f"keep_experts_ keep[{key}]: {kept.numel()} experts cannot serve the router's top-{top_k}")
+        plan.append((block, name, router, kept, counts[key]))
+        counts[key] = kept.numel()
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"keep_experts_ keep: every experts module must keep the same number of experts (one config "
+                         f"field states it); the counts would be {sorted(set(counts.values()))}")
+    for block, name, router, kept, count in plan:
+        experts = block.get_submodule(name)
+        parent = block.get_submodule(name.rpartition(".")[0]) if "." in name else block
+        for own in [n for n, _ in experts.named_parameters(recurse=False)]:
+            _kept_parameter_(experts, own, kept)
+        for own in [n for n, _ in router.named_parameters(recurse=False)]:
+            _kept_parameter_(router, own, kept)
+        for module in (experts, router, parent):
+            if getattr(module, "num_experts", None) == count:
+                module.num_experts = kept.numel()
+        if isinstance(router, nn.Linear):
+            router.out_features = kept.numel()
+    config = getattr(model, "config", None)
+    if config is not None and plan:
+        text = config.get_text_config()
+        for field in EXPERT_FIELDS:
+            if getattr(text, field, None) == plan[0][4]:
+                setattr(text, field, plan[0][3].numel())
+
+
+@torch.no_grad()
+def keep_expert_channels_(fused: nn.Module, channels: Tensor) -> None:
+    """Keep, of each expert e of the fused experts module ``fused``, only its intermediate channels
+    ``channels[e]`` ([E, k] distinct indices per expert, in that order): its gate and up entries of
+    ``gate_up_proj`` (and its bias) and its entries of ``down_proj`` along the channel dimension of
+    the module's :class:`~pyprune.nn.experts.ExpertLayout`; the module's intermediate size attribute
+    (``intermediate_dim``, ``intermediate_size``, ``expert_dim``) follows."""
+    layout, problem = expert_layout(fused)
+    if layout is None:
+        raise ValueError(f"keep_expert_channels_: {type(fused).__name__} is no fused experts module pyprune can "
+                         f"prune: {problem}")
+    intermediate, experts = layout.intermediate(fused), fused.gate_up_proj.shape[0]
+    channels = torch.as_tensor(channels, dtype=torch.long)
+    if channels.dim() != 2 or channels.shape[0] != experts:
+        raise ValueError(f"keep_expert_channels_ channels: needs one row of kept channels per expert, shape "
+                         f"[{experts}, k]; got {tuple(channels.shape)}")
+    channels = torch.stack([checked_index(row, intermediate, f"keep_expert_channels_ channels[{e}]")
+                            for e, row in enumerate(channels)])
+    for name in layout.parameters:
+        dim = layout.channel_dim(name)
+        if dim is None:
+            continue
+        old = getattr(fused, name)
+        positions = layout.channel_positions(name, channels, intermediate).to(old.device)
+        shape = [1] * old.dim()
+        shape[0], shape[dim] = experts, positions.shape[1]
+        size = list(old.shape)
+        size[dim] = positions.shape[1]
+        kept = old.detach().gather(dim, positions.view(shape).expand(size)).clone()
+        setattr(fused, name, nn.Parameter(kept, requires_grad=old.requires_grad))
+    for field in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if getattr(fused, field, None) == intermediate:
+            setattr(fused, field, channels.shape[1])
+
+
+@torch.no_grad()
+def keep_gated_mlp_channels_(module: nn.Module, index: Indices,
+                             names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """Keep only channels ``index`` of the gated MLP whose gate, up and down linears are ``names`` inside
+    ``module`` (a shared expert; a hybrid block's MLP): rows of gate and up, columns of down; an
+    ``intermediate_size`` attribute of the MLP follows."""
+    gate, up, down = names
+    channels = module.get_submodule(down).in_features
+    index = checked_index(index, channels, "keep_gated_mlp_channels_")
+    for name in (gate, up):
+        _replace(module, name, _copied_linear(module.get_submodule(name), rows=index))
+    _replace(module, down, _copied_linear(module.get_submodule(down), cols=index))
+    parent = down.rpartition(".")[0]
+    mlp = module.get_submodule(parent) if parent else module
+    if getattr(mlp, "intermediate_size", None) == channels:
+        mlp.intermediate_size = index.numel()

@@ -20,6 +20,8 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .anatomy import ROUTER_NAMES
+
 #: the fused matrices of an experts module, as transformers names them
 MATRICES = ("gate_up_proj", "down_proj")
 
@@ -36,6 +38,7 @@ class ExpertLayout:
     biases: bool      #: with ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]
     prescaled: bool   #: called on [E·T, H], every token once per expert times its routing score (0: not routed),
     #: instead of (hidden_states, top_k_index, top_k_weights)
+    interleaved: bool = False  #: gate_up's gate and up entries alternate (gpt-oss), else gate half then up half
 
     @property
     def parameters(self) -> Tuple[str, ...]:
@@ -47,6 +50,37 @@ class ExpertLayout:
             gate_up, down = gate_up[::-1], down[::-1]
         return {"gate_up_proj": (experts, *gate_up), "down_proj": (experts, *down),
                 "gate_up_proj_bias": (experts, 2 * intermediate), "down_proj_bias": (experts, hidden)}
+
+    def channel_dim(self, name: str) -> Optional[int]:
+        """The dimension of fused parameter ``name`` ([E, ...]) that indexes the intermediate channels
+        (gate_up's: both halves), None for ``down_proj_bias`` (it indexes the hidden size)."""
+        return {"gate_up_proj": 2 if self.transposed else 1, "down_proj": 1 if self.transposed else 2,
+                "gate_up_proj_bias": 1}.get(name)
+
+    def channel_positions(self, name: str, channels: Tensor, intermediate: int) -> Tensor:
+        """The positions along :meth:`channel_dim` of channels ``channels`` ([E, k]) in parameter
+        ``name``: themselves in ``down_proj``; their gate and up entries in ``gate_up_proj`` (and its
+        bias), ``(2c, 2c + 1)`` interleaved or ``(c, I + c)`` halves."""
+        if name == "down_proj":
+            return channels
+        if self.interleaved:
+            return torch.stack((2 * channels, 2 * channels + 1), dim=-1).flatten(-2)
+        return torch.cat((channels, intermediate + channels), dim=-1)
+
+    def channel_totals(self, name: str, values: Tensor, intermediate: int) -> Tensor:
+        """``values`` shaped like parameter ``name`` summed into its intermediate channels: [E, I]
+        (a channel's gate and up entries together)."""
+        experts = values.shape[0]
+        totals = values.movedim(self.channel_dim(name), -1).reshape(experts, -1, values.shape[self.channel_dim(name)])
+        totals = totals.sum(dim=1)
+        if name == "down_proj":
+            return totals
+        return totals.view(experts, intermediate, 2).sum(-1) if self.interleaved \
+            else totals.view(experts, 2, intermediate).sum(1)
+
+    def intermediate(self, fused: nn.Module) -> int:
+        """The channels of each expert of ``fused``."""
+        return fused.down_proj.shape[self.channel_dim("down_proj")]
 
     def weight(self, fused: nn.Module, matrix: str, index: int) -> Tensor:
         """Expert ``index``'s ``matrix`` as an [out, in] view of the fused parameter."""
@@ -63,7 +97,7 @@ class ExpertLayout:
 LAYOUTS = (
     (ExpertLayout("mixtral", transposed=False, biases=False, prescaled=False),  # Mixtral, Qwen2/3/3.5-MoE
      {"is_transposed": False, "has_bias": False, "is_concatenated": True}),
-    (ExpertLayout("gpt_oss", transposed=True, biases=True, prescaled=False),
+    (ExpertLayout("gpt_oss", transposed=True, biases=True, prescaled=False, interleaved=True),
      {"is_transposed": True, "has_bias": True, "is_concatenated": False}),
     (ExpertLayout("llama4", transposed=True, biases=False, prescaled=True),
      {"is_transposed": True, "has_bias": False, "is_concatenated": True}),
@@ -130,6 +164,24 @@ def fused_experts(block: nn.Module, strict: bool = True, where: str = "block") -
     return found
 
 
+def routers(block: nn.Module) -> Dict[str, nn.Module]:
+    """The router of every fused experts module of ``block`` (:func:`fused_experts`), by the experts
+    module's name: its sibling named ``gate`` or ``router`` (Mixtral's and Qwen-MoE's top-k router,
+    gpt-oss's with a bias, Llama 4's nn.Linear), whose weight has one row per expert."""
+    found = {}
+    for name, experts in fused_experts(block).items():
+        parent_name = name.rpartition(".")[0]
+        parent = block.get_submodule(parent_name) if parent_name else block
+        router = next((getattr(parent, own) for own in ROUTER_NAMES if isinstance(getattr(parent, own, None), nn.Module)),
+                      None)
+        count = experts.gate_up_proj.shape[0]
+        if router is None or getattr(router, "weight", None) is None or router.weight.shape[0] != count:
+            raise ValueError(f"{name} ({type(experts).__name__}) has no router beside it: pyprune looks for a module "
+                             f"named {' or '.join(ROUTER_NAMES)} whose weight has one row per expert ({count})")
+        found[name] = router
+    return found
+
+
 class _BiasedLinear(nn.Linear):
     """An expert matrix with its bias, added after the product as the fused module adds it."""
 
@@ -162,6 +214,7 @@ class RoutedExperts(nn.ModuleList):
         super().__init__(experts)
         object.__setattr__(self, "layout", layout)  # neither is a child: the list holds experts only
         object.__setattr__(self, "_fused", fused)
+        object.__setattr__(self, "_observers", [])
 
     def gate(self, gate_up: Tensor) -> Tensor:
         """The fused module's ``_apply_gate``, else ``act_fn(gate) · up`` on the halves."""
@@ -174,18 +227,27 @@ class RoutedExperts(nn.ModuleList):
     def expert(self, index: int, x: Tensor) -> Tensor:
         return self[index].down_proj(self.gate(self[index].gate_up_proj(x)))
 
-    def forward(self, hidden_states: Tensor, top_k_index: Optional[Tensor] = None,
-                top_k_weights: Optional[Tensor] = None) -> Tensor:
+    def contributions(self, hidden_states: Tensor, top_k_index: Optional[Tensor] = None,
+                      top_k_weights: Optional[Tensor] = None) -> Iterator[Tuple[int, Tensor, Tensor]]:
+        """(expert, rows, contribution) for every expert some token is routed to: the rows of the flat
+        output ([tokens, H], or [E·T, H] for a pre-scaled layout) it adds to, and its output on them
+        as the layer sums it: ``down(gate(gate_up(x)))`` times the routing weight, or for a pre-scaled
+        layout on the router-scaled rows of its share of the input."""
         if self.layout.prescaled:
             if top_k_index is not None or top_k_weights is not None:
                 raise TypeError(f"{self.layout.name} experts are called on pre-scaled tokens alone")
-            return self._prescaled(hidden_states)
+            rows = hidden_states.view(len(self), -1, hidden_states.shape[-1])
+            for index in range(len(self)):
+                with torch.no_grad():
+                    token = rows[index].any(dim=-1).nonzero()[:, 0]
+                if token.numel():
+                    yield index, index * rows.shape[1] + token, self.expert(index, rows[index, token])
+            return
         if top_k_index is None or top_k_index.is_floating_point() or not top_k_weights.is_floating_point():
             raise TypeError("fused experts called with (hidden_states, top_k_index, top_k_weights) of dtypes "
                             f"{hidden_states.dtype}, {getattr(top_k_index, 'dtype', None)}, "
                             f"{getattr(top_k_weights, 'dtype', None)}; pyprune reproduces experts called with "
                             "integer expert indices and float routing weights in that order")
-        final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             routed = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
             hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero()
@@ -193,19 +255,28 @@ class RoutedExperts(nn.ModuleList):
             if index == len(self):
                 continue
             position, token = torch.where(routed[index])
-            out = self.expert(index, hidden_states[token]) * top_k_weights[token, position, None]
-            final.index_add_(0, token, out.to(final.dtype))
-        return final
+            yield index, token, self.expert(index, hidden_states[token]) * top_k_weights[token, position, None]
 
-    def _prescaled(self, hidden_states: Tensor) -> Tensor:
-        rows = hidden_states.view(len(self), -1, hidden_states.shape[-1])
-        final = torch.zeros_like(rows)
-        for index in range(len(self)):
-            with torch.no_grad():
-                token = rows[index].any(dim=-1).nonzero()[:, 0]
-            if token.numel():
-                final[index, token] = self.expert(index, rows[index, token]).to(final.dtype)
+    def forward(self, hidden_states: Tensor, top_k_index: Optional[Tensor] = None,
+                top_k_weights: Optional[Tensor] = None) -> Tensor:
+        """The fused module's output: every expert's :meth:`contributions` summed into its rows, each
+        passed first to the :meth:`observed` callbacks."""
+        final = torch.zeros_like(hidden_states).view(-1, hidden_states.shape[-1])
+        for index, rows, out in self.contributions(hidden_states, top_k_index, top_k_weights):
+            for observer in self._observers:
+                observer(index, out)
+            final.index_add_(0, rows, out.to(final.dtype))
         return final.view_as(hidden_states)
+
+    @contextmanager
+    def observed(self, observer) -> Iterator[None]:
+        """Within: ``observer(expert, contribution)`` sees each expert's weighted output on its tokens
+        ([routed tokens, H]) in every forward (REAP's saliency, :mod:`pyprune.methods.reap`)."""
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
 
 
 def experts_of(linears) -> nn.Module:

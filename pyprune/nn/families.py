@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "FINAL_NORMS"]
+__all__ = ["Family", "FAMILIES", "head_rows", "channel_rows", "experts_in_config", "EXPERT_FIELDS", "EXPERT_CHANNEL_FIELDS",
+           "SHARED_EXPERT_CHANNEL_FIELDS", "GATED_MLPS", "FINAL_NORMS"]
 
 #: where a decoder (``get_decoder()``) keeps the norm after its last block
 FINAL_NORMS = ("norm", "final_layer_norm")
@@ -132,8 +133,25 @@ def channel_rows(family: Family, channels: int) -> Dict[str, List[Tensor]]:
             for name in family.mlp_in}
 
 
+#: the config fields that count an MoE block's experts (Mixtral's, gpt-oss's and Llama 4's; Qwen-MoE's)
+EXPERT_FIELDS = ("num_local_experts", "num_experts")
+
+
+#: the config fields stating an MoE model's per-expert and shared-expert intermediate sizes (the first one
+#: the config has: Qwen-MoE's own fields, else Mixtral's, gpt-oss's and Llama 4's ``intermediate_size``)
+EXPERT_CHANNEL_FIELDS = ("moe_intermediate_size", "intermediate_size")
+SHARED_EXPERT_CHANNEL_FIELDS = ("shared_expert_intermediate_size", "intermediate_size")
+
+
+#: the gated MLPs of hybrid blocks, as (gate, up, down) linears inside the block: Qwen3.5's, Falcon-H1's,
+#: LFM2's (``w2(silu(w1 x) · w3 x)``); their channels are stated by the config's ``intermediate_size``
+GATED_MLPS = (("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+              ("feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"),
+              ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2"))
+
+
 def experts_in_config(config) -> int:
     """The experts a config's MoE blocks route between (Mixtral's ``num_local_experts``, Qwen-MoE's
     ``num_experts``), 0 for a dense model: what a method refuses before the weights are loaded."""
-    counts = [getattr(config, field, None) for field in ("num_local_experts", "num_experts")]
+    counts = [getattr(config, field, None) for field in EXPERT_FIELDS]
     return max([n for n in counts if isinstance(n, int)], default=0)

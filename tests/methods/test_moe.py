@@ -120,13 +120,17 @@ def test_an_expert_no_token_reaches_is_pruned_by_magnitude_and_counted(family, m
                 assert torch.equal(weight, by_magnitude) == (e >= 2), (matrix, e)
 
 
+@pytest.mark.parametrize("method", ["slicegpt", "dress"])
 @pytest.mark.parametrize("family", MOE)
-def test_structured_pruning_refuses_an_moe_model_before_touching_it(family):
+def test_hidden_slicing_refuses_an_moe_model_before_touching_it(family, method):
+    """SliceGPT and DReSS slice the hidden stream of dense blocks (Taylor and MoreauPruner prune an MoE
+    model's expert channels: tests/methods/test_expert_channels.py)."""
     model = tiny_decoder(family)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"^method 'taylor' cannot prune an MoE model \(model.layers.0.mlp.experts\): "
-                                         "structured pruning of experts is not supported"):
-        pyprune.prune(model, "taylor", Structured(0.25), random_tokens((2, 16)), progress=False)
+    with pytest.raises(ValueError, match=rf"^method '{method}' cannot prune an MoE model "
+                                         r"\(model.layers.0.mlp.experts\): its structured pruning acts on dense "
+                                         "blocks"):
+        pyprune.prune(model, method, Structured(0.25), random_tokens((2, 16)), progress=False)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 

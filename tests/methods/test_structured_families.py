@@ -78,12 +78,13 @@ def test_uniform_pruning_states_its_sizes_in_the_family_config(family):
 
 
 @pytest.mark.parametrize("family", ("mixtral", "qwen2_moe"))
-def test_moe_families_are_refused_before_the_model_is_touched(family):
+def test_moe_families_refuse_head_pruning_before_the_model_is_touched(family):
+    """An MoE model's expert channels are pruned (tests/methods/test_expert_channels.py), its heads not yet."""
     model = tiny_decoder(family, layers=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="mixture-of-experts"):  # from the config alone, before loading
         Taylor().check_config(model.config, Structured(0.5))
-    with pytest.raises(ValueError, match="cannot prune an MoE model") as info:  # the model itself
+    with pytest.raises(ValueError, match="expert channels only: pass heads=False") as info:  # the model itself
         pyprune.prune(model, "taylor", Structured(0.5), random_tokens((4, 16)), progress=False)
     assert "\n" not in str(info.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

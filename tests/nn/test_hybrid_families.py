@@ -3,8 +3,10 @@ linear attention in block 0), Falcon-H1 (Mamba2 beside attention in every block)
 convolution in block 0). Their depthwise Conv1d is no fused experts module; the engine's block inputs
 equal the model's own hidden states; Wanda's masks equal a sequential full-model reference, and every
 linear projection gets the pattern, unstructured, N:M and with block training; the convolutions and
-the mixers' state and gate parameters stay as they are and the report lists them; structured methods
-refuse such a block naming its mixer. (The dense families: tests/runtime/test_engine.py,
+the mixers' state and gate parameters stay as they are and the report lists them; Taylor with
+heads=False prunes every block's MLP channels (an MoE hybrid's expert channels) and equals the
+from-config model of that size holding the hand-sliced weights, with heads it refuses naming the
+mixer, as SliceGPT does. (The dense families: tests/runtime/test_engine.py,
 tests/methods/test_families.py.)"""
 import copy
 
@@ -131,14 +133,72 @@ def test_block_training_gives_exact_2_4_and_lowers_every_blocks_loss(family, tin
 @pytest.mark.parametrize("method", ["taylor", "slicegpt"])
 @pytest.mark.parametrize("family", HYBRID)
 def test_structured_methods_refuse_a_recurrent_mixer_by_name(family, method, tiny):
-    """Heads/channels (Taylor) and hidden slicing (SliceGPT) name block 0's mixer (an MoE hybrid: its
-    experts, checked first), in one line."""
+    """Heads (Taylor's default) and hidden slicing (SliceGPT; an MoE hybrid: its experts, checked first)
+    name block 0's mixer, in one line, before anything changes."""
     mixer = MIXER_STATE[family][0].split(".")[0]
-    refusal = ("structured pruning of experts is not supported" if family in MOE
-               else f"model.layers.0 .*mixes tokens with {mixer} .*not attention heads")
+    refusal = ("its structured pruning acts on dense blocks" if family in MOE and method == "slicegpt"
+               else f"model.layers.0 .*mixes tokens with {mixer} .*"
+               + ("pass heads=False" if method == "taylor" else "not attention heads"))
+    model = tiny(family)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=refusal) as info:
-        pyprune.prune(tiny(family), method, Structured(0.25), TOKENS, progress=False)
+        pyprune.prune(model, method, Structured(0.25), TOKENS, progress=False)
     assert "\n" not in str(info.value)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+#: each dense hybrid's gated MLP (gate, up, down) inside a block
+MLPS = {"qwen3_5": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        "falcon_h1": ("feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"),
+        "lfm2": ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")}
+
+
+@pytest.mark.parametrize("family", sorted(MLPS))
+def test_taylor_prunes_every_blocks_mlp_channels_around_the_mixer(family, tiny, tmp_path):
+    """heads=False: each block keeps its MLP channels of highest |W ⊙ ∇W| (gate and up rows, down column,
+    from the gradient of the mean loss computed here), the mixer and attention untouched; the result
+    equals a from-config model with that intermediate_size holding the hand-sliced weights, and reads back
+    with plain from_pretrained."""
+    from transformers import AutoModelForCausalLM
+    dense = tiny(family)
+    model = copy.deepcopy(dense)
+    report = pyprune.prune(model, "taylor", Structured(0.25), TOKENS, batch_size=5, progress=False, heads=False)
+    graded = copy.deepcopy(dense)
+    graded(input_ids=TOKENS, labels=TOKENS, use_cache=False).loss.backward()
+    state = dense.state_dict()
+    gate, up, down = MLPS[family]
+    for index, block in enumerate(decoder_blocks(graded)):
+        taylor = {name: (block.get_submodule(name).weight * block.get_submodule(name).weight.grad).abs().double()
+                  for name in (gate, up, down)}
+        scores = taylor[gate].sum(dim=1) + taylor[up].sum(dim=1) + taylor[down].sum(dim=0)
+        kept = torch.sort(scores, descending=True, stable=True).indices[:round(0.75 * scores.numel())].sort().values
+        assert report["structure"][index]["pruned_channels"] == sorted(set(range(scores.numel())) - set(kept.tolist()))
+        for name, axis in ((gate, 0), (up, 0), (down, 1)):
+            key = f"model.layers.{index}.{name}.weight"
+            state[key] = state[key].index_select(axis, kept)
+    config = copy.deepcopy(dense.config)
+    config.intermediate_size = len(kept)
+    reference = type(dense)(config).eval()
+    reference.load_state_dict(state, strict=True)
+    mixer = [n for n in dense.state_dict()
+             if n.startswith("model.layers.") and n.split(".")[3] in ("linear_attn", "mamba", "conv", "self_attn")]
+    assert mixer
+    assert all(torch.equal(model.state_dict()[n], dense.state_dict()[n]) for n in mixer)
+    with torch.no_grad():
+        logits = model(input_ids=TOKENS, use_cache=False).logits
+        assert torch.equal(logits, reference(input_ids=TOKENS, use_cache=False).logits)
+        pyprune.save(model, None, str(tmp_path / "pruned"), report)
+        plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "pruned")).eval()
+        assert torch.equal(plain(input_ids=TOKENS, use_cache=False).logits, logits)
+
+
+def test_taylor_prunes_an_moe_hybrids_expert_channels(tiny):
+    """Qwen3-Next: heads=False prunes its experts' and shared expert's channels; Gated DeltaNet stays."""
+    model = tiny("qwen3_next")
+    state = _state(model, "qwen3_next")
+    pyprune.prune(model, "taylor", Structured(0.25), TOKENS, batch_size=5, progress=False, heads=False)
+    assert model.config.moe_intermediate_size == 24 and model.config.shared_expert_intermediate_size == 24
+    assert all(torch.equal(model.get_parameter(name), value) for name, value in state.items())
 
 
 @pytest.mark.parametrize("family", HYBRID)
