@@ -29,11 +29,14 @@ CASES = [
     ("moreau", "moreau", Structured(0.25), {"steps": 3}),
     ("sleb", "sleb", Structured(0.5), {"early_barrier": 0, "latter_barrier": 0}),  # removes one of two blocks
     ("slicegpt", "slicegpt", Structured(0.25), {}),
+    ("copal", "copal", 0.5, {}),  # its sums of the sensitivity increments, float64 like the Hessians
 ]
-#: block training, one process at two seeds and two ranks at the first
-TRAINING = [(f"{name}-seed{seed}", method, pattern, dict(options, epochs=1, train_seed=seed))
-            for name, method, pattern, options in [("masked-recon", "masked-recon", "2:4", {"start": "sparsegpt"}),
-                                                   ("safe+", "safe+", 0.5, {"dual_interval": 2})]
+#: training, one process at two seeds and two ranks at the first: block training, DReSS's regularisation
+TRAINING = [(f"{name}-seed{seed}", method, pattern, dict(options, train_seed=seed))
+            for name, method, pattern, options in [
+                ("masked-recon", "masked-recon", "2:4", {"start": "sparsegpt", "epochs": 1}),
+                ("safe+", "safe+", 0.5, {"dual_interval": 2, "epochs": 1}),
+                ("dress", "dress", Structured(0.25), {"steps": 4})]
             for seed in (0, 1)]
 #: cases that run on some families only (structured ones: on the dense families)
 ONLY = {"slicegpt": ("llama",),  # SliceGPT rotates two-norm RMS-norm blocks
@@ -70,7 +73,8 @@ def _prune_all(cases, families=FAMILIES):
                 with expert_linears(block):
                     weights.update({f"{index}.{name}": linear.weight.detach().clone()
                                     for name, linear in block_linears(block).items()})
-            results[f"{family}/{case}"] = (weights, report.get("owl"), report.get("admm", {}).get("layers"))
+            results[f"{family}/{case}"] = (weights, report.get("owl"), report.get("admm", {}).get("layers"),
+                                           report.get("pruned_channels"))
     return results
 
 
@@ -134,8 +138,8 @@ def test_two_ranks_give_the_masks_and_weights_of_one_process(tmp_path, one_proce
     for rank, result in enumerate(ranks):
         assert isinstance(result, dict), f"rank {rank}: {result}"
         assert _differing(result, expected) == [], f"rank {rank}"
-        for key, (_, owl, admm_layers) in expected.items():
-            assert result[key][1:] == (owl, admm_layers), key  # OWL's allocation; ALPS's report covers every layer
+        for key, (_, *details) in expected.items():
+            assert result[key][1:] == tuple(details), key  # OWL's allocation; ALPS's report covers every layer
     # SparseGPT's layer solves were spread: each rank solved its share, none twice
     layers = sum(len(weights) for key, (weights, *_) in expected.items() if key.split("/")[1].startswith("sparsegpt"))
     solves = [result["solves"] for result in ranks]
@@ -147,7 +151,7 @@ def test_without_the_reductions_the_results_differ(tmp_path, one_process):
     outlier ratios, Taylor's gradients, SliceGPT's Gram matrices) gives other masks, channels and rotations,
     and block training on its own shard's gradients lands outside the bound of the next test."""
     cases = [case for case in CASES if case[0] in ("wanda", "wanda-owl", "taylor", "slicegpt")]
-    training = [case for case in TRAINING if case[0].endswith("seed0")]
+    training = [case for case in TRAINING if case[0] in ("masked-recon-seed0", "safe+-seed0")]
     names = {case[0] for case in cases + training}
     for rank, result in enumerate(_run_ranks(tmp_path, cases + training, mode="unreduced")):
         assert set(result) - {"solves"} == {key for key in one_process if key.split("/")[1] in names}, rank
@@ -163,15 +167,18 @@ def _distance(weights, others):
     return sum(float((weights[name] - others[name]).double().square().sum()) for name in weights) ** 0.5
 
 
-def test_block_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path, one_process):
-    """SAFE⁺ and masked reconstruction (from SparseGPT's solves, spread over the ranks) train each block on
-    the gradients summed over the ranks: the weights of 2 ranks differ from one process's by less than one
-    process's differ between two training seeds (the sums' rounding differs, not the data)."""
+def test_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path, one_process):
+    """SAFE⁺ and masked reconstruction (from SparseGPT's solves, spread over the ranks) train each block,
+    DReSS the whole model, on the gradients summed over the ranks: the weights of 2 ranks differ from one
+    process's by less than one process's differ between two training seeds (the sums' rounding differs, not
+    the data); DReSS removes the same hidden channels (its channel energies are summed over the ranks)."""
     [result, _] = _run_ranks(tmp_path, [case for case in TRAINING if case[0].endswith("seed0")])
-    for method in ("masked-recon", "safe+"):
+    for method in ("masked-recon", "safe+", "dress"):
         seed0, seed1 = (one_process[f"llama/{method}-seed{seed}"][0] for seed in (0, 1))
         ranks = result[f"llama/{method}-seed0"][0]
         assert _distance(ranks, seed0) < 0.1 * _distance(seed1, seed0), method
+    channels = result["llama/dress-seed0"][3]
+    assert channels is not None and channels == one_process["llama/dress-seed0"][3]
 
 
 @pytest.mark.slow
