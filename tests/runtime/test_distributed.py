@@ -340,3 +340,67 @@ def test_when_a_rank_is_killed_the_other_stops_within_the_timeout(tmp_path):
     result, ended = torch.load(tmp_path / "rank0.pt")
     assert result.startswith("RankFailed: rank 0 failed in block 0 (model.layers.0): "), result
     assert "\n" not in result and ended - torch.load(tmp_path / "killed.pt") < KILL_TIMEOUT_S
+
+
+# -- eval, recover and continual in a process group ---------------------------------------------------------------
+
+def _command_argvs(model_dir, text, lines, other, out):
+    """argv of ``pyprune eval``, ``recover`` (LoRA) and ``continual`` (COPAL) on the tiny model, writing under ``out``."""
+    common = ["--model", str(model_dir), "--threads", "1", "--quiet"]
+    return {
+        "eval": ["eval", *common, "--data", str(text), "--seqlen", "16", "--batch-size", "2",
+                 "--report", str(out / "eval.json")],
+        "recover": ["recover", *common, "--calib", str(text), "--nsamples", "8", "--seqlen", "16", "--steps", "3",
+                    "--lr", "1e-3", "--batch-size", "4", "--eval", str(text), "--eval-seqlen", "16",
+                    "--output", str(out / "recovered"), "--report", str(out / "recover.json")],
+        "continual": ["continual", *common, "--method", "copal", "--pattern", "2:4", "--datasets", str(lines), str(other),
+                      "--nsamples", "4", "--seqlen", "16", "--batch-size", "2", "--eval-seqlen", "16",
+                      "--report", str(out / "continual.json")],
+    }
+
+
+def _commands_worker(rank, world, rendezvous, argvs):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        from pyprune.cli import main
+        for name, argv in argvs.items():
+            assert main(argv) == 0, f"rank {rank}: pyprune {name} failed"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eval_recover_and_continual_on_two_ranks_report_what_one_process_does(tiny_model_dir, tmp_path):
+    """Each command joins the group it runs in: perplexity's windows, LoRA's minibatches and COPAL's
+    calibration are sharded and summed over the ranks; rank 0 alone writes the reports and the model."""
+    import json
+    from pyprune.cli import main
+    model_dir, text = tiny_model_dir
+    from tests.helpers import WORDS
+    lines, other = tmp_path / "lines.txt", tmp_path / "other.txt"  # continual evaluates each text's second half
+    lines.write_text("\n".join(" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(10)) for i in range(60)))
+    other.write_text("\n".join(["house woman truth wife ."] * 150))
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    before = torch.get_num_threads()
+    try:
+        for argv in _command_argvs(model_dir, text, lines, other, one).values():
+            assert main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    mp.spawn(_commands_worker, args=(2, str(tmp_path / "rendezvous"), _command_argvs(model_dir, text, lines, other, two)),
+             nprocs=2)
+
+    def read(directory, name):
+        return json.loads((directory / name).read_text())
+    assert read(two, "eval.json")["eval"] == read(one, "eval.json")["eval"]  # the same perplexity, to 4 decimals
+    recovered = [read(d, "recover.json") for d in (one, two)]
+    assert recovered[1]["recovery"]["losses"] == pytest.approx(recovered[0]["recovery"]["losses"], rel=1e-5)
+    assert [e["perplexity"] for e in recovered[1]["eval_after"]] == pytest.approx(
+        [e["perplexity"] for e in recovered[0]["eval_after"]], rel=1e-4)
+    weights = [_saved(d / "recovered") for d in (one, two)]
+    assert weights[0].keys() == weights[1].keys()
+    changed = [name for name in weights[0] if not torch.equal(weights[0][name], _saved(model_dir)[name])]
+    assert changed and all(torch.allclose(weights[1][n], weights[0][n], rtol=1e-4, atol=1e-6) for n in weights[0])
+    continual = [read(d, "continual.json") for d in (one, two)]
+    assert continual[1]["matrix"] == continual[0]["matrix"] and continual[1]["a_ppl"] == continual[0]["a_ppl"]
