@@ -239,6 +239,19 @@ def test_owners_balance_the_solve_costs(monkeypatch):
     assert distributed.owners([1, 1, 1, 1, 2, 2, 4]) == [0, 1, 0, 1, 1, 1, 0]
 
 
+def test_copal_s_gaussian_perturbation_is_refused_in_a_group_before_anything_changes(monkeypatch):
+    """Its per-token ΔX comes from one stream per layer in token order, which a rank cannot place itself in."""
+    import pyprune
+    from pyprune.runtime import distributed
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    model = tiny_decoder("llama", layers=2)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="copal' cannot run in a torch.distributed group of 2 ranks: its gaussian"):
+        pyprune.prune(model, "copal", 0.5, random_tokens(**CALIB), progress=False, perturbation="gaussian")
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+
+
 # -- the command line under torchrun ------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
