@@ -10,8 +10,11 @@ unconditionally. In a process group of N ranks:
   float64 sums of per-batch float32 partials: such a sum is exact while its terms span fewer than
   about 29 − log2(batches) binades, so its value, hence the float32 statistic a method prunes from,
   does not depend on how the batches were split over ranks.
-* :func:`all_reduce_gradients_`: block training steps on the sum of the ranks' gradients, each
-  rank's loss over its rows of a global minibatch.
+* :func:`all_reduce_gradients_`: training (a block's reconstruction, DReSS's regularisation, LoRA
+  recovery: :func:`pyprune.runtime.training.backward_shared`) steps on the sum of the ranks'
+  gradients, each rank's loss over its rows of a global minibatch.
+* Evaluation: perplexity sums its NLL and token counts over the ranks, each rank scoring its shard
+  of the windows (:func:`shard` with ``empty_ok``).
 * :func:`owners` / :func:`broadcast_`: a block's costly per-layer solves are spread over the ranks
   (balanced by their cost) and each solved weight is broadcast from its owner.
 * :func:`failure_shared`: a rank that raises tells the others at their next collective (every
