@@ -16,6 +16,7 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 
 sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "benchmarks")))
 
+import bench_distributed  # noqa: E402
 import bench_dress_speed  # noqa: E402
 import report  # noqa: E402
 import test_e2e as e2e_suite  # noqa: E402
@@ -274,3 +275,22 @@ def test_dress_speed_benchmark_rejects_a_non_positive_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_dress_speed.main(["--batch", "0"])
     assert exit_info.value.code == 2 and "--batch: must be a positive integer; got 0" in capsys.readouterr().err
+
+
+def test_distributed_speed_benchmark_times_one_process_and_two_ranks_beside_the_time_model(tiny_model_dir, tmp_path):
+    model_dir, text = tiny_model_dir
+    assert bench_distributed.main(["--model", str(model_dir), "--calib", str(text), "--nsamples", "8", "--seqlen", "16",
+                                   "--batch-size", "2", "--runs", "sparsegpt:2:4", "--output-dir", str(tmp_path),
+                                   "--name", "dist", "--note", "tiny"]) == 0
+    report = json.loads((tmp_path / "dist.json").read_text())
+    [row] = report["results"]
+    assert [(run["ranks"], run["threads"]) for run in row["runs"].values()] == [(1, 2), (2, 1)]
+    assert all(run["prune_s"] > 0 and run["wall_s"] > run["prune_s"] and run["sparsity"] == 0.5
+               for run in row["runs"].values())
+    predicted = row["predicted"]
+    assert set(predicted["cpu"]) == set(row["runs"]) and set(predicted["gpu"]) == {"1 GPUs", "2 GPUs", "8 GPUs"}
+    one, two = (predicted["cpu"][label] for label in row["runs"])
+    assert one["communication"] == 0 < two["communication"] and two["solves"] < 2 * one["solves"]
+    assert min(report["rates"].values()) > 0 and report["link"] > 0 and report["settings"]["uptime_before"]
+    md = (tmp_path / "dist.md").read_text()
+    assert "| sparsegpt | 2:4 | 2 ranks × 1 thread |" in md and "- tiny" in md

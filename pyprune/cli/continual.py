@@ -31,6 +31,7 @@ def register(sub, method) -> None:
     parser.add_argument("--report", required=True, help="JSON report (rewritten after every order; an existing "
                         "report of the same settings is resumed)")
     flags.add_method_flags(parser, COMMAND, method)
+    flags.add_dist_timeout_flag(parser)
     parser.set_defaults(run=run)
 
 
@@ -54,6 +55,12 @@ def _sources(args):
 
 
 def run(args) -> int:
+    """Under ``torchrun`` every rank runs this (:func:`steps.in_process_group`); rank 0 alone writes."""
+    return steps.in_process_group(args, lambda: _run(args))
+
+
+def _run(args) -> int:
+    from ..runtime import distributed
     from ..studies import continual
     pattern = flags.pattern_from(args)
     runner = flags.build_method(args)
@@ -99,7 +106,8 @@ def run(args) -> int:
 
     def record(order, order_steps):
         done[order] = order_steps
-        continual.write_partial(args.report, settings, done)
+        if distributed.is_main():
+            continual.write_partial(args.report, settings, done)
 
     report = continual.run(model, args.method, pattern, tasks, init=args.init, permutations=args.permutations,
                            eval_seqlen=args.eval_seqlen, batch_size=args.batch_size, progress=not args.quiet,

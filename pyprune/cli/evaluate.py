@@ -16,10 +16,16 @@ def register(sub, method) -> None:
     flags.add_eval_tokens_flag(parser, old="--max-tokens")
     parser.add_argument("--report", help="JSON report path")
     flags.add_zero_shot_flags(parser)
+    flags.add_dist_timeout_flag(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    """Under ``torchrun`` every rank runs this (:func:`steps.in_process_group`); rank 0 alone writes."""
+    return steps.in_process_group(args, lambda: _run(args))
+
+
+def _run(args) -> int:
     checks.check_counts(args, ("seqlen", "batch_size"), optional=("eval_tokens",))
     if not args.data and args.tasks is None:
         raise UsageError("give --data TEXT ... (perplexity) and/or --tasks NAME,... (zero-shot accuracy)")

@@ -176,6 +176,12 @@ def structured_from(args) -> Structured:
         raise UsageError(str(error)) from None
 
 
+def add_dist_timeout_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                        help="under torchrun: seconds a rank waits for a silent one before the job fails "
+                             "(default 600)")
+
+
 def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an --output directory that pyprune saved before (never one holding other "

@@ -30,25 +30,16 @@ def register(sub, method) -> None:
                              "sparsegpt, safe, safe+, masked-recon): peak memory about one block plus the calibration "
                              "activations; needs --output, evaluates nothing")
     parser.add_argument("--report", help="JSON report path")
-    parser.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
-                        help="under torchrun: seconds a rank waits for a silent one before the job fails "
-                             "(default 600)")
+    flags.add_dist_timeout_flag(parser)
     flags.add_zero_shot_flags(parser)
     flags.add_method_flags(parser, COMMAND, method)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    """Under ``torchrun`` every rank runs this: all check and prune (each its shard of the calibration,
-    :mod:`pyprune.runtime.distributed`), rank 0 alone saves, evaluates and reports."""
-    from ..runtime import distributed
-    if args.dist_timeout is not None and not args.dist_timeout > 0:
-        raise UsageError(f"--dist-timeout must be > 0 seconds; got {args.dist_timeout}")
-    try:
-        args.device = distributed.join_from_environment(args.device, args.dist_timeout or distributed.DEFAULT_TIMEOUT_S)
-        return _run(args)
-    finally:
-        distributed.leave()
+    """Under ``torchrun`` every rank runs this (:func:`steps.in_process_group`): all check, prune and
+    evaluate, each its shard of the calibration and evaluation windows; rank 0 alone saves and reports."""
+    return steps.in_process_group(args, lambda: _run(args))
 
 
 def _run(args) -> int:
@@ -96,12 +87,9 @@ def _run(args) -> int:
 def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
     """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
     from ..methods import pruning
-    from ..runtime import distributed
     model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
     report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
-                           progress=not args.quiet and distributed.is_main(), **flags.method_option_values(args))
-    if not distributed.is_main():  # every rank holds the same pruned model; rank 0 writes it
-        return
+                           progress=not args.quiet, **flags.method_option_values(args))
     print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
     left = report["left_dense"]["tensors"]
     if left:

@@ -31,10 +31,16 @@ def register(sub, method) -> None:
     parser.add_argument("--output", required=True, help="directory for the recovered model (written atomically)")
     flags.add_overwrite_flag(parser)
     parser.add_argument("--report", help="JSON report path")
+    flags.add_dist_timeout_flag(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    """Under ``torchrun`` every rank runs this (:func:`steps.in_process_group`); rank 0 alone writes."""
+    return steps.in_process_group(args, lambda: _run(args))
+
+
+def _run(args) -> int:
     from ..runtime import recovery
     recovery.check_settings(steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, target_modules=args.target_modules)

@@ -3,6 +3,8 @@ before the model loads), the model, perplexity and zero-shot evaluation, the run
 and the tail of every command that writes a model: save, then evaluate, then report."""
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Callable, List, Optional
 
 import torch
@@ -11,6 +13,31 @@ from ..inputs import data
 from ..io.manifest import write_report
 from .checks import UsageError, first_line
 from .flags import DTYPES
+
+
+def in_process_group(args, body: Callable[[], int]) -> int:
+    """``body()``, the command, on every rank under ``torchrun``: the command joins its process group
+    for its run (:func:`pyprune.runtime.distributed.join_from_environment`, gloo on CPU, NCCL on
+    ``cuda:LOCAL_RANK``; --dist-timeout) and leaves it after. Every rank runs the same steps, each
+    its shard of the calibration and evaluation windows; rank 0 alone prints, shows progress and
+    writes (the others run with --quiet and no stdout; :func:`save_evaluate_report`,
+    :func:`output_report`). In one process, or in a group the caller joined, ``body()`` as it is."""
+    import torch.distributed as dist
+    from ..runtime import distributed
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        raise UsageError(f"--dist-timeout must be > 0 seconds; got {args.dist_timeout}")
+    joined = not dist.is_initialized()
+    try:
+        args.device = distributed.join_from_environment(args.device, args.dist_timeout or distributed.DEFAULT_TIMEOUT_S)
+        joined = joined and dist.is_initialized()
+        if distributed.is_main():
+            return body()
+        args.quiet = True
+        with open(os.devnull, "w") as silent, contextlib.redirect_stdout(silent):
+            return body()
+    finally:
+        if joined:
+            distributed.leave()
 
 
 def tokenizer(model: str):
@@ -88,8 +115,12 @@ def zero_shot_tasks(args):
 
 
 def zero_shot(model, tok, tasks, args) -> dict:
-    """Zero-shot accuracy of ``model`` on the loaded ``tasks``, printed and returned."""
+    """Zero-shot accuracy of ``model`` on the loaded ``tasks``, printed and returned; in a process
+    group on rank 0 alone (the tasks are not sharded), None on the others."""
     from ..evaluation import zeroshot
+    from ..runtime import distributed
+    if not distributed.is_main():
+        return None
     results = zeroshot.evaluate(model, tok, tasks, limit=args.limit, batch_size=args.batch_size,
                                 progress=not args.quiet)
     for name, result in results.items():
@@ -135,6 +166,9 @@ def run_info(args) -> dict:
 def output_report(args, report: dict, model_dir: Optional[str] = None) -> None:
     """``report`` into the saved ``model_dir`` (when given) and to --report (when given), by
     :func:`pyprune.io.write_report`."""
+    from ..runtime import distributed
+    if not distributed.is_main():
+        return
     write_report(report, model_dir=model_dir, report_file=args.report)
     if args.report:
         print(f"wrote {args.report}")
@@ -148,7 +182,8 @@ def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable
     The report records ``config_compatible`` (whether plain ``from_pretrained`` reads the saved
     directory). A report that cannot be written is a one-line error saying where the model is."""
     from ..io import config_compatible, save
-    if args.output:
+    from ..runtime import distributed
+    if args.output and distributed.is_main():  # in a process group the others evaluate their shards alone
         report["config_compatible"] = config_compatible(model)
         try:
             save(model, tok, args.output, report=report, overwrite=getattr(args, "overwrite", False))

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..nn.anatomy import block_store
+from ..runtime import distributed
 
 
 @torch.no_grad()
@@ -20,7 +21,12 @@ def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int
     (the tail shorter than a window is dropped); log-softmax in fp32. With ``bos_token_id`` (the
     tokenizer's convention, :func:`pyprune.inputs.data.window_bos`) each window is that token and
     ``seqlen - 1`` text tokens, all of which are scored; without it the first token of a window is
-    context only. Either way a window scores ``seqlen - 1`` tokens."""
+    context only. Either way a window scores ``seqlen - 1`` tokens.
+
+    In a process group (:mod:`pyprune.runtime.distributed`) every rank calls it: each scores its
+    shard of the batches of windows and the NLL sums (float64 sums of each batch's float32 sum) and
+    token counts are added over the ranks, so every rank returns one process's perplexity (up to
+    the last bits of the float64 sum)."""
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be a 1-D stream; got shape {tuple(tokens.shape)}")
     text = seqlen - 1 if bos_token_id is not None else seqlen
@@ -37,14 +43,17 @@ def perplexity(model: nn.Module, tokens: Tensor, seqlen: int, *, batch_size: int
     was_training = model.training
     model.eval()
     nll, count = 0.0, 0
+    shard = distributed.shard(windows, batch_size, empty_ok=True)
     try:
-        for start in tqdm(range(0, n_windows, batch_size), desc="perplexity", unit="batch",
-                          disable=not progress):
-            batch = windows[start:start + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            log_probs = F.log_softmax(logits, dim=-1)
-            nll -= float(log_probs.gather(-1, batch[:, 1:, None]).sum())
-            count += batch[:, 1:].numel()
+        with distributed.failure_shared("perplexity"):
+            for start in tqdm(range(0, shard.shape[0], batch_size), desc="perplexity", unit="batch",
+                              disable=not progress):
+                batch = shard[start:start + batch_size].to(device)
+                logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                log_probs = F.log_softmax(logits, dim=-1)
+                nll -= float(log_probs.gather(-1, batch[:, 1:, None]).sum())
+                count += batch[:, 1:].numel()
+        nll, count = distributed.all_reduce_(torch.tensor([nll, count], dtype=torch.float64)).tolist()
     finally:
         model.train(was_training)
     return math.exp(nll / count)

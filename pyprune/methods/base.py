@@ -151,12 +151,18 @@ class Method(ABC):
         """Warn (:class:`RunWarning`) when ``nsamples`` calibration samples are too few for the run
         the options ask for (the CLI asks before the model loads); nothing by default."""
 
+    def data_parallel_refusal(self) -> Optional[str]:
+        """Why this method, with these settings, cannot run data-parallel (None when it can: it
+        reduces its statistics over the ranks, :attr:`data_parallel`)."""
+        return None if self.data_parallel else "it does not run data-parallel yet"
+
     def check_distributed(self) -> None:
         """In a process group of several ranks, refuse a method that does not reduce its statistics
         over them (each rank would prune from its own shard of the calibration)."""
-        if distributed.active() and not self.data_parallel:
-            raise ValueError(f"method {self.name!r} does not run data-parallel yet; run it in one process, not in "
-                             f"a torch.distributed group of {distributed.world_size()} ranks")
+        refusal = self.data_parallel_refusal() if distributed.active() else None
+        if refusal is not None:
+            raise ValueError(f"method {self.name!r} cannot run in a torch.distributed group of "
+                             f"{distributed.world_size()} ranks: {refusal}; run it in one process")
 
     def check_grad_mode(self) -> None:
         """A method that computes gradients turns them on itself (it runs under ``torch.no_grad()``

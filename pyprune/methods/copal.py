@@ -35,9 +35,10 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from ..runtime import engine
+from ..runtime import distributed, engine
 from .. import ops
 from ..io import storage
+from ..nn.experts import expert_linears
 from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..patterns import Pattern
 from .base import LayerwiseMaskMethod, restore_dense_weights
@@ -49,13 +50,27 @@ _FORMAT = 2  # 2: pyprune's state protocol (kind, format and key in the metadata
 
 
 class _Layer:
-    """One linear layer's calibration pass: its accumulator, dense weights and, for gaussian
-    perturbations, ΔW (fixed per layer) and the generator of the per-token ΔX of this step."""
+    """One linear layer's calibration pass: its accumulator G, this step's sum of G's increments
+    (the float64 sum of each batch's float32 2|DY|ᵀ|X|, so that ranks add their sums exactly, as
+    :mod:`pyprune.runtime.distributed` explains), dense weights and, for gaussian perturbations, ΔW
+    (fixed per layer) and the generator of the per-token ΔX of this step."""
 
     def __init__(self, linear: nn.Linear, accumulator: Tensor, dense: Tensor,
                  delta_w: Optional[Tensor] = None, generator: Optional[torch.Generator] = None):
         self.linear, self.accumulator, self.dense = linear, accumulator, dense
+        self.step_sum = torch.zeros(accumulator.shape, dtype=torch.float64, device=accumulator.device)
         self.delta_w, self.generator = delta_w, generator
+
+    def add(self, output_sensitivity: Tensor, x: Tensor) -> None:
+        """Add one batch's 2|DY|ᵀ|X| (Eq. 10) to this step's sum."""
+        increment = torch.zeros(self.accumulator.shape, dtype=torch.float32, device=self.accumulator.device)
+        self.step_sum += ops.accumulate_abs_outer_(increment, output_sensitivity, x, alpha=2.0)
+
+    @torch.no_grad()
+    def close_step(self) -> None:
+        """G ← G + this step's (reduced) sum, rounded once to float32."""
+        self.accumulator.copy_(self.accumulator.double().add_(self.step_sum))
+        self.step_sum.zero_()
 
 
 class Copal(LayerwiseMaskMethod):
@@ -65,6 +80,7 @@ class Copal(LayerwiseMaskMethod):
     keeps_state = True
     offload_refusal = "it keeps every layer's dense weights across calls"
     commands = ("prune", "continual")
+    data_parallel = True  # each step's sums of G's increments are added over the ranks
 
     state: Optional[str] = option(None, "COPAL: directory of the continual state; resumed when it holds one, "
                                   "rewritten after every step", written_directory)
@@ -183,7 +199,7 @@ class Copal(LayerwiseMaskMethod):
         # blocks restored from a block checkpoint come without their accumulators
         self._incomplete = len(self.accumulators) < sum(len(engine.block_linears(block))
                                                         for block in engine.decoder_blocks(model))
-        if self.state is not None:
+        if self.state is not None and distributed.is_main():
             self._save(self.state)
         return details | {"continual_step": len(self.steps), "state": self.state}
 
@@ -212,7 +228,25 @@ class Copal(LayerwiseMaskMethod):
         return _Layer(linear, accumulator, dense, delta_w, generator)
 
     def update(self, stats: _Layer, x, y):
-        ops.accumulate_abs_outer_(stats.accumulator, self._output_sensitivity(stats, x, y), x, alpha=2.0)
+        stats.add(self._output_sensitivity(stats, x, y), x)
+
+    def reduce_stats(self, stats: _Layer, dst):
+        """This step's sums of G's increments, added over the ranks (every rank then holds the same G)."""
+        distributed.all_reduce_(stats.step_sum)
+        return stats
+
+    def data_parallel_refusal(self):
+        if self.perturbation == "gaussian":
+            return ("its gaussian ΔX is drawn token after token from one stream per layer, whose place a rank "
+                    "cannot know for its shard; use perturbation 'proportional'")
+        return super().data_parallel_refusal()
+
+    def working_bytes(self, block):
+        """Every layer's float64 sum of this step's increments (all are filled in one pass over the
+        block), and for the largest layer a batch's float32 increment, its score and mask."""
+        with expert_linears(block, strict=False):
+            linears = list(engine.block_linears(block).values())
+        return sum(8 * linear.weight.numel() for linear in linears) + 9 * max(linear.weight.numel() for linear in linears)
 
     def _output_sensitivity(self, layer: _Layer, x: Tensor, y: Tensor) -> Tensor:
         """DY = X·ΔWᵀ + ΔX·Wᵀ (Eqs. 4-6) for one batch of the layer's inputs and outputs."""
@@ -227,6 +261,7 @@ class Copal(LayerwiseMaskMethod):
 
     @torch.no_grad()
     def prune_layer(self, linear, stats: _Layer, pattern):
+        stats.close_step()
         keep = pattern.keep_mask(ops.taylor_score(stats.dense, stats.accumulator))  # |W ⊙ G| = |W|·G (Eq. 11)
         linear.weight.copy_(stats.dense * keep.to(stats.dense.dtype))
 

@@ -43,6 +43,7 @@ from ..nn.layout import hidden_slices, hidden_stream, rescaled_norm_weight
 from ..patterns import Structured
 from ..runtime.recovery import DEFAULTS as LORA
 from ..runtime.recovery import lora_finetune
+from ..runtime import distributed
 from ..runtime.checkpoint import model_fingerprint
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .base import Method
@@ -60,6 +61,9 @@ class DReSS(Method):
     name = "dress"
     patterns = (Structured,)
     uses_gradients = True
+    #: the channel statistics are summed over the ranks, the regularised training and LoRA sum their
+    #: gradients over them (pyprune.runtime.training.train)
+    data_parallel = True
     calibration = (800, 128)  # 600 windows regularise (one pass of the default steps), 200 for LoRA
     #: windows whose residual stream ranks the channels for ``channels="quiet"``
     energy_windows = 64
@@ -131,15 +135,18 @@ class DReSS(Method):
         head). A few massive-activation
         channels hold most of it (SmolLM2-135M: channel 507, 71% on this average and 89-98% of the
         outputs of blocks 12-28, study dress-channel-energy); slicing one of them breaks the
-        model, whatever the regularisation (DReSS's positional choices appear to miss LLaMA-2-7B's)."""
-        energy = None
+        model, whatever the regularisation (DReSS's positional choices appear to miss LLaMA-2-7B's).
+        The sums are float64 sums of each batch's float32 ones, added over the ranks of a process
+        group (each runs its shard of ``windows``, :mod:`pyprune.runtime.distributed`)."""
         device = next(model.parameters()).device
-        for batch in windows.split(batch_size):
+        energy = None
+        for batch in distributed.shard(windows, batch_size).split(batch_size):  # at least one batch a rank
             states = model.get_decoder()(input_ids=batch.to(device=device, dtype=torch.long),
                                          output_hidden_states=True, use_cache=False).hidden_states
-            sums = torch.stack([h.float().pow(2).sum((0, 1)) for h in states])
+            sums = torch.stack([h.float().pow(2).sum((0, 1)) for h in states]).cpu().double()
             energy = sums if energy is None else energy + sums
-        return (energy / energy.sum(1, keepdim=True)).mean(0).cpu()
+        distributed.all_reduce_(energy)
+        return (energy / energy.sum(1, keepdim=True)).mean(0).float()
 
     def check_config(self, config, pattern) -> None:
         if not hasattr(config, "rms_norm_eps"):  # what transformers' configs of RMS-norm models state
@@ -208,7 +215,8 @@ class DReSS(Method):
         the others are sliced: an RMS norm over d' channels divides by sqrt(s·d'/d) times the old
         RMS, s = Σ_kept x² / Σ x² of the token's input, so the factor is sqrt(s·d/d'), averaged over
         the tokens of ``windows`` (a pass of the decoder, no LM head); it is sqrt(d/d') exactly when
-        the removed channels are zero."""
+        the removed channels are zero. In a process group each rank runs its shard of ``windows`` and
+        the sums are added over the ranks."""
         stream = hidden_stream(model)
         device = next(model.parameters()).device
         index, width = keep.to(device), model.config.hidden_size / keep.numel()
@@ -224,12 +232,13 @@ class DReSS(Method):
 
         handles = [norm.register_forward_pre_hook(record(name)) for name, norm in stream["norms"].items()]
         try:
-            for batch in windows.split(batch_size):
+            for batch in distributed.shard(windows, batch_size).split(batch_size):
                 model.get_decoder()(input_ids=batch.to(device=device, dtype=torch.long), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
-        return {name: total / windows.numel() for name, total in sums.items()}
+        totals = distributed.all_reduce_(torch.tensor(list(sums.values()), dtype=torch.float64))
+        return {name: float(total) / windows.numel() for name, total in zip(sums, totals)}
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         checkpoint = self._checkpoint(model, pattern)

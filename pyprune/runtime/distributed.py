@@ -10,8 +10,11 @@ unconditionally. In a process group of N ranks:
   float64 sums of per-batch float32 partials: such a sum is exact while its terms span fewer than
   about 29 − log2(batches) binades, so its value, hence the float32 statistic a method prunes from,
   does not depend on how the batches were split over ranks.
-* :func:`all_reduce_gradients_`: block training steps on the sum of the ranks' gradients, each
-  rank's loss over its rows of a global minibatch.
+* :func:`all_reduce_gradients_`: training (a block's reconstruction, DReSS's regularisation, LoRA
+  recovery: :func:`pyprune.runtime.training.backward_shared`) steps on the sum of the ranks'
+  gradients, each rank's loss over its rows of a global minibatch.
+* Evaluation: perplexity sums its NLL and token counts over the ranks, each rank scoring its shard
+  of the windows (:func:`shard` with ``empty_ok``).
 * :func:`owners` / :func:`broadcast_`: a block's costly per-layer solves are spread over the ranks
   (balanced by their cost) and each solved weight is broadcast from its owner.
 * :func:`failure_shared`: a rank that raises tells the others at their next collective (every
@@ -92,14 +95,15 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def shard_bounds(nsamples: int, batch_size: int) -> Tuple[int, int]:
+def shard_bounds(nsamples: int, batch_size: int, empty_ok: bool = False) -> Tuple[int, int]:
     """(first, stop): the calibration samples of this rank. Of the ``ceil(nsamples / batch_size)``
     batches a single process would run, rank r takes the contiguous run ``[r·B/N, (r+1)·B/N)``
-    (B batches, N ranks); ValueError when there are fewer batches than ranks."""
+    (B batches, N ranks); ValueError when there are fewer batches than ranks, unless ``empty_ok``
+    (a sum over the samples, such as an evaluation's, takes a rank without any)."""
     if not active():
         return 0, nsamples
     batches, ranks = -(-nsamples // batch_size), world_size()
-    if batches < ranks:
+    if batches < ranks and not empty_ok:
         raise ValueError(f"calib: {nsamples} samples in batches of batch_size={batch_size} make {batches} "
                          f"batches, fewer than the {ranks} ranks; give at least {ranks * batch_size} samples or a "
                          "smaller batch_size")
@@ -107,9 +111,9 @@ def shard_bounds(nsamples: int, batch_size: int) -> Tuple[int, int]:
     return first * batch_size, min(last * batch_size, nsamples)
 
 
-def shard(tokens: Tensor, batch_size: int) -> Tensor:
+def shard(tokens: Tensor, batch_size: int, empty_ok: bool = False) -> Tensor:
     """This rank's calibration windows, ``tokens[first:stop]`` of :func:`shard_bounds`."""
-    first, stop = shard_bounds(tokens.shape[0], batch_size)
+    first, stop = shard_bounds(tokens.shape[0], batch_size, empty_ok)
     return tokens[first:stop]
 
 

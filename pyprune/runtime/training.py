@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,23 @@ from tqdm.auto import tqdm
 
 from . import distributed, engine
 from .checkpoint import Checkpoint
+
+
+def backward_shared(params: Sequence[Tensor], share: Optional[Callable[[], Tensor]], device) -> Tensor:
+    """One minibatch's backward, data-parallel: zero the gradients of ``params``, backward this
+    rank's share of the minibatch loss (``share()``: the loss of its rows of the minibatch times
+    their fraction of it; None when it holds none of them), then sum the gradients and the loss over
+    the ranks (:func:`pyprune.runtime.distributed.all_reduce_gradients_`), so that every rank holds
+    the whole minibatch's and takes the same step. Returns the minibatch loss. In one process, a
+    plain backward of the minibatch loss."""
+    for p in params:
+        p.grad = None
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    if share is not None:
+        loss = share()
+        loss.backward()
+    distributed.all_reduce_gradients_(params)
+    return distributed.all_reduce_(loss.detach().reshape(1)).reshape(())
 
 
 def minibatches(nsamples: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -95,7 +112,13 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
     runs between backward and the step and returns values to log (e.g. a penalty); ``after_step()``
     runs after each step (e.g. a proximal step on the updated weights). Returns the log:
     ``loss`` per step and each logged value per step. A non-finite loss raises FloatingPointError.
-    With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end, and resumed from."""
+    With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end (by rank 0 in a
+    process group), and resumed from.
+
+    In a process group every rank holds ``tokens`` and draws the same minibatches; each runs its
+    part of every minibatch (:func:`backward_shared`: gradients summed over the ranks before
+    ``after_backward`` and the step), so the ranks train one model as one process would, up to the
+    rounding of the sums."""
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     batches = minibatches(tokens.shape[0], min(batch_size, tokens.shape[0]), torch.Generator().manual_seed(seed))
@@ -105,20 +128,24 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
         next(batches)
     with tqdm(total=steps, initial=min(start, steps), desc=desc, unit="step", disable=not progress) as bar:
         for step in range(start, steps):
-            batch = tokens[next(batches)].to(device=device, dtype=torch.long)
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            value = float(loss.detach())
+            index = next(batches)
+            mine = index.tensor_split(distributed.world_size())[distributed.rank()]
+            batch = tokens[mine].to(device=device, dtype=torch.long)
+
+            def share() -> Tensor:
+                return model(input_ids=batch, labels=batch, use_cache=False).loss * (mine.numel() / index.numel())
+
+            value = float(backward_shared(params, share if mine.numel() else None, device))
             if not math.isfinite(value):
                 raise FloatingPointError(f"{desc}: the training loss is {value} at step {step} (try a smaller lr)")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
             for key, extra in (after_backward() if after_backward is not None else {}).items():
                 log.setdefault(key, []).append(extra)
             optimizer.step()
             if after_step is not None:
                 after_step()
             log["loss"].append(value)
-            if checkpoint is not None and ((step + 1) % checkpoint.every == 0 or step + 1 == steps):
+            if checkpoint is not None and distributed.is_main() and (
+                    (step + 1) % checkpoint.every == 0 or step + 1 == steps):
                 checkpoint.save(model, optimizer, step + 1, log)
             bar.set_postfix(loss=f"{value:.4f}")
             bar.update()
@@ -150,7 +177,7 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
 
     In a process group (``ctx.samples`` > the rows of ``ctx.inputs``) the minibatches are drawn over
     all ranks' samples alike on every rank; each rank adds the squared errors of its rows of a
-    minibatch and the gradients are summed over the ranks before every step (data parallel)."""
+    minibatch and the gradients are summed over the ranks before every step (:func:`backward_shared`)."""
     dtype = next(ctx.block.parameters()).dtype
     samples = ctx.samples or ctx.inputs.shape[0]
     per_sample = targets[0].numel()
@@ -171,15 +198,12 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
         mine = index[(index >= ctx.offset) & (index < ctx.offset + ctx.inputs.shape[0])] - ctx.offset
         inputs, wanted = ctx.inputs[mine].to(dtype), targets[mine].to(dtype)
 
+        def share() -> Tensor:
+            outputs = engine.first_tensor(ctx.block(inputs, **kwargs))
+            return F.mse_loss(outputs, wanted, reduction="sum") / (index.numel() * per_sample * scale)
+
         def closure() -> Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.zeros((), dtype=torch.float32, device=targets.device)
-            if mine.numel():
-                outputs = engine.first_tensor(ctx.block(inputs, **kwargs))
-                loss = F.mse_loss(outputs, wanted, reduction="sum") / (index.numel() * per_sample * scale)
-                loss.backward()
-            distributed.all_reduce_gradients_(trained)
-            return distributed.all_reduce_(loss.detach().reshape(1)).reshape(())
+            return backward_shared(trained, share if mine.numel() else None, targets.device)
 
         loss = float(optimizer.step(closure).detach())
         if not math.isfinite(loss):

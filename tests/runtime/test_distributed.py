@@ -29,11 +29,14 @@ CASES = [
     ("moreau", "moreau", Structured(0.25), {"steps": 3}),
     ("sleb", "sleb", Structured(0.5), {"early_barrier": 0, "latter_barrier": 0}),  # removes one of two blocks
     ("slicegpt", "slicegpt", Structured(0.25), {}),
+    ("copal", "copal", 0.5, {}),  # its sums of the sensitivity increments, float64 like the Hessians
 ]
-#: block training, one process at two seeds and two ranks at the first
-TRAINING = [(f"{name}-seed{seed}", method, pattern, dict(options, epochs=1, train_seed=seed))
-            for name, method, pattern, options in [("masked-recon", "masked-recon", "2:4", {"start": "sparsegpt"}),
-                                                   ("safe+", "safe+", 0.5, {"dual_interval": 2})]
+#: training, one process at two seeds and two ranks at the first: block training, DReSS's regularisation
+TRAINING = [(f"{name}-seed{seed}", method, pattern, dict(options, train_seed=seed))
+            for name, method, pattern, options in [
+                ("masked-recon", "masked-recon", "2:4", {"start": "sparsegpt", "epochs": 1}),
+                ("safe+", "safe+", 0.5, {"dual_interval": 2, "epochs": 1}),
+                ("dress", "dress", Structured(0.25), {"steps": 4})]
             for seed in (0, 1)]
 #: cases that run on some families only (structured ones: on the dense families)
 ONLY = {"slicegpt": ("llama",),  # SliceGPT rotates two-norm RMS-norm blocks
@@ -70,7 +73,8 @@ def _prune_all(cases, families=FAMILIES):
                 with expert_linears(block):
                     weights.update({f"{index}.{name}": linear.weight.detach().clone()
                                     for name, linear in block_linears(block).items()})
-            results[f"{family}/{case}"] = (weights, report.get("owl"), report.get("admm", {}).get("layers"))
+            results[f"{family}/{case}"] = (weights, report.get("owl"), report.get("admm", {}).get("layers"),
+                                           report.get("pruned_channels"))
     return results
 
 
@@ -134,8 +138,8 @@ def test_two_ranks_give_the_masks_and_weights_of_one_process(tmp_path, one_proce
     for rank, result in enumerate(ranks):
         assert isinstance(result, dict), f"rank {rank}: {result}"
         assert _differing(result, expected) == [], f"rank {rank}"
-        for key, (_, owl, admm_layers) in expected.items():
-            assert result[key][1:] == (owl, admm_layers), key  # OWL's allocation; ALPS's report covers every layer
+        for key, (_, *details) in expected.items():
+            assert result[key][1:] == tuple(details), key  # OWL's allocation; ALPS's report covers every layer
     # SparseGPT's layer solves were spread: each rank solved its share, none twice
     layers = sum(len(weights) for key, (weights, *_) in expected.items() if key.split("/")[1].startswith("sparsegpt"))
     solves = [result["solves"] for result in ranks]
@@ -147,7 +151,7 @@ def test_without_the_reductions_the_results_differ(tmp_path, one_process):
     outlier ratios, Taylor's gradients, SliceGPT's Gram matrices) gives other masks, channels and rotations,
     and block training on its own shard's gradients lands outside the bound of the next test."""
     cases = [case for case in CASES if case[0] in ("wanda", "wanda-owl", "taylor", "slicegpt")]
-    training = [case for case in TRAINING if case[0].endswith("seed0")]
+    training = [case for case in TRAINING if case[0] in ("masked-recon-seed0", "safe+-seed0")]
     names = {case[0] for case in cases + training}
     for rank, result in enumerate(_run_ranks(tmp_path, cases + training, mode="unreduced")):
         assert set(result) - {"solves"} == {key for key in one_process if key.split("/")[1] in names}, rank
@@ -163,15 +167,18 @@ def _distance(weights, others):
     return sum(float((weights[name] - others[name]).double().square().sum()) for name in weights) ** 0.5
 
 
-def test_block_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path, one_process):
-    """SAFE⁺ and masked reconstruction (from SparseGPT's solves, spread over the ranks) train each block on
-    the gradients summed over the ranks: the weights of 2 ranks differ from one process's by less than one
-    process's differ between two training seeds (the sums' rounding differs, not the data)."""
+def test_training_on_two_ranks_is_within_its_seed_to_seed_spread(tmp_path, one_process):
+    """SAFE⁺ and masked reconstruction (from SparseGPT's solves, spread over the ranks) train each block,
+    DReSS the whole model, on the gradients summed over the ranks: the weights of 2 ranks differ from one
+    process's by less than one process's differ between two training seeds (the sums' rounding differs, not
+    the data); DReSS removes the same hidden channels (its channel energies are summed over the ranks)."""
     [result, _] = _run_ranks(tmp_path, [case for case in TRAINING if case[0].endswith("seed0")])
-    for method in ("masked-recon", "safe+"):
+    for method in ("masked-recon", "safe+", "dress"):
         seed0, seed1 = (one_process[f"llama/{method}-seed{seed}"][0] for seed in (0, 1))
         ranks = result[f"llama/{method}-seed0"][0]
         assert _distance(ranks, seed0) < 0.1 * _distance(seed1, seed0), method
+    channels = result["llama/dress-seed0"][3]
+    assert channels is not None and channels == one_process["llama/dress-seed0"][3]
 
 
 @pytest.mark.slow
@@ -230,6 +237,19 @@ def test_owners_balance_the_solve_costs(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     # q, k, v, o of cost 1, gate and up of cost 2, down of cost 4: 6 and 6
     assert distributed.owners([1, 1, 1, 1, 2, 2, 4]) == [0, 1, 0, 1, 1, 1, 0]
+
+
+def test_copal_s_gaussian_perturbation_is_refused_in_a_group_before_anything_changes(monkeypatch):
+    """Its per-token ΔX comes from one stream per layer in token order, which a rank cannot place itself in."""
+    import pyprune
+    from pyprune.runtime import distributed
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    model = tiny_decoder("llama", layers=2)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="copal' cannot run in a torch.distributed group of 2 ranks: its gaussian"):
+        pyprune.prune(model, "copal", 0.5, random_tokens(**CALIB), progress=False, perturbation="gaussian")
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
 
 
 # -- the command line under torchrun ------------------------------------------------------------------------------
@@ -333,3 +353,67 @@ def test_when_a_rank_is_killed_the_other_stops_within_the_timeout(tmp_path):
     result, ended = torch.load(tmp_path / "rank0.pt")
     assert result.startswith("RankFailed: rank 0 failed in block 0 (model.layers.0): "), result
     assert "\n" not in result and ended - torch.load(tmp_path / "killed.pt") < KILL_TIMEOUT_S
+
+
+# -- eval, recover and continual in a process group ---------------------------------------------------------------
+
+def _command_argvs(model_dir, text, lines, other, out):
+    """argv of ``pyprune eval``, ``recover`` (LoRA) and ``continual`` (COPAL) on the tiny model, writing under ``out``."""
+    common = ["--model", str(model_dir), "--threads", "1", "--quiet"]
+    return {
+        "eval": ["eval", *common, "--data", str(text), "--seqlen", "16", "--batch-size", "2",
+                 "--report", str(out / "eval.json")],
+        "recover": ["recover", *common, "--calib", str(text), "--nsamples", "8", "--seqlen", "16", "--steps", "3",
+                    "--lr", "1e-3", "--batch-size", "4", "--eval", str(text), "--eval-seqlen", "16",
+                    "--output", str(out / "recovered"), "--report", str(out / "recover.json")],
+        "continual": ["continual", *common, "--method", "copal", "--pattern", "2:4", "--datasets", str(lines), str(other),
+                      "--nsamples", "4", "--seqlen", "16", "--batch-size", "2", "--eval-seqlen", "16",
+                      "--report", str(out / "continual.json")],
+    }
+
+
+def _commands_worker(rank, world, rendezvous, argvs):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        from pyprune.cli import main
+        for name, argv in argvs.items():
+            assert main(argv) == 0, f"rank {rank}: pyprune {name} failed"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eval_recover_and_continual_on_two_ranks_report_what_one_process_does(tiny_model_dir, tmp_path):
+    """Each command joins the group it runs in: perplexity's windows, LoRA's minibatches and COPAL's
+    calibration are sharded and summed over the ranks; rank 0 alone writes the reports and the model."""
+    import json
+    from pyprune.cli import main
+    model_dir, text = tiny_model_dir
+    from tests.helpers import WORDS
+    lines, other = tmp_path / "lines.txt", tmp_path / "other.txt"  # continual evaluates each text's second half
+    lines.write_text("\n".join(" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(10)) for i in range(60)))
+    other.write_text("\n".join(["house woman truth wife ."] * 150))
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    before = torch.get_num_threads()
+    try:
+        for argv in _command_argvs(model_dir, text, lines, other, one).values():
+            assert main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    mp.spawn(_commands_worker, args=(2, str(tmp_path / "rendezvous"), _command_argvs(model_dir, text, lines, other, two)),
+             nprocs=2)
+
+    def read(directory, name):
+        return json.loads((directory / name).read_text())
+    assert read(two, "eval.json")["eval"] == read(one, "eval.json")["eval"]  # the same perplexity, to 4 decimals
+    recovered = [read(d, "recover.json") for d in (one, two)]
+    assert recovered[1]["recovery"]["losses"] == pytest.approx(recovered[0]["recovery"]["losses"], rel=1e-5)
+    assert [e["perplexity"] for e in recovered[1]["eval_after"]] == pytest.approx(
+        [e["perplexity"] for e in recovered[0]["eval_after"]], rel=1e-4)
+    weights = [_saved(d / "recovered") for d in (one, two)]
+    assert weights[0].keys() == weights[1].keys()
+    changed = [name for name in weights[0] if not torch.equal(weights[0][name], _saved(model_dir)[name])]
+    assert changed and all(torch.allclose(weights[1][n], weights[0][n], rtol=1e-4, atol=1e-6) for n in weights[0])
+    continual = [read(d, "continual.json") for d in (one, two)]
+    assert continual[1]["matrix"] == continual[0]["matrix"] and continual[1]["a_ppl"] == continual[0]["a_ppl"]
