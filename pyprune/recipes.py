@@ -270,10 +270,10 @@ def _stage(value: Any, path: str, calibration: Calibration) -> Stage:
     if name not in known:
         raise RecipeError(_join(path, "method"), f"must be one of {', '.join(known)}; got {name!r}")
     own = Calibration(value.get("calibration"), _join(path, "calibration"))
-    origin = {key: _join(_join(path, "calibration") if own.settings[key] is not None else "calibration", key)
+    overridden = set(value.get("calibration") or ())  # the fields the stage gives itself
+    origin = {key: _join(_join(path, "calibration") if key in overridden else "calibration", key)
               for key in Calibration.names()}
-    settings = {key: own.settings[key] if own.settings[key] is not None else calibration.settings[key]
-                for key in Calibration.names()}
+    settings = {key: (own if key in overridden else calibration).settings[key] for key in Calibration.names()}
     if name == RECOVERY:
         stage = _recovery_stage(value, path, settings)
     else:

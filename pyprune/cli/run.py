@@ -79,10 +79,11 @@ def _stage_arguments(stage: recipes.Stage) -> SimpleNamespace:
 
 
 def _at(path: str, check):
-    """``check()``, its UsageError or ValueError prefixed with the recipe ``path`` it concerns."""
+    """``check()``, its UsageError, ValueError or FileNotFoundError prefixed with the recipe ``path``
+    it concerns."""
     try:
         return check()
-    except (UsageError, ValueError) as error:
+    except (UsageError, ValueError, FileNotFoundError) as error:
         raise UsageError(f"{path}: {error}") from None
 
 
