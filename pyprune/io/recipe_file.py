@@ -3,6 +3,7 @@ recipe (:mod:`pyprune.recipes`) that reproduces it; read back by ``pyprune run``
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Dict
 
 import yaml
@@ -11,6 +12,16 @@ from ..files import write_text
 
 #: the recipe's file name in a saved directory
 RECIPE = "recipe.yaml"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, except that ``1e-4`` is a number (YAML 1.2's reading, and what
+    anyone writing a learning rate means), not the string PyYAML makes of it."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
 
 
 def dump_recipe(recipe: Dict[str, Any]) -> str:
@@ -35,7 +46,7 @@ def read_recipe(path: str) -> Any:
         raise ValueError(f"recipe {path}: no such file")
     try:
         with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
+            return yaml.load(handle, Loader=_Loader)
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         where = getattr(error, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""

@@ -124,6 +124,16 @@ def test_the_recipe_schema_is_the_method_declarations():
         assert stage.options == {option.name: option.convert(option.default, name) for option in cls.options}
 
 
+@pytest.mark.parametrize("page", ["docs/recipes.md", "README.md"])
+def test_the_recipes_the_docs_show_are_valid(page, tmp_path):
+    """Every YAML block of the page is a recipe whose fields pass (read as ``pyprune run`` reads a file)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (Path(__file__).parent.parent / page).read_text(), re.S)
+    assert blocks
+    for index, block in enumerate(blocks):
+        (tmp_path / f"{index}.yaml").write_text(block)
+        assert recipes.load(str(tmp_path / f"{index}.yaml")).stages
+
+
 # --- bad recipes: refused before any model loads -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -237,3 +247,34 @@ def test_a_bad_recipe_file_exits_2_in_one_line_from_the_command_line(places, tmp
     assert re.fullmatch(r"pyprune run: error: recipe .*broken\.yaml: not valid YAML \(line 2, column 1\): .*", lines[0])
     assert lines[1].startswith("pyprune run: error: stages[0].options.sparsity: method 'wanda' has no option sparsity")
     assert sorted(os.listdir(tmp_path)) == ["broken.yaml", "unknown.yaml"] and not (places / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_two_stage_recipe_on_smollm2_matches_the_cli_steps_and_reproduces_itself(tmp_path):
+    """OWL + Wanda 50%, then SparseGPT 2:4, on the real SmolLM2-135M (4 samples of 64 tokens): the
+    recipe gives the masks and perplexity of the two ``pyprune prune`` commands, and its saved
+    ``recipe.yaml`` gives them again."""
+    calib = ["--calib", "emma", "--nsamples", "4", "--seqlen", "64"]
+    evaluation = ["--eval", "pride_and_prejudice", "--eval-seqlen", "64", "--eval-tokens", "512"]
+    first, by_cli = tmp_path / "cli-wanda", tmp_path / "cli-sparsegpt"
+    assert cli.main(["prune", "--model", "smollm2-135m", "--method", "wanda", "--owl", "true", "--sparsity", "0.5",
+                     *calib, "--output", str(first), "--quiet"]) == 0
+    assert cli.main(["prune", "--model", str(first), "--method", "sparsegpt", "--pattern", "2:4", *calib, *evaluation,
+                     "--output", str(by_cli), "--quiet"]) == 0
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+model: smollm2-135m
+calibration: {{data: emma, nsamples: 4, seqlen: 64}}
+stages:
+  - method: wanda
+    sparsity: 0.5
+    options: {{owl: true}}
+  - method: sparsegpt
+    pattern: '2:4'
+evaluation: {{data: [pride_and_prejudice], seqlen: 64, tokens: 512}}
+output: {{path: {tmp_path / 'by-recipe'}}}
+""")
+    assert cli.main(["run", str(recipe), "--quiet"]) == 0
+    _assert_same_model(by_cli, tmp_path / "by-recipe")
+    assert cli.main(["run", str(tmp_path / "by-recipe" / RECIPE), "--output", str(tmp_path / "again"), "--quiet"]) == 0
+    _assert_same_model(tmp_path / "by-recipe", tmp_path / "again")
