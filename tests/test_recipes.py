@@ -143,6 +143,7 @@ def places(tmp_path_factory):
     tiny_decoder("llama", layers=2).save_pretrained(model)
     tiny_tokenizer().save_pretrained(model)
     (base / "text.txt").write_text(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(300)))
+    (base / "short.txt").write_text("the house is good")
     (base / "full").mkdir()
     (base / "full" / "file").write_text("x")
     return base
@@ -195,6 +196,9 @@ BAD_FIELDS = [
     ("calibration-text-missing", "calibration.data", "nowhere.txt", r"^calibration\.data: .*nowhere\.txt"),
     ("eval-longer-than-the-model", "evaluation.seqlen", 4096,
      r"^evaluation\.seqlen: 4096 is longer than the model's 256 positions"),
+    ("eval-shorter-than-a-window", "evaluation.data", ["{short.txt}"],
+     r"^evaluation\.data .*short\.txt has 4 tokens, fewer than one window of evaluation\.seqlen 8$"),
+    ("calibration-shorter-than-a-sample", "calibration.data", "{short.txt}", r"^calibration\.data .*short\.txt: "),
     ("output-not-empty", "output.path", "{full}", r"^pyprune run: error: output\.path .*full already exists"),
     ("sparse-layers-unstructured", "output.sparse_layers", True, r"^output\.sparse_layers: needs a last pruning "
                                                                  r"stage with pattern N:M"),
@@ -212,7 +216,8 @@ def test_a_bad_field_is_one_line_naming_its_path_before_loading(places, case, tm
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
     monkeypatch.setattr("pyprune.inputs.models.load_model", refuse)
-    value = str(places / "full") if value == "{full}" else value
+    value = [str(places / item[1:-1]) for item in value] if isinstance(value, list) else \
+        str(places / value[1:-1]) if isinstance(value, str) and value.startswith("{") else value
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(_set(_good(places), path, value)))
     before = _snapshot(places)

@@ -53,11 +53,10 @@ def execute(recipe: recipes.Recipe, *, output: Optional[str], overwrite: bool, r
     args = _arguments(recipe, output, overwrite, report, quiet)
     check(recipe, args)
     tok = steps.tokenizer(args.model)
-    calibs = [_at(stage.origin["data"], lambda stage=stage: steps.calibration(tok, stage.calibration["data"],
-                                                                             _stage_arguments(stage), "data"))
-              if stage.needs_calibration else None for stage in recipe.stages]
-    streams = _at("evaluation", lambda: steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens,
-                                                           "data", "seqlen"))
+    calibs = [steps.calibration(tok, stage.calibration["data"], SimpleNamespace(**stage.calibration),
+                                stage.origin["data"]) if stage.needs_calibration else None for stage in recipe.stages]
+    streams = steps.eval_streams(tok, args.eval, args.eval_seqlen, args.eval_tokens, "evaluation.data",
+                                 "evaluation.seqlen")
     return perform(recipe, args, calibs, streams, _at("evaluation", lambda: steps.zero_shot_tasks(args)))
 
 
@@ -72,10 +71,6 @@ def _arguments(recipe: recipes.Recipe, output: Optional[str], overwrite: bool, r
         offload=out["offload"], eval=list(evaluation["data"] or []), eval_seqlen=evaluation["seqlen"],
         eval_tokens=evaluation["tokens"], tasks=",".join(evaluation["tasks"]) if evaluation["tasks"] else None,
         limit=evaluation["limit"], method=pruning[-1].method if pruning else recipes.RECOVERY)
-
-
-def _stage_arguments(stage: recipes.Stage) -> SimpleNamespace:
-    return SimpleNamespace(**stage.calibration)
 
 
 def _at(path: str, check):
