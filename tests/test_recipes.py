@@ -256,15 +256,15 @@ def test_a_bad_recipe_file_exits_2_in_one_line_from_the_command_line(places, tmp
 
 @pytest.mark.slow
 def test_a_two_stage_recipe_on_smollm2_matches_the_cli_steps_and_reproduces_itself(tmp_path):
-    """OWL + Wanda 50%, then SparseGPT 2:4, on the real SmolLM2-135M (4 samples of 64 tokens): the
+    """OWL + Wanda 50%, then Wanda 2:4, on the real SmolLM2-135M (4 samples of 64 tokens): the
     recipe gives the masks and perplexity of the two ``pyprune prune`` commands, and its saved
     ``recipe.yaml`` gives them again."""
     calib = ["--calib", "emma", "--nsamples", "4", "--seqlen", "64"]
     evaluation = ["--eval", "pride_and_prejudice", "--eval-seqlen", "64", "--eval-tokens", "512"]
-    first, by_cli = tmp_path / "cli-wanda", tmp_path / "cli-sparsegpt"
+    first, by_cli = tmp_path / "cli-owl-wanda", tmp_path / "cli-wanda24"
     assert cli.main(["prune", "--model", "smollm2-135m", "--method", "wanda", "--owl", "true", "--sparsity", "0.5",
                      *calib, "--output", str(first), "--quiet"]) == 0
-    assert cli.main(["prune", "--model", str(first), "--method", "sparsegpt", "--pattern", "2:4", *calib, *evaluation,
+    assert cli.main(["prune", "--model", str(first), "--method", "wanda", "--pattern", "2:4", *calib, *evaluation,
                      "--output", str(by_cli), "--quiet"]) == 0
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"""
@@ -274,7 +274,7 @@ stages:
   - method: wanda
     sparsity: 0.5
     options: {{owl: true}}
-  - method: sparsegpt
+  - method: wanda
     pattern: '2:4'
 evaluation: {{data: [pride_and_prejudice], seqlen: 64, tokens: 512}}
 output: {{path: {tmp_path / 'by-recipe'}}}
