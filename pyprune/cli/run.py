@@ -116,7 +116,7 @@ def check(recipe: recipes.Recipe, args) -> None:
         if runner.needs_calibration:
             runner.check_samples(stage.calibration["nsamples"])
         _at(where, lambda: checks.check_method_directories(runner, args.model))
-        if index == 0 or not _reshaped(recipe.stages[:index]):  # later stages meet a reshaped model at run time
+        if not _reshaped(recipe.stages[:index]):  # a stage after a structured one meets its shapes at run time
             _at(where, lambda: checks.check_method_config(runner, args, config, stage.pattern))
             _at(where, lambda: checks.check_memory(_namespace(args, stage), runner, args.offload))
 
@@ -136,7 +136,7 @@ def _check_lengths(recipe: recipes.Recipe, config) -> None:
     """Every window the recipe asks for is within the model's ``max_position_embeddings``."""
     from ..runtime.tokens import position_limit
     limit = position_limit(config)
-    lengths = [(f"{stage.origin['seqlen']}", stage.calibration["seqlen"]) for stage in recipe.stages
+    lengths = [(stage.origin["seqlen"], stage.calibration["seqlen"]) for stage in recipe.stages
                if stage.needs_calibration]
     if recipe.evaluation.settings["data"]:
         lengths.append(("evaluation.seqlen", recipe.evaluation.settings["seqlen"]))
