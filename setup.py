@@ -76,6 +76,7 @@ setup(
         "pybind11",
         "numpy",
         "tqdm",
+        "pyyaml>=5.1",  # recipes (pyprune.recipes)
         "gguf",
         "accelerate",
         "peft>=0.21",  # LoRA recovery (pyprune.runtime.recovery); tested with 0.21.2

@@ -18,6 +18,7 @@ _LAZY = {
     "prune": ("pyprune.methods.pruning", "prune"),
     "load": ("pyprune.io.model_dir", "load"),
     "save": ("pyprune.io.model_dir", "save"),
+    "run_recipe": ("pyprune.cli.run", "run_recipe"),
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,7 +1,8 @@
-"""The ``pyprune`` command line: prune, eval, compare, recover, robustness, continual, study, generate, tune, demo.
+"""The ``pyprune`` command line: prune, run, eval, compare, recover, robustness, continual, study, generate, tune, demo.
 
     pyprune prune --model smollm2-135m --method wanda --pattern 2:4 --calib emma \\
                   --eval pride_and_prejudice --output pruned/ --report report.json
+    pyprune run recipe.yaml                  # a whole run in one YAML file (docs/recipes.md)
     pyprune eval --model pruned/ --data pride_and_prejudice --tasks austen_continuation,piqa --limit 200
     pyprune compare dense.json wanda.json sparsegpt.json --output comparison/
     pyprune recover --model pruned/ --calib emma --steps 200 --eval pride_and_prejudice \\

@@ -5,6 +5,7 @@ that ``pyprune --help`` lists."""
 #: command -> its module in pyprune.cli (with ``COMMAND``, ``register(subparsers, method)``, ``run(args)``)
 MODULES = {
     "prune": "prune",
+    "run": "run",
     "eval": "evaluate",
     "compare": "compare",
     "recover": "recover",
@@ -19,6 +20,7 @@ MODULES = {
 #: command -> one-line summary
 SUMMARIES = {
     "prune": 'prune a model with one method and pattern',
+    "run": 'run a recipe: a YAML file of model, calibration, stages, evaluation, output (docs/recipes.md)',
     "eval": 'perplexity of a model on texts, zero-shot accuracy on tasks',
     "compare": 'reports of prune/eval runs -> one markdown table and a figure',
     "recover": 'LoRA recovery fine-tuning (RFT) of a pruned model, merged back into dense weights',

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Sequence
 from ..inputs import data
 from ..inputs.models import MODEL_ALIASES
 from .. import methods
-from ..patterns import NM, Structured, Unstructured, parse
+from ..patterns import NM, Structured, Unstructured
+from ..recipes import PATTERN_FIELDS, pattern_from as pattern_of
 from .checks import DTYPES, UsageError
 
 
@@ -130,24 +131,11 @@ def add_ratio_flags(parser: argparse.ArgumentParser, required: bool = False) -> 
 
 
 def pattern_from(args):
-    """The one pattern given by --sparsity, --pattern or --ratio."""
-    given = [name for name in ("sparsity", "pattern", "ratio") if getattr(args, name) is not None]
-    if len(given) != 1:
-        raise UsageError("give exactly one of --sparsity S, --pattern N:M, --ratio R")
-    for flag, serves in (("scope", "sparsity"), ("uniform", "ratio")):  # never silently ignored
-        if getattr(args, flag, None) and given[0] != serves:
-            raise UsageError(f"--{flag} applies to --{serves} only; got it with --{given[0]}")
+    """The one pattern given by --sparsity (with --scope), --pattern or --ratio (with --uniform)."""
     try:
-        if args.sparsity is not None:
-            return Unstructured(args.sparsity, args.scope)
-        if args.ratio is not None:
-            return structured_from(args)
-        pattern = parse(args.pattern)
+        return pattern_of({name: getattr(args, name, None) for name in PATTERN_FIELDS}, lambda name: f"--{name}")
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not isinstance(pattern, NM):
-        raise UsageError(f"--pattern takes N:M (e.g. 2:4, 4:8); got {args.pattern!r}")
-    return pattern
 
 
 def check_pattern(runner, pattern) -> None:
@@ -167,11 +155,9 @@ def _pattern_flags(kinds, like) -> str:
 
 
 def structured_from(args) -> Structured:
-    """--ratio R as a pattern; 0 (nothing removed) is refused: on the command line it is a mistake."""
-    if args.ratio == 0:
-        raise UsageError("--ratio must be in (0, 1): 0 removes nothing")
+    """--ratio R (with --uniform) as a pattern; 0 (nothing removed) is refused: on the command line it is a mistake."""
     try:
-        return Structured(args.ratio, uniform=args.uniform)
+        return pattern_of({"ratio": args.ratio, "uniform": args.uniform}, lambda name: f"--{name}")
     except ValueError as error:
         raise UsageError(str(error)) from None
 

@@ -1,12 +1,13 @@
-"""``pyprune prune``: one method, one pattern, one model; saved, evaluated, reported."""
+"""``pyprune prune``: one method, one pattern, one model; saved, evaluated, reported. Its flags build
+a one-stage recipe (:mod:`pyprune.recipes`), run by :func:`pyprune.cli.run.perform` as ``pyprune run``
+runs one, and saved beside the model as ``recipe.yaml``."""
 from __future__ import annotations
-
-import shutil
 
 from .commands import SUMMARIES
 from . import checks, flags, steps
 from .checks import UsageError
-from ..files import make_temp_dir
+from .run import perform
+from .. import recipes
 from ..patterns import NM
 
 COMMAND = "prune"
@@ -69,44 +70,10 @@ def _run(args) -> int:
                          + (["eval_seqlen"] if args.eval else []))
     checks.check_method_config(runner, args, config, pattern)
     checks.check_memory(args, runner, args.offload)
+    recipe = recipes.from_prune_args(args, pattern, flags.method_option_values(args))
     tok = steps.tokenizer(args.model)
     calib = steps.calibration(tok, args.calib, args) if runner.needs_calibration else None
     streams = steps.eval_streams(tok, args.eval or [], args.eval_seqlen, args.eval_tokens, "--eval",
                                  "--eval-seqlen")
-    tasks = steps.zero_shot_tasks(args)
-
-    offload_dir = make_temp_dir(args.output) if args.offload else None
-    try:
-        _prune(args, pattern, calib, streams, tasks, offload_dir)
-    finally:
-        if offload_dir is not None:
-            shutil.rmtree(offload_dir, ignore_errors=True)
+    perform(recipe, args, [calib], streams, steps.zero_shot_tasks(args))
     return 0
-
-
-def _prune(args, pattern, calib, streams, tasks, offload_dir) -> None:
-    """Load (blocks on disk in ``offload_dir`` when given), prune, save, evaluate, report."""
-    from ..methods import pruning
-    model, tok = steps.load(args, offload_dir=offload_dir, dense=True)
-    report = pruning.prune(model, args.method, pattern, calib, batch_size=args.batch_size,
-                           progress=not args.quiet, **flags.method_option_values(args))
-    print(f"{args.method} {pattern}: measured sparsity {report['sparsity']:.4f} in {report['time_s']:.1f} s")
-    left = report["left_dense"]["tensors"]
-    if left:
-        print(f"left dense: {len(left)} block matrices ({report['left_dense']['parameters']:,} parameters, "
-              f"e.g. {left[0]}), not in that sparsity")
-    # the calibration settings a run used; a method without calibration (magnitude) records none
-    used = {"nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed} if calib is not None else {}
-    report.update({"model": args.model, "calib": args.calib, **used, "offload": args.offload, **steps.run_info(args)})
-    if args.sparse_layers:
-        from ..nn import sparsify_
-        report["sparse_layers"] = len(sparsify_(model, pattern))
-        print(f"stored {report['sparse_layers']} layers as SparseLinear {pattern}")
-
-    def evaluate_into(report: dict) -> bool:
-        report["eval"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
-        if tasks is not None:
-            report["tasks"] = steps.zero_shot(model, tok, tasks, args)
-        return bool(report["eval"]) or tasks is not None
-
-    steps.save_evaluate_report(model, tok, args, report, evaluate_into, "pruned model")

@@ -5,6 +5,7 @@ from .commands import SUMMARIES
 from ..runtime.recovery import DEFAULTS as LORA
 from . import checks, flags, steps
 from .checks import UsageError
+from .. import recipes
 
 COMMAND = "recover"
 
@@ -49,6 +50,7 @@ def _run(args) -> int:
         raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")
     if args.batch_size > args.nsamples:
         raise UsageError(f"--batch-size {args.batch_size} is larger than --nsamples {args.nsamples}")
+    recipe = recipes.from_recover_args(args)
     checks.check_sources([args.calib] + list(args.eval or []))
     checks.check_output(args.output, "--output", args.model, args.overwrite)
     checks.check_report(args.report, args.model, output=args.output)
@@ -73,5 +75,6 @@ def _run(args) -> int:
         report["eval_after"] = steps.evaluate(model, streams, args.eval_seqlen, args.batch_size, not args.quiet, tok)
         return bool(report["eval_after"])
 
-    steps.save_evaluate_report(model, tok, args, report, evaluate_into, "recovered model")
+    steps.save_evaluate_report(model, tok, args, report, evaluate_into, "recovered model",
+                               recipe=recipe.to_dict(output=args.output))
     return 0

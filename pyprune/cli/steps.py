@@ -175,18 +175,18 @@ def output_report(args, report: dict, model_dir: Optional[str] = None) -> None:
 
 
 def save_evaluate_report(model, tok, args, report: dict, evaluate_into: Callable[[dict], bool],
-                         what: str) -> None:
+                         what: str, recipe: Optional[dict] = None) -> None:
     """Save the model to --output (when given) before anything can fail in evaluation, so a
     finished prune or training is never lost; then ``evaluate_into(report)``, which adds its
     results and says whether it evaluated anything; then the report, into the saved directory too.
     The report records ``config_compatible`` (whether plain ``from_pretrained`` reads the saved
-    directory). A report that cannot be written is a one-line error saying where the model is."""
+    directory); the saved directory holds ``recipe`` (:mod:`pyprune.recipes`) as ``recipe.yaml``. A report that cannot be written is a one-line error saying where the model is."""
     from ..io import config_compatible, save
     from ..runtime import distributed
     if args.output and distributed.is_main():  # in a process group the others evaluate their shards alone
         report["config_compatible"] = config_compatible(model)
         try:
-            save(model, tok, args.output, report=report, overwrite=getattr(args, "overwrite", False))
+            save(model, tok, args.output, report=report, overwrite=getattr(args, "overwrite", False), recipe=recipe)
         except FileExistsError:
             raise UsageError(f"--output {args.output} was filled by another run while this one worked; nothing "
                              f"was replaced and the {what} was not saved: rerun with another --output") from None

@@ -11,8 +11,9 @@ Torch-Pruning and FLAP). So a directory written by :func:`save` holds
   pattern (``sparse_layers``; their weights are stored compressed, as ``values`` and ``meta``)
   and the MoE experts modules held as such layers (``sparse_experts``: :class:`~pyprune.nn.sparse.SparseExperts`),
   and the pruning report if given, and the model it derives from (``base_model``: hub id, revision,
-  license; :func:`pyprune.io.provenance.base_of`), and
-* ``README.md``, the model card (:mod:`pyprune.io.model_card`), written from ``pyprune.json``, and
+  license; :func:`pyprune.io.provenance.base_of`),
+* ``README.md``, the model card (:mod:`pyprune.io.model_card`), written from ``pyprune.json``,
+* ``recipe.yaml``, when given the recipe that produced the model (:mod:`pyprune.io.recipe_file`), and
 * for a model whose blocks hold residual rotations (SliceGPT, :mod:`pyprune.nn.rotation`), their
   size (``residual_rotations``); its ``config.json`` states the dense hidden size, so plain
   ``from_pretrained`` refuses the checkpoint (the shapes disagree) rather than drop the rotations.
@@ -45,6 +46,7 @@ from ..files import check_destination, make_temp_dir, standard_modes, write_json
 from ..nn import anatomy, rotation, sparse
 from . import model_card, offload, provenance
 from .names import model_names
+from .recipe_file import write_recipe
 from .manifest import (_FORMAT_VERSION, MANIFEST, _json_safe, mark_config, read_config, read_manifest, read_tokenizer,
                        shape_as_saved_)
 from ..nn.layout import block_layout, check_block, config_accepts, config_fields
@@ -123,9 +125,10 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
 
 
 def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = None, *,
-         overwrite: bool = False, max_shard_size: str = "5GB") -> Dict[str, Any]:
-    """Write ``model`` (pruned or not), ``tokenizer`` (or None), ``pyprune.json`` and the model card
-    ``README.md`` to ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
+         overwrite: bool = False, max_shard_size: str = "5GB", recipe: Optional[Dict] = None) -> Dict[str, Any]:
+    """Write ``model`` (pruned or not), ``tokenizer`` (or None), ``pyprune.json``, the model card
+    ``README.md`` and, when given, the ``recipe`` that produced it (``recipe.yaml``, :mod:`pyprune.recipes`)
+    to ``directory``, atomically; returns what ``pyprune.json`` records (without the report).
     ``directory`` must be a place pyprune may write (not a link or device; see
     :func:`pyprune.files.check_destination`).
 
@@ -173,6 +176,8 @@ def save(model: nn.Module, tokenizer, directory: str, report: Optional[Dict] = N
             "residual_rotations": rotations,
             "base_model": provenance.base_of(model),
         }
+        if recipe is not None:
+            write_recipe(tmp, recipe)
         recorded = dict(manifest, report=_json_safe(report))
         model_card.write(tmp, recorded, os.path.basename(os.path.abspath(directory)))
         write_json(os.path.join(tmp, MANIFEST), recorded, indent=1)

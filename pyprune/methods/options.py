@@ -71,11 +71,12 @@ class Option:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def convert(self, value: Any, method: str, kind: str = "method") -> Any:
+    def convert(self, value: Any, method: str, kind: str = "method", where: Optional[str] = None) -> Any:
         """``value`` as this option's type, checked; ValueError naming the option (of the ``kind``
-        ``method``: a method, or a study) otherwise. A ``many`` option takes a non-empty list or
-        tuple and gives a tuple, each item converted and checked."""
-        where = f"option {self.name} of {kind} {method!r}"
+        ``method``: a method, or a study), or starting with ``where`` when given (a recipe's field
+        path, e.g. ``stages[1].options.lr:``), otherwise. A ``many`` option takes a non-empty list
+        or tuple and gives a tuple, each item converted and checked."""
+        where = where or f"option {self.name} of {kind} {method!r}"
         if value is None:
             if self.optional:
                 return None

@@ -71,6 +71,8 @@ def files(tmp_path_factory):
     (base / "report.json").write_text(json.dumps({"eval": [{"data": "x", "perplexity": 2.0}]}))
     hub_snapshot(base / "hf-cache", "org/tiny", "1" * 40, tiny_llama(hidden=64, heads=4, kv_heads=2), tiny_tokenizer(),
                  refs=["main"])
+    (base / "recipe.yaml").write_text(f"model: {model}\nstages:\n  - {{method: magnitude, pattern: '2:4', "
+                                      "options: {blocksize: 8}}\n")
     return base
 
 
@@ -109,6 +111,9 @@ CASES = [
      r"truncated/model.safetensors is truncated", {}),
     ("prune-report-directory", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--report",
                                 "{a-directory}"], r"--report .*a-directory is a directory", {}),
+    ("run-unknown-option", ["run", "{recipe.yaml}"],
+     r"stages\[0\]\.options\.blocksize: method 'magnitude' has no option blocksize; its options: ", {}),
+    ("run-missing-recipe", ["run", "{nowhere.yaml}"], r"recipe .*nowhere\.yaml: no such file$", {}),
     ("prune-invalid-manifest", ["prune", "--model", "{bad-manifest}", *WANDA, "--calib", "{text.txt}"],
      r"bad-manifest/pyprune.json is not valid JSON", {}),
     ("prune-future-manifest", ["prune", "--model", "{future-version}", *WANDA, "--calib", "{text.txt}"],
