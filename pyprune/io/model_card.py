@@ -17,6 +17,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from ..files import write_text
+from .recipe_file import RECIPE
 
 __all__ = ["CARD", "render", "write", "write_source_card"]
 
@@ -120,8 +121,14 @@ def _how_to_load(manifest: Dict[str, Any], name: str) -> List[str]:
             "wrong shapes or random weights."]
 
 
-def render(manifest: Dict[str, Any], name: str) -> str:
-    """The card of a directory named ``name`` whose ``pyprune.json`` is ``manifest``."""
+def _reproduce(name: str) -> List[str]:
+    return ["", "## Reproduce it", "", f"`{RECIPE}` beside the weights is the recipe that produced this model "
+            f"(`pyprune run {name}/` runs it again; `pyprune run {RECIPE} --output DIR` elsewhere)."]
+
+
+def render(manifest: Dict[str, Any], name: str, has_recipe: bool = False) -> str:
+    """The card of a directory named ``name`` whose ``pyprune.json`` is ``manifest`` (and, with
+    ``has_recipe``, a ``recipe.yaml``)."""
     from huggingface_hub import ModelCardData
     report = manifest.get("report") or {}
     base = manifest.get("base_model") or {}
@@ -141,14 +148,16 @@ def render(manifest: Dict[str, Any], name: str) -> str:
     title += " + LoRA recovery" if "recovery" in report else ""
     body = [f"# {title}", "", "## What was done", "", *[f"- {line}" for line in _what_was_done(report, base)], "",
             "## Evaluation", "",
-            *_evaluation(report), "", "## How to load it", "", *_how_to_load(manifest, name), ""]
+            *_evaluation(report), "", "## How to load it", "", *_how_to_load(manifest, name),
+            *(_reproduce(name) if has_recipe else []), ""]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
 
 
 def write(directory: str, manifest: Dict[str, Any], name: Optional[str] = None) -> None:
     """Write the card of ``manifest`` into ``directory`` (atomically); ``name``, the directory's name
     in the card, defaults to its own (:func:`pyprune.save` writes into a temporary one)."""
-    write_text(os.path.join(directory, CARD), render(manifest, name or os.path.basename(os.path.abspath(directory))))
+    write_text(os.path.join(directory, CARD), render(manifest, name or os.path.basename(os.path.abspath(directory)),
+                                                     has_recipe=os.path.exists(os.path.join(directory, RECIPE))))
 
 
 def write_source_card(directory: str, base_model: str, license: str, description: str) -> None:

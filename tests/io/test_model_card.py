@@ -82,6 +82,7 @@ def test_every_format_has_a_card_the_hub_parses(hub, tmp_path, name):
         assert "A plain transformers checkpoint" in card.text
     else:
         assert 'pyprune.load("out")' in card.text and why in card.text and "from_pretrained(" not in card.text
+    assert "recipe.yaml" not in card.text  # pyprune.save was given no recipe
     assert card.content == model_card.render(manifest, "out")  # written from pyprune.json alone
 
 
@@ -107,6 +108,7 @@ def test_a_command_line_prune_and_its_recovery_carry_the_base_model_and_say_what
     card = ModelCard.load(pruned / "README.md")
     assert card.data.base_model == "org/tiny" and card.data.eval_results[0].metric_type == "perplexity"
     assert "Calibration: 4 × 16 tokens of" in card.text and "seed 0" in card.text
+    assert (pruned / "recipe.yaml").is_file() and "`pyprune run pruned/` runs it again" in card.text
     assert cli.main(["recover", "--model", str(pruned), "--calib", str(text), "--nsamples", "4", "--seqlen", "16",
                      "--batch-size", "2", "--steps", "1", "--output", str(recovered), "--quiet"]) == 0
     data = ModelCard.load(recovered / "README.md").data.to_dict()
