@@ -257,8 +257,7 @@ def test_a_bad_recipe_file_exits_2_in_one_line_from_the_command_line(places, tmp
 @pytest.mark.slow
 def test_a_two_stage_recipe_on_smollm2_matches_the_cli_steps_and_reproduces_itself(tmp_path):
     """OWL + Wanda 50%, then Wanda 2:4, on the real SmolLM2-135M (4 samples of 64 tokens): the
-    recipe gives the masks and perplexity of the two ``pyprune prune`` commands, and its saved
-    ``recipe.yaml`` gives them again."""
+    recipe gives the masks and perplexity of the two ``pyprune prune`` commands."""
     calib = ["--calib", "emma", "--nsamples", "4", "--seqlen", "64"]
     evaluation = ["--eval", "pride_and_prejudice", "--eval-seqlen", "64", "--eval-tokens", "512"]
     first, by_cli = tmp_path / "cli-owl-wanda", tmp_path / "cli-wanda24"
@@ -281,5 +280,5 @@ output: {{path: {tmp_path / 'by-recipe'}}}
 """)
     assert cli.main(["run", str(recipe), "--quiet"]) == 0
     _assert_same_model(by_cli, tmp_path / "by-recipe")
-    assert cli.main(["run", str(tmp_path / "by-recipe" / RECIPE), "--output", str(tmp_path / "again"), "--quiet"]) == 0
-    _assert_same_model(tmp_path / "by-recipe", tmp_path / "again")
+    # re-running a saved recipe.yaml is tested on every family's tiny model (a fourth real run here would add
+    # a minute of CI for the same property)
