@@ -202,6 +202,11 @@ CASES = [
      {}),
     ("tune-threads-0", ["tune", "--model", "{tiny}", "--threads", "0"], r"--threads must be >= 1; got 0", {}),
     ("tune-garbage-config", ["tune", "--model", "{garbage-config}"], r"config.json is not a valid model config", {}),
+    # OWL's lambda: 2 blocks at 0.9 +- 0.2, whatever their outlier ratios, reach 1.1 (pyprune.methods.owl.check_spread)
+    ("prune-owl-lambda-beyond-any-allocation", ["prune", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.9",
+                                                "--owl", "--owl-lambda", "0.2", "--calib", "{text.txt}"],
+     r"option owl_lambda=0.2 spreads the 2 block sparsities over 2 x 0.2 around 0.9, which leaves \[0, 1\) whatever "
+     r"the outlier ratios; give owl_lambda < 0.1$", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
     # Inputs that are accepted but would mean nothing: a text of whitespace, a window longer than the

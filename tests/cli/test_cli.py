@@ -143,6 +143,15 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     assert all(e["heads"] == 4 for e in report["structure"])  # heads=false kept every head
 
 
+@pytest.mark.parametrize("given,value", [([], None), (["--owl"], True), (["--owl", "true"], True),
+                                         (["--owl", "false"], False), (["--owl", "--owl-lambda", "0.1"], True)])
+def test_a_bool_option_alone_is_true(given, value):
+    """``--owl`` as a switch, as a new user writes it, besides ``--owl true`` / ``false``."""
+    args = cli.build_parser("wanda", ["prune"]).parse_args(
+        ["prune", "--model", "m", "--method", "wanda", "--sparsity", "0.5", *given])
+    assert args.option_owl is value
+
+
 @pytest.mark.parametrize("args,message", [
     (["--method", "taylor", "--ratio", "0.2", "--rho", "0.1"], "method 'taylor' has no option rho"),
     (["--method", "moreau", "--ratio", "0.2", "--gamma", "0.06"], "gamma of method 'moreau' must be < rho"),
