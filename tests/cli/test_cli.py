@@ -500,6 +500,33 @@ def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir,
     assert labels == [("dense", "-"), ("magnitude", "2:4")]
 
 
+def test_generate_stops_at_the_models_end_of_sequence_token_unless_told_to_ignore_it(tiny_model_dir, tmp_path, capsys):
+    """The tiny model's generation_config names two EOS ids, one of them the third token it generates
+    greedily: ``generate`` stops there (EOS kept out of the text, the line says so); ``--ignore-eos``
+    runs all --max-new-tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyprune.runtime.decode import greedy_generate
+    model_dir, _ = tiny_model_dir
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompt = "the man was good"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    free = greedy_generate(model, ids, 8).tokens[0].tolist()
+    at = next(i for i, token in enumerate(free) if i >= 2 and token not in free[:i])  # its first appearance
+    model.generation_config.eos_token_id = [tok.vocab_size + 7, free[at]]  # several, as Gemma's
+    forced = tmp_path / "forced-eos"
+    model.save_pretrained(forced)
+    tok.save_pretrained(forced)
+    assert cli.main(["generate", "--model", str(forced), "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert speed.startswith(f"[{at + 1} new tokens (stopped at the end-of-sequence token); prefill of"), speed
+    assert text == tok.decode(ids[0].tolist() + free[:at + 1], skip_special_tokens=True)
+    assert cli.main(["generate", "--model", str(forced), "--prompt", prompt, "--max-new-tokens", "8",
+                     "--ignore-eos"]) == 0
+    speed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert speed.startswith("[8 new tokens; prefill of"), speed
+
+
 def test_generate_refuses_past_the_context_and_says_when_sparsify_converts_nothing(tiny_model_dir, tmp_path,
                                                                                  capsys, monkeypatch):
     """Tokens past max_position_embeddings (2048 here) are refused before the model loads, saying how
