@@ -8,7 +8,7 @@ For each suite the run holds, the files benchmarks/results/ keeps, in their form
   to a shared, throttled machine), the median on a GPU.
 * SparseLinear (test_sparse_linear.py): ``sparse-linear-<device>[-TAG].{json,md}`` and a plot per dtype
   (``-<dtype>.svg``, geometric-mean speedup over the shapes against M); with ``--write-dispatch`` also the
-  block of the run's environment in SparseLinear's dispatch table: per dtype, pattern, weight-size bucket
+  block of the run's environment in SparseLinear's dispatch table: per dtype, pattern, shape bucket
   and token bucket the fastest correct sparse backend where it beat dense by dispatch.MIN_SPEEDUP, else
   ``dense`` (other environments' blocks stay). Times: medians.
 * end to end (test_e2e.py): ``e2e-<device>[-TAG].{json,md}``. Times: medians.
@@ -148,7 +148,7 @@ def sparse_linear_report(run):
 
 
 def dispatch_entries(report, source):
-    """Per dtype, pattern, weight-size bucket and token bucket: the fastest correct sparse
+    """Per dtype, pattern, shape bucket and token bucket: the fastest correct sparse
     implementation where its geomean speedup over dense (over the bucket's shapes and M) is at least
     dispatch.MIN_SPEEDUP, else ``dense``; only implementations that ran every case of the bucket
     compete. (A results row names its implementation ``backend``, the results files' column.)"""

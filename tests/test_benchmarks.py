@@ -127,10 +127,10 @@ def test_sparse_linear_report_writes_results_a_plot_and_the_dispatch_block(tmp_p
     assert block["environment"] == dispatch.environment(CPU)
     entries = block["entries"]
     assert {key: entry["implementation"] for key, entry in entries.items()} == {
-        "float32|2:4|2^13|1": "kernel", "float32|2:4|2^13|many": "dense", "float32|4:8|2^13|1": "dense",
-        "float32|4:8|2^13|many": "dense"}
-    assert entries["float32|2:4|2^13|many"]["sparse_geomean_speedup_vs_dense"] == 1.02
-    assert entries["float32|2:4|2^13|1"]["source"] == os.path.relpath(tmp_path / "sparse-linear-cpu-t.json",
+        "float32|2:4|2^6x2^7|1": "kernel", "float32|2:4|2^6x2^7|many": "dense", "float32|4:8|2^6x2^7|1": "dense",
+        "float32|4:8|2^6x2^7|many": "dense"}
+    assert entries["float32|2:4|2^6x2^7|many"]["sparse_geomean_speedup_vs_dense"] == 1.02
+    assert entries["float32|2:4|2^6x2^7|1"]["source"] == os.path.relpath(tmp_path / "sparse-linear-cpu-t.json",
                                                                        ROOT / "benchmarks")
     monkeypatch.setenv("PYPRUNE_DISPATCH_TABLE", str(table))
     layer = SparseLinear(128, 64, n=4, m=8)
@@ -143,7 +143,7 @@ def test_sparse_linear_report_writes_results_a_plot_and_the_dispatch_block(tmp_p
     table.write_text(json.dumps({"environments": [other, block]}))
     report.write_dispatch({"environment": saved["environment"], "results": rows[:1]}, str(table), "again")
     assert json.loads(table.read_text())["environments"][0] == other
-    assert json.loads(table.read_text())["environments"][1]["entries"]["float32|2:4|2^13|1"]["source"] == "again"
+    assert json.loads(table.read_text())["environments"][1]["entries"]["float32|2:4|2^6x2^7|1"]["source"] == "again"
     table.write_text(json.dumps({"entries": {}}))
     run_json = tmp_path / "run.json"
     run_json.write_text(json.dumps(run))
@@ -172,7 +172,8 @@ def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(t
     tiny_llama(layers=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     # this machine measured "kernel" at one token for the MLP's 128x64 / 64x128 linears only
-    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", 128, 64, 1): {"implementation": "kernel"}})
+    dispatch.record(CPU, {dispatch.case_key(torch.float32, "2:4", *shape, 1): {"implementation": "kernel"}
+                          for shape in ((128, 64), (64, 128))})
     pairs = {where: e2e_suite.prepare(str(model_dir), "2:4", where, "auto", 1, 16, 3, torch.float32, CPU)
              for where in ("faster", "all")}
     faster, every = (pairs[where].record for where in ("faster", "all"))

@@ -36,14 +36,21 @@ def _module(command: str):
     return importlib.import_module(f"{__name__}.{MODULES[command]}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, as every other refusal of the CLI: what is wrong
+    and where the flags are listed (argparse would print the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
 def build_parser(method: Optional[str] = None, commands: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
     """The parser; the subcommands that take ``--method`` get ``method``'s own option flags. Only
     the subcommands in ``commands`` (default: all) get their flags, which imports their modules
     (and torch); the others are listed by name and summary alone."""
     from . import environment
     from .. import __version__  # pyprune's __init__ is lazy: this imports no torch
-    parser = argparse.ArgumentParser(prog="pyprune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="pyprune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyprune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     full = set(MODULES if commands is None else commands)

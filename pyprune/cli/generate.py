@@ -16,7 +16,12 @@ def register(sub, method) -> None:
     parser = sub.add_parser(COMMAND, help=SUMMARIES[COMMAND])
     parser.add_argument("--model", required=True, help=flags.MODEL_HELP + "; SparseLinear layers included")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy new tokens (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="greedy new tokens at most (default 64); generation stops earlier at the model's "
+                             "end-of-sequence token (generation_config's eos_token_id, one or several)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate all --max-new-tokens, past an end-of-sequence token (runs of the same "
+                             "length, so their speeds compare)")
     parser.add_argument("--sparsify", default="off", choices=SPARSIFY,
                         help="replace the linears that are N:M sparse by SparseLinear before generating "
                              "(auto: 2:4, else 4:8, per layer; default off: the model as loaded)")
@@ -33,7 +38,7 @@ def register(sub, method) -> None:
 def run(args) -> int:
     import torch
 
-    from ..runtime.decode import greedy_generate
+    from ..runtime.decode import greedy_generate, stop_tokens
     from ..nn import SparseLinear, densify_slower_, detect_pattern, sparsify_, tuning
     checks.check_counts(args, ("max_new_tokens",))
     if not args.prompt.strip():
@@ -59,11 +64,14 @@ def run(args) -> int:
                    for m in model.modules())
     prompt = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
     tuned_before = tuning.COST["seconds"]
-    run = greedy_generate(model, prompt, args.max_new_tokens)
+    stop = () if args.ignore_eos else stop_tokens(model, tok)
+    run = greedy_generate(model, prompt, args.max_new_tokens, stop)
     tuned_during = tuning.COST["seconds"] - tuned_before
     print(tok.decode(prompt[0].tolist() + run.tokens[0].tolist(), skip_special_tokens=True))
     kinds = sorted({str(m.pattern) for m in sparse})
-    print(f"[{args.max_new_tokens} new tokens; prefill of {prompt.shape[1]} prompt tokens "
+    new = run.tokens.shape[1]
+    ended = " (stopped at the end-of-sequence token)" if run.tokens[0, -1].item() in stop else ""
+    print(f"[{new} new tokens{ended}; prefill of {prompt.shape[1]} prompt tokens "
           f"{run.prefill_s * 1e3:.1f} ms; decode {run.decode_tokens_per_s:.2f} tokens/s; "
           f"{len(sparse)} SparseLinear layers{' (' + ', '.join(kinds) + ')' if kinds else ''}, "
           f"{dense_nm} N:M layers as nn.Linear, "

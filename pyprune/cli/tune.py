@@ -26,9 +26,10 @@ def register(sub, method) -> None:
 
 
 def run(args) -> int:
-    """Measure every (dtype, pattern, weight-size bucket, token bucket) of --model's N:M layers
-    this environment has no answer for (:func:`dispatch.answer`; all with --force), on the first
-    layer of each, and print them all with their source: cache, prior or measured."""
+    """Measure every (dtype, pattern, shape bucket, token bucket) of --model's N:M layers this
+    environment has no answer for (:func:`dispatch.answer`; all with --force), on the first layer
+    of each, and print them all with their source: cache, prior or measured (a row names every
+    layer shape its case answers for)."""
     import torch
 
     from ..files import ensure_cache_dir
@@ -39,7 +40,7 @@ def run(args) -> int:
     ensure_cache_dir(os.path.dirname(dispatch.cache_path(torch.device("cpu"))))  # where the answers go, first
     checks.check_model(args.model)
     model, _ = steps.load(args)
-    groups = {}  # (pattern, shape bucket) -> [representative layer, number of layers]
+    groups = {}  # (pattern, shape bucket) -> [representative layer, pattern, {shape: number of layers}]
     for module in model.modules():
         if isinstance(module, SparseLinear):
             pattern, layer = module.pattern, module
@@ -47,9 +48,9 @@ def run(args) -> int:
             layer = module
         else:
             continue
-        group = groups.setdefault((str(pattern), dispatch.shape_bucket(layer.out_features, layer.in_features)),
-                                  [layer, pattern, 0])
-        group[2] += 1
+        shape = (layer.out_features, layer.in_features)
+        group = groups.setdefault((str(pattern), dispatch.shape_bucket(*shape)), [layer, pattern, {}])
+        group[2][shape] = group[2].get(shape, 0) + 1
     if not groups:
         raise UsageError(f"--model {args.model} has no N:M sparse linear layers (prune it with --pattern 2:4 "
                          "or 4:8 first)")
@@ -63,14 +64,15 @@ def run(args) -> int:
     print("| layers | shape (out×in) | dtype | pattern | tokens | kernel ms | dense ms | kernel speedup | "
           "implementation | source |")
     print("|---:|---|---|---|---:|---:|---:|---:|---|---|")
-    for layer, pattern, count in groups.values():
+    for layer, pattern, shapes in groups.values():
         sparse = layer if isinstance(layer, SparseLinear) else SparseLinear.from_dense(layer, pattern)
+        count, named = sum(shapes.values()), ", ".join(f"{out}×{in_}" for out, in_ in shapes)
         for count_tokens in tokens:
             found = None if args.force else dispatch.answer(device, dtype, str(pattern), sparse.out_features,
                                                             sparse.in_features, count_tokens)
             entry, source = found or (sparse.tune(count_tokens)[0], "measured")
             speedup = entry.get("sparse_speedup_vs_dense", entry.get("sparse_geomean_speedup_vs_dense", ""))
-            print(f"| {count} | {sparse.out_features}×{sparse.in_features} | {args.dtype} | {pattern} | "
+            print(f"| {count} | {named} | {args.dtype} | {pattern} | "
                   f"{count_tokens} | {entry.get('kernel_ms', '')} | {entry.get('dense_ms', '')} | "
                   f"{speedup} | {dispatch.entry_implementation(entry)} | {source} |")
     print(f"[{tuning.COST['cases'] - cases} cases measured in {tuning.COST['seconds'] - seconds:.2f} s, "

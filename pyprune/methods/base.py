@@ -224,6 +224,8 @@ class LayerSparsityMethod(Method):
         if self.owl and not isinstance(pattern, Unstructured):
             raise ValueError(f"option owl of method {self.name!r} allocates unstructured sparsity per block; "
                              f"pattern {pattern} cannot vary by block (give a sparsity in [0, 1))")
+        if self.owl:
+            owl.check_spread(pattern.sparsity, self.owl_lambda, len(engine.decoder_blocks(model)))
         super().check(model, pattern)
 
     def block_pattern(self, pattern: Pattern, index: int) -> Pattern:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..ops.conventions import kept_count, round_half_up
 from ..nn.measure import model_cost
+from ..nn.anatomy import block_linears, decoder_blocks
 from ..nn.compact import keep_hidden_channels_
 from ..nn.layout import hidden_slices, hidden_stream, rescaled_norm_weight
 from ..patterns import Structured
@@ -65,6 +66,8 @@ class DReSS(Method):
     #: gradients over them (pyprune.runtime.training.train)
     data_parallel = True
     calibration = (800, 128)  # 600 windows regularise (one pass of the default steps), 200 for LoRA
+    #: the default lr as a share of the RMS of the decoder's linear weights (:meth:`learning_rate`)
+    lr_share = 5e-3
     #: windows whose residual stream ranks the channels for ``channels="quiet"``
     energy_windows = 64
 
@@ -78,7 +81,10 @@ class DReSS(Method):
                               "shrink by the prox of lr*lambda*norm (group soft-thresholding: exact zeros; not in "
                               "the paper)", choices=("penalty", "proximal"))
     steps: int = option(150, "DReSS: regularisation steps (0 = slice without regularising)", nonnegative)
-    lr: float = option(1e-3, "DReSS: AdamW learning rate of the regularisation (paper: unspecified)", positive)
+    lr: Optional[float] = option(None, "DReSS: AdamW learning rate of the regularisation (paper: unspecified); unset: "
+                                 "5e-3 x the RMS of the model's decoder linear weights, as AdamW moves every weight by "
+                                 "~lr per step whatever its scale (SmolLM2-135M ~1e-3; Gemma 3 270M, whose weights are "
+                                 "5x smaller, ~2e-4)", positive)
     train_batch: int = option(4, "DReSS: calibration windows per training step", at_least_one)
     channels: str = option("quiet", "DReSS: which hidden channels go: quiet = least residual-stream "
                            "energy on the calibration data (avoids massive-activation channels; not in the paper), "
@@ -176,6 +182,20 @@ class DReSS(Method):
         return TrainingCheckpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
     # -- regularise, slice, recover ----------------------------------------------------------------
+
+    def learning_rate(self, model: nn.Module) -> float:
+        """``lr``, or where unset :attr:`lr_share` × the RMS of the decoder blocks' linear weights:
+        an AdamW step moves each weight by about lr whatever its scale (its first step is lr·sign(g)),
+        so an lr fixed in absolute terms is a 5× larger share of Gemma 3 270M's weights (RMS ~0.035)
+        than of SmolLM2-135M's (~0.19), and one step at 1e-3 wrecks the former (loss 4.7 -> 14)."""
+        if self.lr is not None:
+            return self.lr
+        squares, count = 0.0, 0
+        for block in decoder_blocks(model):
+            for linear in block_linears(block).values():
+                squares += float(linear.weight.detach().double().square().sum())
+                count += linear.weight.numel()
+        return self.lr_share * math.sqrt(squares / count)
 
     def penalised_slices(self, model: nn.Module) -> List[Tuple[str, nn.Parameter, int, float]]:
         """(name, parameter, dim of the hidden channels, offset) of every weight that reads or writes
@@ -312,12 +332,12 @@ class DReSS(Method):
                         for _, p, dim, offset in slices)
             return {"penalty": round(self.lam * total, 6)}
 
-        start = time.perf_counter()
+        start, lr = time.perf_counter(), self.learning_rate(model)
         with fp32_master_weights(model), torch.enable_grad():
-            log = train(model, list(model.parameters()), windows, steps=self.steps, lr=self.lr,
+            log = train(model, list(model.parameters()), windows, steps=self.steps, lr=lr,
                         batch_size=self.train_batch, seed=self.train_seed, after_backward=penalty,
-                        after_step=(lambda: self.proximal_step(slices, index, self.lr * self.lam, self.norm))
+                        after_step=(lambda: self.proximal_step(slices, index, lr * self.lam, self.norm))
                         if proximal else None,
                         checkpoint=checkpoint, desc="dress regularise", progress=progress)
-        log["time_s"] = round(time.perf_counter() - start, 1)
+        log["time_s"], log["lr"] = round(time.perf_counter() - start, 1), lr
         return log

@@ -64,6 +64,23 @@ def block_outlier_ratios(model: nn.Module, calib: Tensor, m: float, *, batch_siz
                                 desc="owl outlier ratios")
 
 
+def check_spread(target: float, lam: float, blocks: int) -> None:
+    """ValueError where λ keeps no allocation of ``blocks`` blocks around ``target`` inside [0, 1),
+    whatever their outlier ratios (unless all are equal): checked from the options and the block
+    count alone, before a model loads. With s_l = S − (shift_l − mean shift), shift ∈ [0, 2λ] from the
+    least to the most outlying block, the sparsities span 2λ, from S − 2λ + μ to S + μ, μ = mean shift
+    ∈ [2λ/n, 2λ(n−1)/n] (one block at either end, the rest at the other): some μ fits iff
+    2λ < 1, 2λ/n < 1 − S and 2λ/n ≤ S."""
+    if lam == 0 or blocks < 2:
+        return
+    least = 2 * lam / blocks
+    if 2 * lam < 1 and least < 1 - target and least <= target:
+        return
+    bound = min(0.5, blocks * (1 - target) / 2, blocks * target / 2)
+    raise ValueError(f"option owl_lambda={lam} spreads the {blocks} block sparsities over 2 x {lam} around "
+                     f"{target}, which leaves [0, 1) whatever the outlier ratios; give owl_lambda < {bound:.4g}")
+
+
 def allocate(ratios: Sequence[float], target: float, lam: float) -> List[float]:
     """Block sparsities from the outlier ratios: ``target`` minus the ratios scaled onto [0, 2λ]
     and centred (their mean is ``target`` exactly, the most outlying block the least sparse);

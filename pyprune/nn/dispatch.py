@@ -7,8 +7,8 @@ on a CPU the model name, vendor, family, model and stepping, the instruction-set
 GPU its name and compute capability), torch and pyprune versions, the instruction-set level
 pyprune's native kernels run at (:func:`native_kernels`), and torch's thread count. A hypervisor's ``AMD EPYC`` names every EPYC generation, so a
 name alone never keys: AVX2 Zen 3 and AVX-512-BF16 Zen 4 are other environments. Within one, a case
-(:func:`case_key`) is the dtype, N:M pattern, weight-size bucket (out·in rounded up to a power of
-two) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse implementation that
+(:func:`case_key`) is the dtype, N:M pattern, shape bucket (out and in, each rounded up to a power of
+two: a matrix and its transpose are two cases, the kernel's speed differs between them) and token bucket (1, 2, 4 … 256, or ``many``), and its entry names the sparse implementation that
 measured at least :data:`MIN_SPEEDUP` times as fast as dense ``F.linear``, or ``dense``.
 
 Two stores hold entries, in one shape: a block ``{"environment": {...}, "entries": {case: entry}}``.
@@ -241,11 +241,13 @@ def token_bucket(tokens: int) -> str:
 
 
 def shape_bucket(out_features: int, in_features: int) -> str:
-    return f"2^{max(out_features * in_features - 1, 0).bit_length()}"
+    """``2^ax2^b``: out and in features, each rounded up to a power of two (out first: the compressed
+    dimension is in, so 576×1536 and 1536×576 are two buckets)."""
+    return "x".join(f"2^{max(size - 1, 0).bit_length()}" for size in (out_features, in_features))
 
 
 def entry_key(dtype: torch.dtype, pattern: str, shape: str, tokens: str) -> str:
-    """``<dtype>|<pattern>|<shape bucket>|<token bucket>``, e.g. ``bfloat16|2:4|2^17|256``."""
+    """``<dtype>|<pattern>|<shape bucket>|<token bucket>``, e.g. ``bfloat16|2:4|2^12x2^12|256``."""
     return f"{str(dtype).replace('torch.', '')}|{pattern}|{shape}|{tokens}"
 
 

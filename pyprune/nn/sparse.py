@@ -256,8 +256,6 @@ class SparseLinear(nn.Module):
         device, dtype = self.values.device, self.values.dtype
         if device.type != "cpu":
             raise ValueError(f"SparseLinear.tune measures CPU layers; this one is on {device.type}")
-        path = dispatch.cache_path(device)
-        tuning.announce(path)
         kept = "dense" in self._cache
         entry = tuning.measure(lambda x: self.forward_on("dense", x), lambda x: self.forward_on("kernel", x),
                                tuning.timed_input(self.in_features, tokens, dtype, device))
@@ -430,6 +428,7 @@ def _decide(module: nn.Module, pattern: NM, device: torch.device, dtype: torch.d
     if found is not None:
         return dispatch.entry_implementation(found[0]), found[1]
     if tuning.can_tune(device):
+        tuning.announce(dispatch.cache_path(device))  # a measurement nobody asked for by name: said once
         layer = module if isinstance(module, SparseLinear) else SparseLinear.from_dense(module, pattern)
         return layer.tune(tokens)[0]["implementation"], "measured"
     return dispatch.FALLBACK_IMPLEMENTATION, "fallback"

@@ -1,6 +1,6 @@
 """Tune on first use: time SparseLinear's ``kernel`` against ``dense`` where this environment has no answer.
 
-A case (dtype, pattern, weight-size bucket, token bucket) that this environment's per-user cache
+A case (dtype, pattern, shape bucket, token bucket) that this environment's per-user cache
 does not answer (:func:`pyprune.nn.dispatch.answer`) is measured the first time a layer meets it,
 on that layer's own weights and a random input of its token count (at most
 :data:`MAX_TIMED_TOKENS`): a few interleaved rounds of kernel and dense, each call after the

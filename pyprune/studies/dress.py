@@ -274,7 +274,7 @@ class Dress(Study):
     seqlen: int = option(DReSS.calibration[1], "calibration window length", at_least_one)
     steps: int = dress_option("steps")
     lam: float = dress_option("lam")
-    lr: float = dress_option("lr")
+    lr: float = dress_option("lr", 1e-3)  # the rate the SmolLM2-135M results were measured at
     norm: str = dress_option("norm")
     train_batch: int = dress_option("train_batch")
     rescale_norms: bool = dress_option("rescale_norms")

@@ -59,7 +59,7 @@ class DressLambdaSweep(Study):
                            "quarters regularise)", at_least_one)
     seqlen: int = option(DReSS.calibration[1], "calibration window length", at_least_one)
     steps: int = dress_option("steps")
-    lr: float = dress_option("lr")
+    lr: float = dress_option("lr", 1e-3)  # the rate the SmolLM2-135M results were measured at
     eval_tokens: int = option(4096, "evaluation tokens of each text", at_least_one)
     eval_seqlen: int = option(256, "evaluation window length", at_least_one)
 

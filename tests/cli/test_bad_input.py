@@ -210,6 +210,11 @@ CASES = [
      {}),
     ("tune-threads-0", ["tune", "--model", "{tiny}", "--threads", "0"], r"--threads must be >= 1; got 0", {}),
     ("tune-garbage-config", ["tune", "--model", "{garbage-config}"], r"config.json is not a valid model config", {}),
+    # OWL's lambda: 2 blocks at 0.9 +- 0.2, whatever their outlier ratios, reach 1.1 (pyprune.methods.owl.check_spread)
+    ("prune-owl-lambda-beyond-any-allocation", ["prune", "--model", "{tiny}", "--method", "wanda", "--sparsity", "0.9",
+                                                "--owl", "--owl-lambda", "0.2", "--calib", "{text.txt}"],
+     r"option owl_lambda=0.2 spreads the 2 block sparsities over 2 x 0.2 around 0.9, which leaves \[0, 1\) whatever "
+     r"the outlier ratios; give owl_lambda < 0.1$", {}),
     ("demo-nsamples-0", ["demo", "--nsamples", "0"], r"--nsamples must be >= 1; got 0", {}),
     ("demo-eval-tokens-0", ["demo", "--eval-tokens", "0"], r"--eval-tokens must be >= 1; got 0", {}),
     # Inputs that are accepted but would mean nothing: a text of whitespace, a window longer than the
@@ -371,8 +376,25 @@ def test_help_and_a_missing_or_unknown_command_are_answered_without_importing_to
     assert done.stdout.strip().splitlines()[-1] == f"False {0 if answered else 2}", done.stderr
     if argv == ["--version"]:
         assert done.stdout.splitlines()[0] == f"pyprune {pyprune.__version__}"
-    elif not answered:
-        assert done.stderr.startswith("usage: pyprune") and "pyprune: error: " in done.stderr
+    elif not answered:  # one line, as every refusal: no usage block
+        assert done.stderr.startswith("pyprune: error: ") and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.endswith("(`pyprune --help` lists the arguments)\n")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["prune", "--model", "m", "--method", "magnitude", "--sparsity", "50%"],
+     "argument --sparsity: invalid float value: '50%'"),
+    (["compare"], "the following arguments are required: reports"),
+    (["generate", "--model", "m", "--prompt", "hi", "--sparsify", "3:4"], "argument --sparsify: invalid choice: '3:4'"),
+    (["prune", "--model", "m", "--method", "wanda", "--owl", "maybe"], "argument --owl: expected true or false")])
+def test_a_flag_argparse_refuses_is_one_line_without_the_usage_block(argv, message):
+    """A value of the wrong type, a missing argument, a choice outside the allowed: one line, exit 2,
+    naming the flag and pointing at --help (the usage block argparse prints first is gone)."""
+    done = subprocess.run([sys.executable, "-m", "pyprune", *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(Path(pyprune.__file__).parents[1])))
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"pyprune {argv[0]}: error: "), done.stderr
+    assert message in done.stderr and done.stderr.endswith(f"(`pyprune {argv[0]} --help` lists the arguments)\n")
 
 
 @pytest.mark.parametrize("argv", [["prune", "--method", "nope", "--help"], ["prune", "--method=nope", "-h"],

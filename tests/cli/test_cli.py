@@ -143,6 +143,15 @@ def test_method_options_reach_the_method_and_the_report(tiny_model_dir, tmp_path
     assert all(e["heads"] == 4 for e in report["structure"])  # heads=false kept every head
 
 
+@pytest.mark.parametrize("given,value", [([], None), (["--owl"], True), (["--owl", "true"], True),
+                                         (["--owl", "false"], False), (["--owl", "--owl-lambda", "0.1"], True)])
+def test_a_bool_option_alone_is_true(given, value):
+    """``--owl`` as a switch, as a new user writes it, besides ``--owl true`` / ``false``."""
+    args = cli.build_parser("wanda", ["prune"]).parse_args(
+        ["prune", "--model", "m", "--method", "wanda", "--sparsity", "0.5", *given])
+    assert args.option_owl is value
+
+
 @pytest.mark.parametrize("args,message", [
     (["--method", "taylor", "--ratio", "0.2", "--rho", "0.1"], "method 'taylor' has no option rho"),
     (["--method", "moreau", "--ratio", "0.2", "--gamma", "0.06"], "gamma of method 'moreau' must be < rho"),
@@ -347,9 +356,10 @@ def test_bad_generate_arguments(tmp_path, capsys, args, message):
 
 def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny_model_dir, tmp_path, capsys,
                                                                               monkeypatch):
-    """``pyprune tune`` on a saved 2:4 model measures each (weight-size bucket, token bucket) once,
-    even with on-the-fly tuning off; a second run reads the cache; ``generate`` then times only what
-    the cache lacks, and says so."""
+    """``pyprune tune`` on a saved 2:4 model measures each (shape bucket, token bucket) once, even
+    with on-the-fly tuning off (and then says nothing about turning it off); a matrix and its
+    transpose are two rows; a second run reads the cache; ``generate`` then times only what the
+    cache lacks, and says so."""
     import json
     import re
 
@@ -361,19 +371,22 @@ def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny
     assert cli.main(["prune", "--model", str(model_dir), "--method", "magnitude", "--pattern", "2:4",
                      "--output", str(output), "--sparse-layers", "--quiet"]) == 0
     capsys.readouterr()
+    monkeypatch.setenv("PYPRUNE_TUNE", "0")
     assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    out, err = capsys.readouterr()
+    assert "PYPRUNE_TUNE" not in err and "timing SparseLinear" not in err, err  # asked for by name: no notice
+    lines = out.strip().splitlines()
     assert lines[0] == f"machine {dispatch.device_key(torch.device('cpu'))}"  # then the environment, the table
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[4:-1]]
-    # q/o 64x64, k/v 32x64, gate/up/down 128x64 and 64x128 (one bucket): 3 buckets x 2 token counts
+    # q/o 64x64, k/v 32x64, gate/up 128x64, down 64x128 (its own row): 4 buckets x 2 token counts
     assert sorted((r[0], r[1], r[4]) for r in rows) == sorted(
-        (count, shape, tokens) for count, shape in (("4", "64×64"), ("4", "32×64"), ("6", "128×64"))
+        (count, shape, tokens) for count, shape in (("4", "64×64"), ("4", "32×64"), ("4", "128×64"), ("2", "64×128"))
         for tokens in ("1", "3"))
     assert {r[8] for r in rows} <= {"kernel", "dense"} and {r[9] for r in rows} == {"measured"}
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
-    assert lines[-1].startswith("[6 cases measured in")
+    assert lines[-1].startswith("[8 cases measured in")
     entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
-    assert len(entries) == 6 and all(k.endswith(("|1", "|4")) and k.startswith("float32|2:4|") for k in entries)
+    assert len(entries) == 8 and all(k.endswith(("|1", "|4")) and k.startswith("float32|2:4|") for k in entries)
     assert cli.main(["tune", "--model", str(output), "--tokens", "1", "3"]) == 0
     again = capsys.readouterr().out.strip().splitlines()
     assert all(line.endswith("| cache |") for line in again[4:-1]) and "[0 cases measured" in again[-1]
@@ -386,7 +399,7 @@ def test_tune_measures_a_models_shapes_prints_the_table_and_fills_the_cache(tiny
     tuned = re.search(r"first-use tuning (\d+) cases (\d+) ms, (\d+) ms of it inside the prefill", speed)
     assert tuned is not None, speed
     entries = json.loads(open(dispatch.cache_path(torch.device("cpu")), encoding="utf-8").read())["entries"]
-    assert len(entries) == 6 + int(tuned[1]) and int(tuned[3]) <= int(tuned[2])
+    assert len(entries) == 8 + int(tuned[1]) and int(tuned[3]) <= int(tuned[2])
 
 
 def test_tune_prints_the_machine_its_environment_and_where_each_answer_came_from(tiny_model_dir, tmp_path, capsys,
@@ -424,8 +437,9 @@ def test_tune_prints_the_machine_its_environment_and_where_each_answer_came_from
                         f"pyprune {here['pyprune']}; native kernels {dispatch.native_kernels(cpu)}")
     sources = {(r[1], r[4]): r[9] for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[4:-1])}
     assert sources == {("64×64", "1"): "prior", ("64×64", "3"): "cache", ("32×64", "1"): "measured",
-                       ("32×64", "3"): "measured", ("128×64", "1"): "measured", ("128×64", "3"): "measured"}
-    assert lines[-1].startswith("[4 cases measured in")
+                       ("32×64", "3"): "measured", ("128×64", "1"): "measured", ("128×64", "3"): "measured",
+                       ("64×128", "1"): "measured", ("64×128", "3"): "measured"}  # another CPU's row answers none
+    assert lines[-1].startswith("[6 cases measured in")
 
 
 def test_tune_refuses_a_model_without_n_m_layers(tiny_model_dir, capsys):
@@ -484,6 +498,33 @@ def test_an_eval_report_of_a_pruned_model_says_how_it_was_pruned(tiny_model_dir,
     assert not {"method", "pattern", "sparsity"} & set(dense)
     labels = [(row["method"], row["pattern"]) for row in compare.rows([dense, pruned])]
     assert labels == [("dense", "-"), ("magnitude", "2:4")]
+
+
+def test_generate_stops_at_the_models_end_of_sequence_token_unless_told_to_ignore_it(tiny_model_dir, tmp_path, capsys):
+    """The tiny model's generation_config names two EOS ids, one of them the third token it generates
+    greedily: ``generate`` stops there (EOS kept out of the text, the line says so); ``--ignore-eos``
+    runs all --max-new-tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyprune.runtime.decode import greedy_generate
+    model_dir, _ = tiny_model_dir
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompt = "the man was good"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    free = greedy_generate(model, ids, 8).tokens[0].tolist()
+    at = next(i for i, token in enumerate(free) if i >= 2 and token not in free[:i])  # its first appearance
+    model.generation_config.eos_token_id = [tok.vocab_size + 7, free[at]]  # several, as Gemma's
+    forced = tmp_path / "forced-eos"
+    model.save_pretrained(forced)
+    tok.save_pretrained(forced)
+    assert cli.main(["generate", "--model", str(forced), "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert speed.startswith(f"[{at + 1} new tokens (stopped at the end-of-sequence token); prefill of"), speed
+    assert text == tok.decode(ids[0].tolist() + free[:at + 1], skip_special_tokens=True)
+    assert cli.main(["generate", "--model", str(forced), "--prompt", prompt, "--max-new-tokens", "8",
+                     "--ignore-eos"]) == 0
+    speed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert speed.startswith("[8 new tokens; prefill of"), speed
 
 
 def test_generate_refuses_past_the_context_and_says_when_sparsify_converts_nothing(tiny_model_dir, tmp_path,

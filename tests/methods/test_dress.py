@@ -252,6 +252,23 @@ def test_l1_penalty_also_shrinks():
     assert report["slice_mass_ratio"] < 0.6
 
 
+def test_the_default_rate_is_a_share_of_the_linear_weights_rms_and_is_reported():
+    """AdamW moves each weight by ~lr per step whatever its scale: unset, lr is lr_share x the RMS of
+    the decoder's linear weights, so a model with 5x smaller weights (Gemma 3 270M against SmolLM2)
+    trains at a 5x smaller rate; a given lr is used as is; the report says which ran."""
+    model = tiny_llama(seed=0)
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    rms = math.sqrt(sum(float(w.double().square().sum()) for w in linears) / sum(w.numel() for w in linears))
+    assert DReSS().learning_rate(model) == pytest.approx(DReSS.lr_share * rms, rel=1e-9)
+    with torch.no_grad():
+        for weight in linears:
+            weight.mul_(0.2)
+    assert DReSS().learning_rate(model) == pytest.approx(0.2 * DReSS.lr_share * rms, rel=1e-9)
+    assert DReSS(lr=1e-3).learning_rate(model) == 1e-3
+    report = pyprune.prune(model, "dress", Structured(0.25), _calib(), progress=False, steps=1)
+    assert report["regularisation"]["lr"] == pytest.approx(0.2 * DReSS.lr_share * rms, rel=1e-9)
+
+
 def test_bad_options():
     for options, message in (({"norm": "l3"}, "norm"), ({"lam": -1.0}, "lam"), ({"steps": -1}, "steps"),
                              ({"lr": 0.0}, "lr"), ({"channels": "middle"}, "channels"),

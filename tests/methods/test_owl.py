@@ -57,6 +57,33 @@ def test_allocation_averages_to_the_target_and_spans_two_lambda():
         owl.allocate(ratios, 0.8, 0.3)
 
 
+@pytest.mark.parametrize("blocks", [2, 3, 30])
+def test_a_lambda_is_refused_before_loading_exactly_when_no_outlier_ratios_could_allocate_it(blocks):
+    """check_spread refuses (target, lambda) exactly where allocate refuses every set of differing
+    ratios of that many blocks: a refused one fails on random ratios and on the extremes; an
+    accepted one has ratios that allocate (one block at the top, one at the bottom, the others at a
+    level r chosen so that the mean shift is inside the feasible interval)."""
+    generator = torch.Generator().manual_seed(0)
+    for target in (0.15, 0.5, 0.8, 0.93):  # none on a boundary, where rounding decides
+        for lam in (0.01, 0.05, 0.1, 0.2, 0.3, 0.45, 0.5, 0.6):
+            low = max(2 * lam - target, 2 * lam / blocks)  # the feasible mean shifts [low, high)
+            high = min(1 - target, 2 * lam * (blocks - 1) / blocks)
+            try:
+                owl.check_spread(target, lam, blocks)
+            except ValueError as error:
+                assert f"owl_lambda={lam}" in str(error) and "\n" not in str(error)
+                assert not low < high or 2 * lam >= 1, (target, lam)
+                draws = [torch.rand(blocks, generator=generator).tolist() for _ in range(50)]
+                for ratios in draws + [[1.0] + [0.0] * (blocks - 1), [0.0] + [1.0] * (blocks - 1)]:
+                    with pytest.raises(ValueError):
+                        owl.allocate(ratios, target, lam)
+                continue
+            mean = (low + high) / 2  # = 2*lam*(1 + (blocks - 2) * r) / blocks for ratios [1, 0, r, ..., r]
+            level = (mean * blocks / (2 * lam) - 1) / max(blocks - 2, 1)
+            sparsities = owl.allocate([1.0, 0.0] + [level] * (blocks - 2), target, lam)
+            assert 0 <= min(sparsities) and max(sparsities) < 1
+
+
 def test_outlier_ratios_are_those_of_the_dense_model():
     model, calib = _outlying_llama(), random_tokens((4, 16))
     expected = _dense_outlier_ratios(model, calib, 2.0)

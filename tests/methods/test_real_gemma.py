@@ -66,3 +66,25 @@ def test_cli_taylor_output_on_gemma_loads_in_plain_transformers(gemma, tmp_path)
     probe = calib[:1, :32]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(probe).logits, expected(probe).logits, rtol=1e-4, atol=1e-4)
+
+
+def _held_out_loss(model, windows):
+    with torch.no_grad():
+        return float(model(input_ids=windows, labels=windows, use_cache=False).loss)
+
+
+def test_dress_at_its_default_rate_trains_gemma_without_wrecking_it(gemma):
+    """DReSS's default lr is a share of the weights' RMS: Gemma's are ~5x smaller than SmolLM2's, and a
+    fixed 1e-3 took its loss from 4.7 to 14 in one AdamW step (perplexity ~1e5-1e8 once sliced). One
+    step on 4 Emma windows: the loss on held-out Pride and Prejudice windows, just before slicing,
+    stays within 1.5 nats of the dense model's (measured: 4.61 dense, 5.34 after the step; 11.79 at 1e-3)."""
+    from pyprune.methods.dress import DReSS
+    model, tokenizer, _ = gemma
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=4, seqlen=32, seed=0)
+    held_out = data.calibration_samples(tokenizer, "pride_and_prejudice", nsamples=2, seqlen=64, seed=1)
+    dense = _held_out_loss(model, held_out)
+    method = DReSS(steps=1, train_batch=4, rescale_norms=False)
+    method.before_slice = lambda regularised: _held_out_loss(regularised, held_out)
+    report = pyprune.prune(copy.deepcopy(model), method, Structured(0.25), calib, progress=False)
+    assert 1e-4 < report["regularisation"]["lr"] < 3e-4, report["regularisation"]
+    assert report["before_slice"] < dense + 1.5, (dense, report["before_slice"])

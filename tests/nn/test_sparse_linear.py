@@ -253,10 +253,12 @@ def test_dispatch_keys_and_the_machine_key():
         f"cpu/{cpu['model']}/{cpu['family']}.{cpu['model_number']}.{cpu['stepping']}/"
         f"{top[-1] if top else 'no-fma'}/LLC {cpu['llc_bytes'] / 2**20:g} MiB")
     assert dispatch.machine(torch.device("cpu")) == dict(cpu, device="cpu")
-    assert dispatch.case_key(torch.bfloat16, "2:4", 4096, 4096, 200) == "bfloat16|2:4|2^24|256"
+    assert dispatch.case_key(torch.bfloat16, "2:4", 4096, 4096, 200) == "bfloat16|2:4|2^12x2^12|256"
     assert [dispatch.token_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 256, 257)] == \
         ["1", "2", "4", "4", "8", "8", "16", "64", "64", "128", "256", "many"]
-    assert dispatch.shape_bucket(4096, 4096) == "2^24" and dispatch.shape_bucket(4096, 4097) == "2^25"
+    assert dispatch.shape_bucket(4096, 4096) == "2^12x2^12" and dispatch.shape_bucket(4096, 4097) == "2^12x2^13"
+    # a matrix and its transpose are two cases: the kernel's speedup differs between them (compressed along in)
+    assert dispatch.shape_bucket(576, 1536) == "2^10x2^11" != dispatch.shape_bucket(1536, 576)
 
 
 def test_dense_implementation_caches_the_decompressed_weight_until_values_change():
