@@ -52,9 +52,7 @@ class _LayerNorms:
 class RIA(LayerwiseMaskMethod):
     name = "ria"
     default_scope = "tensor"
-    can_accumulate = True  # Σ‖x_j‖² sums over datasets as over batches
     data_parallel = True
-    commands = ("prune", "continual")
 
     activation_power: float = option(0.5, "RIA: the exponent a of the activation norm (paper: 0.5)", nonnegative)
     channel_permutation: bool = option(False, "RIA: permute each layer's input channels so that the N:M mask keeps "
