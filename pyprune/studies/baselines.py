@@ -285,7 +285,8 @@ class Owl(_PruneAndEvaluate):
                  f"{result['environment']['cpu_threads']} thread(s). Dense perplexity {result['dense']:.2f}. "
                  "Prune time includes OWL's outlier-ratio pass.", "",
                  "| method | sparsity | allocation | " + " | ".join(PROTOCOL_HEADER) + " | measured sparsity | "
-                 "block sparsity min–max | perplexity | prune time (s) |", "|---|---:|---|---|---:|---|---:|---|---:|---:|"]
+                 "block sparsity min–max | perplexity | prune time (s) |",
+                 "|---|---:|---|---|---:|---|---:|---|---:|---:|"]
         protocol = (f"{s['nsamples']} x {s['seqlen']} | {s['eval_tokens']} | 1 (seed {s['seed']})")
         for r in result["results"]:
             spread = f"{min(r['block_sparsity']):.3f}–{max(r['block_sparsity']):.3f}" if r["owl"] else "–"

@@ -51,7 +51,8 @@ def _dense_sqnorms(model, calib, index=0):
 
 def test_the_first_block_keeps_the_highest_scores_of_each_layer_from_the_dense_activations():
     model, calib = tiny_llama(), random_tokens((4, 16))
-    dense = {name: linear.weight.detach().clone() for name, linear in engine.block_linears(model.model.layers[0]).items()}
+    linears = engine.block_linears(model.model.layers[0])
+    dense = {name: linear.weight.detach().clone() for name, linear in linears.items()}
     sqnorms = _dense_sqnorms(model, calib)
     pyprune.prune(model, "ria", 0.5, calib, batch_size=2, progress=False)
     for name, linear in engine.block_linears(model.model.layers[0]).items():
