@@ -352,10 +352,24 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
     def _layer_stats(self, name: str, linear: nn.Linear):
         """:meth:`new_stats`, or the ones this object kept for ``name`` from earlier calls."""
         if self._kept_stats is None:
-            return self.new_stats(name, linear)
+            return self.layer_statistics(name, linear)
         if name not in self._kept_stats:
-            self._kept_stats[name] = self.new_stats(name, linear)
+            self._kept_stats[name] = self.layer_statistics(name, linear)
         return self._kept_stats[name]
+
+    # What the engine calls on a layer's statistics: by default the method's own new_stats, update,
+    # reduce_stats and prune_layer; a composable step (DSnoT's mask refinement, :mod:`.dsnot`) wraps them.
+    def layer_statistics(self, name: str, linear: nn.Linear):
+        return self.new_stats(name, linear)
+
+    def observe(self, stats, x: Tensor, y: Tensor) -> None:
+        self.update(stats, x, y)
+
+    def reduce_layer(self, stats, dst: Optional[int]):
+        return self.reduce_stats(stats, dst)
+
+    def prune_from(self, linear: nn.Linear, stats, pattern: Pattern) -> None:
+        self.prune_layer(linear, stats, pattern)
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         def process(ctx: engine.BlockContext) -> Dict:
@@ -368,7 +382,7 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
 
             def observe(name, linear, x, y):
                 tokens[name] += x.numel() // x.shape[-1]
-                self.update(stats[name], x, y)
+                self.observe(stats[name], x, y)
 
             outputs = ctx.capture(observe)
             self.prune_block_layers(linears, stats, tokens, block_pattern)
@@ -401,12 +415,12 @@ class LayerwiseMaskMethod(LayerSparsityMethod, BlockwiseMethod):
                 local = stats.pop(name)
                 if self._kept_stats is not None and distributed.active():
                     local = copy.deepcopy(local)  # the kept statistics stay this rank's own sums
-                reduced[name] = self.reduce_stats(local, owners[name] if self.distribute_solves else None)
+                reduced[name] = self.reduce_layer(local, owners[name] if self.distribute_solves else None)
         for name, linear in linears.items():
             if not tokens[name]:  # no statistics anywhere, so by magnitude
                 apply_mask(linear, pattern.weight_mask(linear.weight))
             elif reduced[name] is not None:
-                self.prune_layer(linear, reduced.pop(name), pattern)
+                self.prune_from(linear, reduced.pop(name), pattern)
         if self.distribute_solves and distributed.active():
             for name, linear in linears.items():
                 if tokens[name]:

@@ -141,12 +141,12 @@ class MaskedReconstruction(BlockTraining):
         linears = ctx.linears()
         start = REGISTRY[self.start]()
         if isinstance(start, LayerwiseMaskMethod):
-            stats = {name: start.new_stats(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
+            stats = {name: start.layer_statistics(f"{ctx.name}.{name}", linear) for name, linear in linears.items()}
             tokens = dict.fromkeys(linears, 0)
 
             def observe(name, linear, x, y):
                 tokens[name] += x.numel() // x.shape[-1]
-                start.update(stats[name], x, y)
+                start.observe(stats[name], x, y)
 
             targets = ctx.capture(observe)
             with torch.no_grad():

@@ -9,8 +9,10 @@ removes 7). The blocks are then deleted (:func:`pyprune.nn.compact.keep_blocks_`
 dense model with fewer layers that plain ``from_pretrained`` loads.
 
 As in the authors' code, the first ``early_barrier`` and the last ``latter_barrier`` remaining blocks
-are never candidates. Paper calibration: 128 x 2048 tokens of WikiText-2; the default here is small
-for a CPU (every step runs the model once per candidate).
+are never candidates. The authors' code (``get_trainloaders``) searches on the first 128 *rows* of
+the shuffled WikiText-2 train split (seed 0; many rows are empty or headings), joined and cut into
+windows of the model's sequence length: a few thousand tokens, not 128 windows. The default here,
+16 windows of 256 tokens, is of that size (every step runs the model once per candidate).
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ Per linear layer, with H = (2/N) Σ x xᵀ over the N calibration tokens:
 
 Unstructured masks are chosen inside each column block: scope "tensor" (the paper's choice, the
 default) keeps exactly the block's share over all its rows, scope "row" keeps it per row.
+
+With ``dsnot``, as the DSnoT authors' ``--initial_method sparsegpt``: the mask of the saliency
+w² / [H⁻¹]²_jj over the whole layer (no sweep, no weight update), refined by DSnoT
+(:mod:`pyprune.methods.dsnot`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from ..nn.experts import expert_linears
 from ..runtime import distributed, engine
 from ..patterns import NM, Pattern
 from .base import LayerwiseMaskMethod
+from .dsnot import MaskRefinement
 from .options import at_least_one, block_checkpoint, fraction, option
 
 
@@ -73,7 +78,7 @@ class HessianMethod(LayerwiseMaskMethod):
         return stats.reduced(dst)
 
 
-class SparseGPT(HessianMethod):
+class SparseGPT(MaskRefinement, HessianMethod):
     name = "sparsegpt"
     default_scope = "tensor"
     can_accumulate = True  # H is the mean of 2·x xᵀ over every token seen, of every dataset
@@ -102,6 +107,13 @@ class SparseGPT(HessianMethod):
             raise RuntimeError("SparseGPT: the dampened Hessian is not positive definite; "
                                "raise percdamp or use more calibration samples")
         return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+
+    @torch.no_grad()
+    def mask_scores(self, linear, stats: _Hessian) -> Tensor:
+        """The saliency w² / [H⁻¹]²_jj of every weight from the dampened Hessian (dead inputs score 0)."""
+        W = linear.weight.detach().float().clone()
+        Hinv = self._inverse_cholesky(stats.H, W)
+        return W.square() / torch.diag(Hinv).square()
 
     @torch.no_grad()
     def prune_layer(self, linear, stats: _Hessian, pattern: Pattern) -> None:

@@ -18,7 +18,8 @@ diagonal, W's columns by ‖X_j‖, as the authors' code), so it scores |W_ij|·
 dual U = V/ρ the D- and dual steps are SAFE's (:func:`pyprune.ops.admm_dual_update_` on the
 compact state v = Ŵ + U, keep = support of D); U is rescaled by ρ_old/ρ_new when ρ changes.
 Defaults are those of the authors' code (github.com/mazumder-lab/ALPS): ρ₀ = 0.1, at most 300
-iterations, ρ updated every 3, stop after 30 once fewer than 0.03% of the kept weights move;
+iterations, ρ updated every 3, stop once fewer than 0.03% of the kept weights move at an update
+after the first 30 iterations (their 0-based ``i_admm >= 30``: the first such update is the 33rd);
 10 PCG iterations, relative tolerance 1e-4.
 """
 from __future__ import annotations
@@ -49,7 +50,8 @@ class AdmmSchedule:
     max_iterations: int = 300
     update_every: int = 3
     min_iterations: int = 30
-    #: after ``min_iterations``, stop once the support change is below this fraction of the kept weights
+    #: at an update after the first ``min_iterations`` iterations (0-based index >= min_iterations, as the
+    #: authors' ``i_admm >= switch_iter``), stop once the support change is below this fraction of the kept weights
     stable_fraction: float = 3e-4
 
 
@@ -144,7 +146,7 @@ def admm_support(H: Tensor, W: Tensor, pattern: Pattern,
         if rho != old_rho:
             v.mul_(torch.where(keep, 1.0, old_rho / rho))  # U = V/ρ for the new ρ
             inverse = _inverse(eigenvalues, eigenvectors, rho)
-        if iteration >= schedule.min_iterations and change < schedule.stable_fraction * kept:
+        if iteration - 1 >= schedule.min_iterations and change < schedule.stable_fraction * kept:
             break
     support = pattern.weight_mask(W_hat)
     return W_hat * support, support, trace

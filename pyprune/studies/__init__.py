@@ -17,7 +17,8 @@
   residual-stream energy sits; studies ``dress``, ``dress-lambda-sweep``, ``dress-channel-energy``.
 * :mod:`pyprune.studies.alps_layers` — study ``alps-layers``: ALPS and SparseGPT on the layer objective;
   :mod:`pyprune.studies.crosscheck_alps` — study ``crosscheck-alps`` against the authors' code
-  (:mod:`pyprune.studies.authors_code`: the checkout the cross-checks share).
+  (:mod:`pyprune.studies.authors_code`: the checkout the cross-checks share);
+  :mod:`pyprune.studies.crosscheck_one_layer` — studies ``crosscheck-ria`` and ``crosscheck-dsnot``.
 * :mod:`pyprune.studies.compare` — tables and figures across reports; :mod:`pyprune.studies.svg` — an SVG
   line chart.
 * :mod:`pyprune.studies.verdict` — the one rule for comparing two arms over seeds (ahead, behind, unsettled).
@@ -35,6 +36,7 @@ from .baselines import Baselines, Owl, ZeroShot
 from .beside_dress import Sleb, SliceGpt
 from .continual import Continual, ContinualSeeds
 from .crosscheck_alps import CrosscheckAlps
+from .crosscheck_one_layer import CrosscheckDsnot, CrosscheckRia
 from .crosscheck_wanda import CrosscheckWanda
 from .dress import Dress
 from .dress_channel_energy import DressChannelEnergy
@@ -49,7 +51,8 @@ from .study import Study, run as _run
 STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
                                                               Dress, DressLambdaSweep, DressChannelEnergy,
                                                               Baselines, Owl, ZeroShot, Sleb, SliceGpt,
-                                                              AlpsLayers, CrosscheckAlps, SafeTable, SafeSweep,
+                                                              AlpsLayers, CrosscheckAlps, CrosscheckRia, CrosscheckDsnot,
+                                                              SafeTable, SafeSweep,
                                                               SafeControls)}
 
 

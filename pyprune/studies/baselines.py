@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import platform
+import re
 import time
 from datetime import datetime, timezone
 from typing import Dict, Tuple
@@ -59,6 +60,10 @@ ARMS: Dict[str, Tuple[str, Pattern, dict]] = {
     "alps-2:4": ("alps", NM(2, 4), {}),
     "sparsegpt-0.7": ("sparsegpt", Unstructured(0.7), {}),
     "alps-0.7": ("alps", Unstructured(0.7), {}),  # ALPS's claim is strongest here
+    **{f"ria-{name}": ("ria", pattern, {}) for name, pattern in (("0.5", Unstructured(0.5)), ("0.7", Unstructured(0.7)),
+                                                                   ("2:4", NM(2, 4)))},
+    **{f"wanda-dsnot-{name}": ("wanda", pattern, {"dsnot": True})
+       for name, pattern in (("0.5", Unstructured(0.5)), ("0.7", Unstructured(0.7)), ("2:4", NM(2, 4)))},
     # not in the default table: the shorter runs the Gemma table records in place of the defaults
     "safe+-2:4-lr0.001": ("safe+", NM(2, 4), {"lr": 0.001}),
     "dress-0.25-steps40": ("dress", Structured(0.25), {"steps": 40}),
@@ -74,6 +79,20 @@ OWL_METHODS = tuple(name for name, cls in REGISTRY.items() if any(o.name == "owl
 def pattern_label(pattern: Pattern, options: dict) -> str:
     """A row's pattern cell: the pattern, then each method option as ``name=value``."""
     return str(pattern) + "".join(f", {k}={v}" for k, v in options.items())
+
+
+def protocol_cells(calibration: str, evaluation: str) -> str:
+    """The cells every row of a table states, from the study's own settings strings ("16 x 256 tokens
+    of ..., seed 0"; "first 8192 tokens of ..."): calibration size, evaluation tokens and seeds."""
+    size = re.search(r"(\d+) x (\d+) tokens", calibration)
+    seed = re.search(r"seed (\d+)", calibration)
+    tokens = re.search(r"first (\d+) tokens", evaluation)
+    return (f"{size.group(1)} x {size.group(2)} | {tokens.group(1)} | "
+            f"1 (seed {seed.group(1)})" if size and seed and tokens else "– | – | –")
+
+
+#: the header cells of :func:`protocol_cells`
+PROTOCOL_HEADER = ("calibration (windows x tokens)", "evaluation tokens", "seeds")
 
 
 def model_name(model: str) -> str:
@@ -188,9 +207,10 @@ class Baselines(_PruneAndEvaluate):
         return result
 
     def markdown(self, result):
-        table = ["| method | pattern | measured sparsity | perplexity | prune time (s) |",
-                 "|---|---|---:|---:|---:|"]
-        table += [f"| {r['method']} | {r['pattern']} | {r['sparsity']:.3f} | {r['perplexity']:.2f} | "
+        protocol = protocol_cells(result["calibration"], result["evaluation"])
+        table = ["| method | pattern | " + " | ".join(PROTOCOL_HEADER) + " | measured sparsity | perplexity | "
+                 "prune time (s) |", "|---|---|---|---:|---|---:|---:|---:|"]
+        table += [f"| {r['method']} | {r['pattern']} | {protocol} | {r['sparsity']:.3f} | {r['perplexity']:.2f} | "
                   f"{r['time_s']:.1f} |" for r in result["results"]]
         return (f"{result['model']}; calibration {result['calibration']}; evaluation {result['evaluation']}; "
                 f"{result['machine']}\n\n" + "\n".join(table) + "\n")
@@ -264,11 +284,13 @@ class Owl(_PruneAndEvaluate):
                  f"{result['evaluation']}; OWL M = {s['owl_m']}, λ = {s['owl_lambda']}; "
                  f"{result['environment']['cpu_threads']} thread(s). Dense perplexity {result['dense']:.2f}. "
                  "Prune time includes OWL's outlier-ratio pass.", "",
-                 "| method | sparsity | allocation | measured sparsity | block sparsity min–max | perplexity | "
-                 "prune time (s) |", "|---|---:|---|---:|---|---:|---:|"]
+                 "| method | sparsity | allocation | " + " | ".join(PROTOCOL_HEADER) + " | measured sparsity | "
+                 "block sparsity min–max | perplexity | prune time (s) |",
+                 "|---|---:|---|---|---:|---|---:|---|---:|---:|"]
+        protocol = (f"{s['nsamples']} x {s['seqlen']} | {s['eval_tokens']} | 1 (seed {s['seed']})")
         for r in result["results"]:
             spread = f"{min(r['block_sparsity']):.3f}–{max(r['block_sparsity']):.3f}" if r["owl"] else "–"
-            lines.append(f"| {r['method']} | {r['target']:g} | {'OWL' if r['owl'] else 'uniform'} | "
+            lines.append(f"| {r['method']} | {r['target']:g} | {'OWL' if r['owl'] else 'uniform'} | {protocol} | "
                          f"{r['sparsity']:.3f} | {spread} | {r['perplexity']:.2f} | {r['time_s']:.1f} |")
         return "\n".join(lines) + "\n"
 

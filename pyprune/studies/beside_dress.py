@@ -107,7 +107,9 @@ class Sleb(_BesideDress):
     results = "sleb-<model>"
     resumes = False  # one arm: the file is rebuilt by every run
 
-    sleb_windows: int = option(4, "the first N calibration windows SLEB's search runs on", at_least_one)
+    sleb_windows: int = option(16, "the first N calibration windows SLEB's search runs on (16 x 128 tokens: about "
+                               "the authors' few thousand tokens; each candidate's loss rests on all of them)",
+                               at_least_one)
 
     def check_options(self):
         if self.sleb_windows > self.nsamples:

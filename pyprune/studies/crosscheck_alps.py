@@ -12,7 +12,6 @@ is recorded by its commit and the sha256 of ``alps.py`` (:mod:`pyprune.studies.a
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import os
@@ -31,7 +30,7 @@ from ..patterns import NM, Unstructured
 from ..runtime import engine
 from ..runtime.layer_solver import normalise, reconstruction_error
 from .alps_layers import check_block_layers
-from .authors_code import check_checkout, record
+from .authors_code import check_checkout, cpu_for_cuda, record
 from .study import Arm, Study
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -43,23 +42,6 @@ PERCDAMP = 0.01
 
 class _Stop(Exception):
     pass
-
-
-@contextlib.contextmanager
-def cpu_for_cuda():
-    """Map the authors' ``.to('cuda…')`` to the CPU and make ``torch.cuda.synchronize`` a no-op
-    while the block runs; both are restored on exit, also after an exception."""
-    original_to, original_sync = torch.Tensor.to, torch.cuda.synchronize
-
-    def to(self, *args, **kwargs):
-        args = tuple("cpu" if isinstance(a, str) and a.startswith("cuda") else a for a in args)
-        return original_to(self, *args, **kwargs)
-
-    torch.Tensor.to, torch.cuda.synchronize = to, lambda *a, **k: None
-    try:
-        yield
-    finally:
-        torch.Tensor.to, torch.cuda.synchronize = original_to, original_sync
 
 
 def authors_module(repo):

@@ -276,7 +276,7 @@ def test_structured_channels_flag_is_a_bool_and_dress_channels_a_choice(tmp_path
     (["robustness", "--method", "dress", "--ratio", "0.2", "--calib", "emma", "--eval", "emma"],
      "--method for robustness must be one of moreau, moreau-gs, smoothgrad, taylor; got 'dress'"),
     (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--lam", "1"],
-     "method 'wanda' has no option lam; its options: owl, owl_m, owl_lambda, checkpoint"),
+     "method 'wanda' has no option lam; its options: owl, owl_m, owl_lambda, dsnot, dsnot_cycles, dsnot_threshold, dsnot_var_power, dsnot_layers, checkpoint"),
     (["prune", "--method", "wanda", "--pattern", "2:4", "--calib", "emma", "--no-such-flag"],
      "unrecognized arguments: --no-such-flag"),
     (["continual", "--method", "copal", "--sparsity", "0.5", "--datasets", "emma", "persuasion", "--state", "s"],

@@ -107,7 +107,7 @@ def test_sparsegpt_hessian_is_the_running_mean_of_2xxT():
     (lambda m, t: pyprune.prune(m, "wanda", "2:24", t), "needs M=24 to divide the input features"),
     (lambda m, t: pyprune.prune(m, "wanda", "2:4", None), "needs calibration tokens"),
     (lambda m, t: pyprune.prune(m, "sparsegpt", "2:4", t, blocksize=0), "option blocksize of method 'sparsegpt' must be >= 1; got 0"),
-    (lambda m, t: pyprune.prune(m, "wanda", "2:4", t, damp=1), "method 'wanda' has no option damp; its options: owl, owl_m, owl_lambda, checkpoint"),
+    (lambda m, t: pyprune.prune(m, "wanda", "2:4", t, damp=1), "method 'wanda' has no option damp; its options: owl, owl_m, owl_lambda, dsnot, dsnot_cycles, dsnot_threshold, dsnot_var_power, dsnot_layers, checkpoint"),
 ])
 def test_bad_input_raises_and_leaves_the_model_untouched(call, message):
     model = tiny_llama()

@@ -112,3 +112,14 @@ def test_alps_reconstructs_better_than_sparsegpt(pattern):
     errors = {name: float((x @ (w - W).T).square().mean()) for name, w in
               (("alps", alps), ("sparsegpt", linear.weight.detach()))}
     assert errors["alps"] < 0.8 * errors["sparsegpt"]
+
+
+@pytest.mark.parametrize("min_iterations,first_stop", [(30, 33), (29, 30), (0, 3)])
+def test_the_stable_support_stop_waits_past_min_iterations_counted_from_zero_as_the_authors(min_iterations,
+                                                                                            first_stop):
+    # their loop: for i_admm in range(300) ... update when (i_admm + 1) % 3 == 0, stop if i_admm >= 30 and the
+    # support change is small: with every change "small" the first stop is the update of iteration 33 (i_admm 32)
+    H, W, _ = _normalised()
+    schedule = AdmmSchedule(min_iterations=min_iterations, stable_fraction=float("inf"), rho=1e-3)
+    _, _, trace = admm_support(H, W, Unstructured(0.7, "tensor"), schedule)
+    assert trace.iterations == first_stop

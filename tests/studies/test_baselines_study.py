@@ -98,7 +98,8 @@ def test_owl_rows_allocate_non_uniform_block_sparsities_averaging_the_target(tin
     assert len(blocks) == 2 and len(set(blocks)) == 2  # non-uniform: one per block
     assert sum(blocks) / len(blocks) == pytest.approx(0.6, abs=1e-3)
     assert all(abs(b - 0.6) <= 0.1 + 1e-6 for b in blocks) and len(owl["outlier_ratio"]) == 2
-    assert f"| wanda | 0.6 | OWL | {owl['sparsity']:.3f} | {min(blocks):.3f}–{max(blocks):.3f} |" in \
+    assert (f"| wanda | 0.6 | OWL | 2 x 16 | 64 | 1 (seed 0) | {owl['sparsity']:.3f} | "
+            f"{min(blocks):.3f}–{max(blocks):.3f} |") in \
         output.with_suffix(".md").read_text()
     calls.clear()
     studies.run("owl", str(output), model=model_dir, methods=["wanda"], sparsities=[0.6], owl_lambda=0.1, **TINY)
