@@ -47,6 +47,21 @@ def _fingerprint(model):
     return [float(p.detach().double().sum()) for p in model.parameters()]
 
 
+@pytest.fixture(scope="module")
+def tiny_copy():
+    """``tiny_copy(family)``: a fresh copy of the family's 2-block random-weight model, each family built
+    once per test module."""
+    import copy
+    from tests.helpers import tiny_decoder
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = tiny_decoder(family, layers=2)
+        return copy.deepcopy(built[family])
+    return get
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M and its tokenizer, loaded once per test session and shared: a test that

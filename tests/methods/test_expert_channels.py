@@ -22,16 +22,6 @@ FIELDS = {"mixtral": ("intermediate_size", None), "qwen2_moe": ("moe_intermediat
 TOKENS = random_tokens((4, 24))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    built = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = tiny_decoder(family, layers=2)
-        return copy.deepcopy(built[family])
-    return get
-
 
 def _positions(family, matrix, kept, intermediate):
     """Where expert channels ``kept`` sit along the channel axis of ``matrix``, written out per family:
@@ -119,9 +109,9 @@ def _hand_pruned(dense, family, kept, shared_kept):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_taylor_keeps_each_experts_best_channels_and_equals_the_hand_sliced_model(family, tiny, tmp_path):
+def test_taylor_keeps_each_experts_best_channels_and_equals_the_hand_sliced_model(family, tiny_copy, tmp_path):
     from transformers import AutoModelForCausalLM
-    dense = tiny(family)
+    dense = tiny_copy(family)
     model = copy.deepcopy(dense)
     report = pyprune.prune(model, "taylor", Structured(0.25), TOKENS, batch_size=4, progress=False, heads=False)
     kept, shared_kept = [], []
@@ -148,9 +138,9 @@ def test_taylor_keeps_each_experts_best_channels_and_equals_the_hand_sliced_mode
         assert torch.equal(plain(input_ids=TOKENS, use_cache=False).logits, logits)
 
 
-def test_moreau_prunes_expert_channels_to_the_same_sizes(tiny):
+def test_moreau_prunes_expert_channels_to_the_same_sizes(tiny_copy):
     """MoreauPruner scores through the same grouping: every expert keeps 3/4 of its channels."""
-    model = tiny("qwen2_moe")
+    model = tiny_copy("qwen2_moe")
     report = pyprune.prune(model, "moreau", Structured(0.25), TOKENS, batch_size=4, progress=False, heads=False)
     experts = decoder_blocks(model)[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 96, 64) and experts.down_proj.shape == (4, 64, 48)
@@ -164,8 +154,8 @@ def test_moreau_prunes_expert_channels_to_the_same_sizes(tiny):
     ({"heads": False, "first_layer": 1}, r"^method 'taylor' prunes the expert channels of every layer of an MoE "
                                          r"model .*first_layer=1"),
 ])
-def test_what_is_not_supported_on_an_moe_model_is_refused_untouched(options, refusal, tiny):
-    model = tiny("mixtral")
+def test_what_is_not_supported_on_an_moe_model_is_refused_untouched(options, refusal, tiny_copy):
+    model = tiny_copy("mixtral")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=refusal or r"structure='hidden'") as info:
         pyprune.prune(model, "taylor", Structured(0.25), TOKENS, progress=False, **options)

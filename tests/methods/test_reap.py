@@ -20,17 +20,6 @@ MOE = {"llama4": "feed_forward"}  #: where a family's block keeps its experts an
 TOKENS = random_tokens((4, 24))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A copy of the family's 2-block model (each built once per module)."""
-    built = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = tiny_decoder(family, layers=2)
-        return copy.deepcopy(built[family])
-    return get
-
 
 def _moe(model, index, family):
     return decoder_blocks(model)[index].get_submodule(MOE.get(family, "mlp"))
@@ -56,10 +45,10 @@ def _expert(x, gate_up, down):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "llama4"])
-def test_saliency_is_the_mean_routed_gate_times_the_expert_output_norm(family, tiny):
+def test_saliency_is_the_mean_routed_gate_times_the_expert_output_norm(family, tiny_copy):
     """S_j = mean over the tokens routed to j of g_j(x)·‖f_j(x)‖ (Mixtral: softmax, top-2, renormalised);
     Llama 4: ‖f_j(σ(logit)·x)‖ over the tokens whose top-1 is j (its experts see prescaled tokens)."""
-    model = tiny(family)
+    model = tiny_copy(family)
     inputs = _moe_inputs(model, family)
     report = pyprune.prune(copy.deepcopy(model), "reap", Structured(0.25), TOKENS, batch_size=2, progress=False)
     for entry in report["experts_modules"]:
@@ -109,12 +98,12 @@ def _hand_removed(dense, family, removed):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_pruned_model_equals_the_model_with_those_experts_cut_by_hand(family, tiny, tmp_path):
+def test_the_pruned_model_equals_the_model_with_those_experts_cut_by_hand(family, tiny_copy, tmp_path):
     """25% of 4 experts: one per block goes; the logits equal a from-config model holding the kept
     slices (so the router's top-k and renormalisation run over the kept experts), and pyprune.save ->
     pyprune.load and plain from_pretrained give them again."""
     from transformers import AutoModelForCausalLM
-    dense = tiny(family)
+    dense = tiny_copy(family)
     model = copy.deepcopy(dense)
     report = pyprune.prune(model, "reap", Structured(0.25), TOKENS, batch_size=2, progress=False)
     removed = {entry["layer"]: entry["removed_experts"][0] for entry in report["experts_modules"]}
@@ -140,8 +129,8 @@ def test_the_pruned_model_equals_the_model_with_those_experts_cut_by_hand(family
     (0.75, r"ratio 0.75 of the 4 experts of MixtralConfig keeps 1; .*top-2 \(ratio in \(0.125, 0.625\]\)"),
     (0.1, r"ratio 0.1 of the 4 experts of MixtralConfig keeps 4"),
 ])
-def test_a_ratio_that_keeps_all_experts_or_fewer_than_top_k_is_refused_untouched(ratio, refusal, tiny):
-    model = tiny("mixtral")
+def test_a_ratio_that_keeps_all_experts_or_fewer_than_top_k_is_refused_untouched(ratio, refusal, tiny_copy):
+    model = tiny_copy("mixtral")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=refusal) as info:
         pyprune.prune(model, "reap", Structured(ratio), TOKENS, progress=False)

@@ -33,17 +33,6 @@ MOE = ("qwen3_5_moe", "qwen3_next")
 TOKENS = random_tokens((5, 24))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A copy of the family's 2-block model (each built once per module)."""
-    built = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = tiny_decoder(family, layers=2)
-        return copy.deepcopy(built[family])
-    return get
-
 
 def _state(model, family):
     """Every mixer state parameter of the model by qualified name, copied."""
@@ -53,8 +42,8 @@ def _state(model, family):
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_a_depthwise_convolution_is_no_fused_experts_module(family, tiny):
-    model = tiny(family)
+def test_a_depthwise_convolution_is_no_fused_experts_module(family, tiny_copy):
+    model = tiny_copy(family)
     for block in decoder_blocks(model):
         assert set(fused_experts(block, where="block")) == ({"mlp.experts"} if family in MOE else set())
     conv = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Conv1d))
@@ -62,10 +51,10 @@ def test_a_depthwise_convolution_is_no_fused_experts_module(family, tiny):
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_block_inputs_equal_the_model_hidden_states(family, tiny):
+def test_block_inputs_equal_the_model_hidden_states(family, tiny_copy):
     """Each block runs on a batch without a cache (its recurrent state starts afresh, as in the model's
     own forward over the whole sequence), 5 samples in batches of 2."""
-    model = tiny(family)
+    model = tiny_copy(family)
     assert not any("cache" in key for arguments in engine.capture_block_arguments(model, TOKENS)
                    for key in arguments if key != "use_cache")
     seen = []
@@ -103,8 +92,8 @@ def _sequential_wanda(model, pattern):
 
 @pytest.mark.parametrize("pattern", [NM(2, 4), Unstructured(0.5, "row")], ids=["2:4", "0.5"])
 @pytest.mark.parametrize("family", HYBRID)
-def test_wanda_masks_equal_a_sequential_reference_and_the_mixer_state_stays(family, pattern, tiny):
-    model = tiny(family)
+def test_wanda_masks_equal_a_sequential_reference_and_the_mixer_state_stays(family, pattern, tiny_copy):
+    model = tiny_copy(family)
     reference, state = copy.deepcopy(model), _state(model, family)
     report = pyprune.prune(model, "wanda", pattern, TOKENS, batch_size=2, progress=False)
     _sequential_wanda(reference, pattern)
@@ -120,10 +109,10 @@ def test_wanda_masks_equal_a_sequential_reference_and_the_mixer_state_stays(fami
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_block_training_gives_exact_2_4_and_lowers_every_blocks_loss(family, tiny):
+def test_block_training_gives_exact_2_4_and_lowers_every_blocks_loss(family, tiny_copy):
     """masked-recon (Wanda's mask, then the block's kept weights trained on the dense outputs) runs
     through the hybrid blocks with gradients: 2:4 on every linear, each block's loss falls."""
-    model = tiny(family)
+    model = tiny_copy(family)
     report = pyprune.prune(model, "masked-recon", "2:4", TOKENS[:4], batch_size=2, progress=False, epochs=4, lr=1e-3)
     assert report["nm_valid"]["2:4"] and [block["block"] for block in report["blocks"]] == [0, 1]
     for block in report["blocks"]:
@@ -132,14 +121,14 @@ def test_block_training_gives_exact_2_4_and_lowers_every_blocks_loss(family, tin
 
 @pytest.mark.parametrize("method", ["taylor", "slicegpt"])
 @pytest.mark.parametrize("family", HYBRID)
-def test_structured_methods_refuse_a_recurrent_mixer_by_name(family, method, tiny):
+def test_structured_methods_refuse_a_recurrent_mixer_by_name(family, method, tiny_copy):
     """Heads (Taylor's default) and hidden slicing (SliceGPT; an MoE hybrid: its experts, checked first)
     name block 0's mixer, in one line, before anything changes."""
     mixer = MIXER_STATE[family][0].split(".")[0]
     refusal = ("its structured pruning acts on dense blocks" if family in MOE and method == "slicegpt"
                else f"model.layers.0 .*mixes tokens with {mixer} .*"
                + ("pass heads=False" if method == "taylor" else "not attention heads"))
-    model = tiny(family)
+    model = tiny_copy(family)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=refusal) as info:
         pyprune.prune(model, method, Structured(0.25), TOKENS, progress=False)
@@ -154,13 +143,13 @@ MLPS = {"qwen3_5": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 
 
 @pytest.mark.parametrize("family", sorted(MLPS))
-def test_taylor_prunes_every_blocks_mlp_channels_around_the_mixer(family, tiny, tmp_path):
+def test_taylor_prunes_every_blocks_mlp_channels_around_the_mixer(family, tiny_copy, tmp_path):
     """heads=False: each block keeps its MLP channels of highest |W ⊙ ∇W| (gate and up rows, down column,
     from the gradient of the mean loss computed here), the mixer and attention untouched; the result
     equals a from-config model with that intermediate_size holding the hand-sliced weights, and reads back
     with plain from_pretrained."""
     from transformers import AutoModelForCausalLM
-    dense = tiny(family)
+    dense = tiny_copy(family)
     model = copy.deepcopy(dense)
     report = pyprune.prune(model, "taylor", Structured(0.25), TOKENS, batch_size=5, progress=False, heads=False)
     graded = copy.deepcopy(dense)
@@ -192,9 +181,9 @@ def test_taylor_prunes_every_blocks_mlp_channels_around_the_mixer(family, tiny, 
         assert torch.equal(plain(input_ids=TOKENS, use_cache=False).logits, logits)
 
 
-def test_taylor_prunes_an_moe_hybrids_expert_channels(tiny):
+def test_taylor_prunes_an_moe_hybrids_expert_channels(tiny_copy):
     """Qwen3-Next: heads=False prunes its experts' and shared expert's channels; Gated DeltaNet stays."""
-    model = tiny("qwen3_next")
+    model = tiny_copy("qwen3_next")
     state = _state(model, "qwen3_next")
     pyprune.prune(model, "taylor", Structured(0.25), TOKENS, batch_size=5, progress=False, heads=False)
     assert model.config.moe_intermediate_size == 24 and model.config.shared_expert_intermediate_size == 24
@@ -202,10 +191,10 @@ def test_taylor_prunes_an_moe_hybrids_expert_channels(tiny):
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_a_pruned_hybrid_keeps_its_logits_through_sparse_layers_save_load_and_from_pretrained(family, tiny, tmp_path):
+def test_a_pruned_hybrid_keeps_its_logits_through_sparse_layers_save_load_and_from_pretrained(family, tiny_copy, tmp_path):
     from transformers import AutoModelForCausalLM
     from pyprune.nn import sparsify_
-    model = tiny(family)
+    model = tiny_copy(family)
     report = pyprune.prune(model, "sparsegpt", "2:4", TOKENS, batch_size=2, progress=False)
     with torch.no_grad():
         logits = model(input_ids=TOKENS).logits
