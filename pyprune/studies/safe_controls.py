@@ -211,7 +211,7 @@ def markdown(result) -> str:
             step = avg("step_over_sam")
             lines.append(f"| {pattern} | {arm} | {rows[0]['options']['rho']:g} | {avg('sam_relative'):.2e} | "
                          f"{avg('sam_per_weight'):.2e} | " + (f"{step:.0f}" if step is not None else "– (ρ = 0)")
-                         + f" | {100 * avg('mask_moved'):.4f}% | "
+                         + f" | {100 * avg('mask_moved'):.2g}% | "
                          + f"{max(r['summary']['residual_last_max'] for r in rows):.4f} |")
     return "\n".join(lines) + "\n"
 
