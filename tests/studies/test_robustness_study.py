@@ -119,7 +119,8 @@ def test_the_verdict_column_pairs_moreau_with_each_baseline_by_seed():
     assert robustness.verdict_lines(_runs("taylor", "rounding", [0.9], [1.0])) == []
 
 
-@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut"])
+@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut",
+                                  "robustness-smollm2-135m-channels"])
 def test_the_committed_tables_are_what_the_renderer_makes_of_their_results(name):
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     result = json.loads((results / f"{name}.json").read_text(encoding="utf-8"))
