@@ -58,6 +58,10 @@ class Safe(BlockTraining):
     penalty: str = option("decoupled", "SAFE: the penalty's x-step: 'decoupled' = its own step x -= lr·λ(x − z + u) "
                           "after Adam's (Algorithm 1, lines 12–13), 'adam' = added to the gradient before Adam's "
                           "moments (the authors' code)", choices=("decoupled", "adam"))
+    lam_schedule: str = option("constant", "SAFE: λ over a block's steps: 'constant', or 'cosine' = ramped from 0 to "
+                               "lam along a half cosine over the block's steps, so that x can leave z₀ before the "
+                               "penalty binds (the paper's penalty schedule for vision, App. B; its LLM runs keep λ "
+                               "constant)", choices=("constant", "cosine"))
     dual_init: str = option("zero", "SAFE: the scaled dual at the start: 'zero' = u₀ = 0 (Algorithm 1, line 2), "
                             "'box' = u₀ = x₀ − z₀ (the printed box's u-step run at t = 0)", choices=("zero", "box"))
     train_norms: bool = option(False, "SAFE: also train the block's other parameters (RMSNorm gains) with the same "
@@ -107,7 +111,8 @@ class Safe(BlockTraining):
                                "pattern": None})
             optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
                                       lam=self.lam, dual_interval=self.dual_interval, importance=importance,
-                                      penalty=self.penalty, dual_init=self.dual_init)
+                                      penalty=self.penalty, dual_init=self.dual_init,
+                                      lam_schedule=self.lam_schedule, lam_steps=steps)
             first_masks.update(optimizer.masks())  # z₀'s support
             return optimizer, [p for group in groups for p in group["params"]]
 

@@ -17,6 +17,11 @@ ADMM on min_{x∈C} max_{‖ε‖≤ρ} f(x+ε) with the split x = z, z ∈ C (t
   per step whatever λ is, spec §1.8);
 * at the end, :meth:`SafeOptimizer.project_` (Algorithm 1, line 15) makes the weights sparse.
 
+The penalty λ is constant (``lam_schedule="constant"``, the paper's LLM setting) or ramped from 0
+to ``lam`` along a half cosine over ``lam_steps`` steps (``"cosine"``: λ_t = λ·(1 − cos(π·t/T))/2 at
+step t = 1 … T, λ after T; the paper's "cosine warmup" penalty schedule, App. B, which "applies less
+restriction in the initial phases of training"), so that x can leave z₀ before the penalty binds.
+
 SAFE projects by |v|; SAFE⁺ by sqrt(P)·|v| with a diagonal P given per weight as
 ``importance={weight: act_sqnorm}`` (P = diag(AᵀA), Wanda's statistic, §1.6.2).
 """
@@ -35,6 +40,14 @@ from ..patterns import NM, Pattern, Unstructured, parse
 
 _PENALTIES = ("adam", "decoupled")
 _DUAL_INITS = ("zero", "box")
+LAM_SCHEDULES = ("constant", "cosine")
+
+
+def scheduled_lam(lam: float, schedule: str, step: int, steps: Optional[int]) -> float:
+    """λ at step ``step`` (1-based) of ``schedule`` over ``steps`` steps (see the module docstring)."""
+    if schedule == "constant" or step >= steps:
+        return lam
+    return lam * (1.0 - math.cos(math.pi * step / steps)) / 2.0
 
 
 def _selection(pattern: Pattern) -> Dict:
@@ -61,11 +74,15 @@ class SafeOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, pattern, *, lr: float = 2e-4, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, rho: float = 2e-4, lam: float = 1e-3, dual_interval: int = 32,
                  importance: Optional[Dict[Tensor, Tensor]] = None, penalty: str = "adam",
-                 dual_init: str = "zero"):
+                 dual_init: str = "zero", lam_schedule: str = "constant", lam_steps: Optional[int] = None):
         if penalty not in _PENALTIES:
             raise ValueError(f"penalty must be one of {', '.join(_PENALTIES)}; got {penalty!r}")
         if dual_init not in _DUAL_INITS:
             raise ValueError(f"dual_init must be one of {', '.join(_DUAL_INITS)}; got {dual_init!r}")
+        if lam_schedule not in LAM_SCHEDULES:
+            raise ValueError(f"lam_schedule must be one of {', '.join(LAM_SCHEDULES)}; got {lam_schedule!r}")
+        if lam_schedule != "constant" and not (isinstance(lam_steps, int) and lam_steps >= 1):
+            raise ValueError(f"lam_steps must be an integer >= 1 with lam_schedule={lam_schedule!r}; got {lam_steps!r}")
         if not (isinstance(dual_interval, int) and dual_interval >= 1):
             raise ValueError(f"dual_interval must be an integer >= 1; got {dual_interval!r}")
         for name, value in (("lr", lr), ("rho", rho), ("lam", lam), ("weight_decay", weight_decay)):
@@ -89,6 +106,7 @@ class SafeOptimizer(torch.optim.Optimizer):
                         raise ValueError("the constrained parameters must be 2-D weights [out, in]; got shape "
                                          f"{tuple(p.shape)} (put it in a group with pattern=None)")
         self.decoupled = penalty == "decoupled"
+        self.lam_schedule, self.lam_steps = lam_schedule, lam_steps
         self.dual_init = dual_init
         self.steps_done = 0
         self.initialised = False
@@ -143,6 +161,10 @@ class SafeOptimizer(torch.optim.Optimizer):
         self.initialised = True
         return residual
 
+    def current_lam(self) -> float:
+        """The penalty λ of the step counted last (``steps_done``; see ``lam_schedule``)."""
+        return scheduled_lam(self.lam, self.lam_schedule, self.steps_done, self.lam_steps)
+
     def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
         """One SAFE iteration (SAM gradient, penalised Adam step, then the dual update after every
         K-th step); returns the loss at the unperturbed weights."""
@@ -165,6 +187,7 @@ class SafeOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             closure()
         self.steps_done += 1
+        lam = self.current_lam()
         moved = 0.0
         with torch.no_grad():
             with_grad = {id(p) for p in params}
@@ -178,13 +201,13 @@ class SafeOptimizer(torch.optim.Optimizer):
                                    [s["exp_avg"] for _, s in members], [s["exp_avg_sq"] for _, s in members],
                                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                    weight_decay=group["weight_decay"],
-                                   lam=self.lam if group["pattern"] is not None and not self.decoupled else 0.0,
+                                   lam=lam if group["pattern"] is not None and not self.decoupled else 0.0,
                                    step=self.steps_done)
                 moved += sum(float((p.float() - s["anchor"].float()).square().sum()) for p, s in members)
                 if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
                     for p, state in members:
                         gap = reference.admm_gap(state["anchor"], state["v"], state["keep"])
-                        p.sub_((group["lr"] * self.lam * gap).to(p.dtype))
+                        p.sub_((group["lr"] * lam * gap).to(p.dtype))
         self.step_norms.append(math.sqrt(moved))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()

@@ -14,9 +14,11 @@ criterion removes the same groups in both and gives both pruned models the same 
   do, so that it measures the pruning choice and not the evaluation format; ``ppl_cross`` holds
   the full 2 × 2 (pruned in × evaluated in the two 16-bit formats).
 
-Controls. A criterion with noise (MoreauPruner, SmoothGrad) is pruned once more in bf16 with the
-next noise seed: ``noise_floor`` is the agreement and rank correlation of two noise draws in the
-same format, the Monte-Carlo floor below which bf16/fp16 differences mean nothing. The agreement
+Controls. A criterion with noise (MoreauPruner, SmoothGrad) is pruned once more with the next noise
+seed in each of ``noise_formats`` (bf16 by default): ``noise_floor`` holds, per format, the
+agreement, rank correlation and perplexity difference (``ppl_diff``, in ``eval_format``) of two
+noise draws in the same format, the Monte-Carlo floor below which bf16/fp16 differences mean
+nothing; its top-level agreement and rank correlation are the first format's. The agreement
 between calibration seeds is the caller's (the benchmark compares its seeds' runs).
 
 Arithmetic (``arithmetic``):
@@ -43,7 +45,7 @@ import itertools
 import os
 import statistics
 import time
-from typing import Dict, Iterator, Mapping, Optional, Set, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -186,20 +188,24 @@ def _perplexity_in(model: nn.Module, name: str, arithmetic: str, tokens: Tensor,
 
 def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_tokens: Tensor, *,
           eval_seqlen: int = 128, arithmetic: str = "rounding", eval_format: str = "float32",
-          cross: bool = True, noise_control: bool = True, keep_scores: bool = False, uniform: bool = False,
-          batch_size: int = 8, progress: bool = True, **options) -> Dict:
+          cross: bool = True, noise_control: bool = True, noise_formats: Sequence[str] = ("bfloat16",),
+          keep_scores: bool = False, uniform: bool = False, batch_size: int = 8, progress: bool = True,
+          **options) -> Dict:
     """Prune copies of ``model`` in bf16 and in fp16 with ``method`` at structured ``ratio`` and
     compare them (see the module docstring). ``model`` itself is not changed; ``options`` go to the
     method (``loss_scaling`` defaults to on for the 16-bit arithmetics).
 
     Returns the report: ``method``, ``agreement``, ``spearman``, ``ppl_bf16`` / ``ppl_fp16`` /
     ``ppl_diff`` in ``eval_format``; with ``cross`` ``ppl_cross[pruned in][evaluated in]`` over the
-    two 16-bit formats; with ``noise_control`` (methods with a ``noise_seed``) ``noise_floor``; the
+    two 16-bit formats; with ``noise_control`` (methods with a ``noise_seed``) ``noise_floor`` of
+    the ``noise_formats`` (:func:`noise_floor`); the
     per-format runs (sparsity, time, the Moreau diagnostics and loss scale where there are). With
     ``keep_scores``, also ``scores`` and ``groups`` per format (tensors and sets, not JSON)."""
     _check_arithmetic(arithmetic)
     if eval_format not in EVAL_FORMATS:
         raise ValueError(f"eval_format must be one of {', '.join(EVAL_FORMATS)}; got {eval_format!r}")
+    if not noise_formats or any(name not in FORMATS for name in noise_formats):
+        raise ValueError(f"noise_formats must be one or more of {', '.join(FORMATS)}; got {list(noise_formats)!r}")
     options = {"loss_scaling": arithmetic != "rounding", **options}
     pattern = Structured(ratio, uniform=uniform)
     evaluated_in = list(dict.fromkeys([eval_format] + (list(FORMATS) if cross else [])))
@@ -237,11 +243,20 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
     }
     if noise_control and "noise_seed" in options_used:
         seeds = [options_used["noise_seed"], options_used["noise_seed"] + 1]
-        _, report, other = _prune_copy(model, "bfloat16", arithmetic, method, pattern, calib, batch_size, progress,
-                                       {**options, "noise_seed": seeds[1]})
-        result["noise_floor"] = {"format": "bfloat16", "noise_seeds": seeds,
-                                 "agreement": agreement(groups["bfloat16"], pruned_groups(report)),
-                                 "spearman": rank_correlation(scores["bfloat16"], other)}
+        per_format = {}
+        for name in dict.fromkeys(noise_formats):
+            pruned, report, other = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
+                                                progress, {**options, "noise_seed": seeds[1]})
+            ppl = _perplexity_in(pruned, eval_format, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
+            del pruned
+            per_format[name] = {"agreement": agreement(groups[name], pruned_groups(report)),
+                                "spearman": rank_correlation(scores[name], other), "perplexity": ppl,
+                                "ppl_diff": abs(runs[name]["perplexity"] - ppl)}
+        first = per_format[noise_formats[0]]
+        result["noise_floor"] = {"format": noise_formats[0], "noise_seeds": seeds, "agreement": first["agreement"],
+                                 "spearman": first["spearman"],
+                                 "ppl_diff": {name: floor["ppl_diff"] for name, floor in per_format.items()},
+                                 "formats": per_format}
     if keep_scores:
         result.update(scores=scores, groups=groups)
     return result
@@ -407,12 +422,18 @@ def verdict_lines(runs):
     return lines
 
 
+def _noise_ppl(run) -> Dict[str, float]:
+    """The noise floor's perplexity difference per format (none where the run has no such floor)."""
+    return (run.get("noise_floor") or {}).get("ppl_diff", {})
+
+
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
     lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
              f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
-             "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1; "
+             "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1 (noise floor ppl_diff: "
+             "|perplexity difference| of the noise seed 0 and 1 runs of one format, bf16 / fp16); "
              "calibration floor: bf16 runs of two calibration seeds (mean over pairs). Variants: "
              + "; ".join(f"{name} = {method} {options}" for name, (method, options) in VARIANTS.items()
                          if name != method) + ". Structure: groups = each layer's heads and MLP channels; hidden = "
@@ -420,8 +441,9 @@ def markdown(result) -> str:
              "channels.", "",
              "| method | arithmetic | structure | layers | ratio | seeds | agreement bf16/fp16 | ρ channels | ρ heads | "
              "noise floor agr. | noise floor ρ ch. | calib. floor agr. | calib. floor ρ ch. | ppl bf16 | ppl fp16 | "
-             "ppl_diff | ‖δ‖/‖σ\\|w\\|‖ | decay | GS rows shrunk >1% |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ppl_diff (the paper's Diff) | noise floor ppl_diff bf16 / fp16 | ‖δ‖/‖σ\\|w\\|‖ | decay | "
+             "GS rows shrunk >1% |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key in sorted({_key(r) for r in runs}, key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]), k[1])):
         rows = [r for r in runs if _key(r) == key]
         floor = result["calibration_floor"].get(_floor_key(key))
@@ -437,6 +459,7 @@ def markdown(result) -> str:
                  f"{floor['agreement']:.4f}" if floor else "–",
                  f"{_rho_channels(floor['spearman']):.5f}" if floor else "–",
                  *ppl,
+                 " / ".join(mean_std([_noise_ppl(r).get(name) for r in rows], ".2f") for name in FORMATS),
                  mean_std([m.get("delta_to_noise") for m in moreau], ".2e"),
                  mean_std([m.get("decay") for m in moreau], ".3f"),
                  mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
@@ -517,6 +540,9 @@ class Robustness(Study):
     smoothgrad_passes: int = option(10, "SmoothGrad's K (paper: 100)", at_least_one)
     noise_floor: bool = option(True, "prune once more in bf16 with the next noise seed (methods with noise; +50% "
                                "time)")
+    noise_formats: Tuple[str, ...] = option(("bfloat16",), "the formats the noise floor prunes once more in (with "
+                                            "noise_floor): two noise draws of one format, their agreement, rank "
+                                            "correlation and perplexity difference", choices=tuple(FORMATS))
     eta_sweep: Optional[Tuple[float, ...]] = option(None, "only a MoreauPruner-GS η sweep: these η against η = 0 "
                                                     "(bf16, rounding, the first seed and ratio)", positive)
 
@@ -594,7 +620,7 @@ class Robustness(Study):
         start = time.perf_counter()
         report = study(model, name, layer_ratio, self._calibration(context, seed), context["tokens"],
                        eval_seqlen=self.eval_seqlen, arithmetic=arithmetic, keep_scores=True,
-                       noise_control=self.noise_floor, progress=False, **options)
+                       noise_control=self.noise_floor, noise_formats=self.noise_formats, progress=False, **options)
         report["method"] = method
         save_scores(_scores_path(context["scores"], run, seed), report)
         del report["scores"], report["groups"]
@@ -606,6 +632,7 @@ class Robustness(Study):
             return "agreement with η = 0: " + ", ".join(f"{r['eta']:g} {r['agreement']:.4f}" for r in row["rows"])
         floor = row["noise_floor"]
         return (f"agreement {row['agreement']:.4f}" + (f" (noise floor {floor['agreement']:.4f})" if floor else "")
+                + "".join(f", noise floor ppl_diff {name} {diff:.2f}" for name, diff in _noise_ppl(row).items())
                 + f", rho {_rho_channels(row['spearman']):.4f}, ppl {row['ppl_bf16']:.2f} / {row['ppl_fp16']:.2f} "
                 f"({row['wall_s']} s)")
 

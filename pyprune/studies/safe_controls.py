@@ -11,6 +11,9 @@ loss, minibatch seed, sequential propagation):
 * ``safe+`` / ``safe``: SAFE⁺ / SAFE with their CPU defaults; ``safe+ rho=0``: without SAM;
   ``safe+ rho=5e-3``: ρ scaled 25x, as the learning rate was (paper 2e-4 → 5e-3); ``safe+ dual_init=box``:
   u₀ = x₀ − z₀ (the printed box's u-step at t = 0) instead of Algorithm 1's u₀ = 0;
+  ``safe+ lam_schedule=cosine``: λ ramped from 0 over each block's steps (the paper's penalty
+  warm-up) and ``safe+ lam=25 K=4`` (the sweep's lowest error), two arms where ADMM has room to move
+  the mask away from z₀ (Wanda's mask); the table reports how far it moved;
 * ``masked-recon wanda`` / ``magnitude`` / ``sparsegpt``: the control
   (:mod:`pyprune.methods.reconstruction`), each block pruned one-shot by the start (Wanda's mask
   is SAFE⁺'s z₀, magnitude's SAFE's), then its kept weights trained with the same budget, no ADMM,
@@ -30,7 +33,8 @@ entries (power iteration, :mod:`pyprune.runtime.flatness`).
 Perplexity is reported as mean ± std over the calibration seeds run, and as paired differences
 between arms on the seeds both ran (:data:`PAIRED`) with the verdict of
 :func:`pyprune.studies.verdict.paired_verdict`; ``skip_flatness`` spares extra seeds the flatness
-measure. The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
+measure; with ``vary_train_seed`` each seed also draws the training arms' minibatches (their
+``train_seed`` is the calibration seed). The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
 """
 from __future__ import annotations
 
@@ -68,6 +72,8 @@ ARMS = {
     "safe+ rho=0": ("safe+", {"rho": 0.0}),
     "safe+ rho=5e-3": ("safe+", {"rho": 5e-3}),
     "safe+ dual_init=box": ("safe+", {"dual_init": "box"}),
+    "safe+ lam_schedule=cosine": ("safe+", {"lam_schedule": "cosine"}),
+    "safe+ lam=25 K=4": ("safe+", {"lam": 25.0, "dual_interval": 4}),
 }
 TRAINING = ("safe", "safe+", "masked-recon")
 #: the training options every training arm shares (the settings' "training": epochs and those given)
@@ -77,7 +83,8 @@ RELATIVE_NORMS = (0.01, 0.05)
 PAIRED = (("safe+", "masked-recon wanda"), ("safe+", "sparsegpt"), ("masked-recon wanda", "sparsegpt"),
           ("masked-recon sparsegpt", "sparsegpt"),
           ("safe+", "safe+ rho=0"), ("safe+", "safe+ rho=5e-3"), ("safe+", "safe+ dual_init=box"),
-          ("safe", "masked-recon magnitude"))
+          ("safe", "masked-recon magnitude"), ("safe+ lam_schedule=cosine", "masked-recon wanda"),
+          ("safe+ lam=25 K=4", "masked-recon wanda"))
 #: the settings' tuning line (the defaults were chosen by the sweep when it was a script,
 #: benchmarks/safe_sweep_smollm2.py; the files record it under that name)
 TUNING = ("the SAFE defaults (decoupled penalty, λ 100, K 8, lr 5e-3, 64 windows) were chosen by "
@@ -204,7 +211,7 @@ def markdown(result) -> str:
             step = avg("step_over_sam")
             lines.append(f"| {pattern} | {arm} | {rows[0]['options']['rho']:g} | {avg('sam_relative'):.2e} | "
                          f"{avg('sam_per_weight'):.2e} | " + (f"{step:.0f}" if step is not None else "– (ρ = 0)")
-                         + f" | {100 * avg('mask_moved'):.4f}% | "
+                         + f" | {100 * avg('mask_moved'):.2g}% | "
                          + f"{max(r['summary']['residual_last_max'] for r in rows):.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -242,18 +249,26 @@ class SafeControls(Study):
     loss: Optional[str] = method_setting(BlockTraining, "loss", "training arms")
     beta2: Optional[float] = method_setting(BlockTraining, "beta2", "training arms")
     train_seed: Optional[int] = method_setting(BlockTraining, "train_seed", "training arms")
+    vary_train_seed: bool = option(False, "training arms: the minibatch seed is the calibration seed, so that the "
+                                   "seeds vary the minibatch order too (instead of train_seed)")
 
     @property
     def training(self) -> dict:
         """The options every training arm shares."""
         return given(self, TRAINING_OPTIONS)
 
-    def arm_options(self, arm: str) -> Tuple[str, dict]:
-        """(method, options) of arm ``arm``: its own options and, for a training arm, the shared ones."""
+    def arm_options(self, arm: str, seed: int = 0) -> Tuple[str, dict]:
+        """(method, options) of arm ``arm`` on calibration seed ``seed``: its own options and, for a
+        training arm, the shared ones (with ``vary_train_seed`` the minibatch seed is ``seed``)."""
         method, options = ARMS[arm]
-        return method, {**options, **(self.training if method in TRAINING else {})}
+        if method not in TRAINING:
+            return method, dict(options)
+        return method, {**options, **self.training, **({"train_seed": seed} if self.vary_train_seed else {})}
 
     def check_options(self) -> None:
+        if self.vary_train_seed and self.train_seed is not None:
+            raise ValueError("options train_seed and vary_train_seed of study 'safe-controls': give one; "
+                             "vary_train_seed takes the calibration seed as the training seed")
         for spec in self.patterns:
             try:
                 patterns.parse(spec)
@@ -288,6 +303,8 @@ class SafeControls(Study):
         }
         if self.model != DEFAULT_MODEL:
             settings["model"] = self.model
+        if self.vary_train_seed:
+            settings["train_seed"] = "the calibration seed"
         return settings
 
     def start(self, settings, context):
@@ -313,7 +330,7 @@ class SafeControls(Study):
 
     def run_arm(self, context, arm, row, checkpoint):
         _, name, seed = arm.key
-        method, options = self.arm_options(name)
+        method, options = self.arm_options(name, seed)
         model = copy.deepcopy(context["model"])
         report = prune(model, method, arm.spec, self._calibration(context, seed), progress=False, **options)
         row = {"pattern": str(arm.spec), "arm": name, "seed": seed, "options": report["options"],

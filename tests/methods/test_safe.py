@@ -2,6 +2,7 @@
 block-wise method on tiny Llamas (exact patterns, reconstruction better than Wanda's, dtype and
 trainability restored), and on two SmolLM2-135M blocks (slow)."""
 import copy
+import math
 
 import pytest
 import torch
@@ -216,6 +217,50 @@ def test_decoupled_penalty_closes_lr_times_lambda_of_the_distance_to_z_minus_u_e
         SafeOptimizer([w], NM(2, 4), lr=1e-2, lam=200.0, penalty="decoupled")
     with pytest.raises(ValueError, match="penalty must be one of adam, decoupled"):
         SafeOptimizer([w], NM(2, 4), penalty="prox")
+
+
+def test_cosine_lambda_ramp_starts_near_zero_and_reaches_lambda_at_the_last_step():
+    """``lam_schedule="cosine"`` (the paper's penalty warm-up, App. B): on f ≡ 0 step t moves a pruned
+    entry by lr·λ_t·x with λ_t = λ(1 − cos(πt/T))/2, so after T steps the pruned entries are
+    x₀·∏(1 − lr·λ_t), the first step barely moves them, step T uses the full λ and the kept entries
+    stay; "constant" is λ at every step."""
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 16)
+    kept = NM(2, 4).weight_mask(x0)
+    w = nn.Parameter(x0.clone())
+    steps, lr, lam = 6, 1e-2, 30.0
+    optimizer = SafeOptimizer([w], NM(2, 4), lr=lr, rho=0.0, lam=lam, dual_interval=100, penalty="decoupled",
+                              lam_schedule="cosine", lam_steps=steps)
+    lams = []
+    for _ in range(steps):
+        optimizer.step(lambda: (w * 0).sum().backward())
+        lams.append(optimizer.current_lam())
+    expected = [lam * (1 - math.cos(math.pi * t / steps)) / 2 for t in range(1, steps + 1)]
+    assert lams == pytest.approx(expected) and lams[-1] == lam and lams[0] < 0.07 * lam
+    shrink = math.prod(1 - lr * value for value in expected)
+    torch.testing.assert_close(w.detach(), torch.where(kept, x0, x0 * shrink))
+    assert shrink > 0.7 ** steps  # the ramp leaves x further from z₀ than the constant penalty
+    constant = SafeOptimizer([nn.Parameter(x0.clone())], NM(2, 4), lr=lr, lam=lam)
+    assert constant.current_lam() == lam
+    with pytest.raises(ValueError, match="lam_steps must be an integer >= 1 with lam_schedule='cosine'"):
+        SafeOptimizer([w], NM(2, 4), lam_schedule="cosine")
+    with pytest.raises(ValueError, match="lam_schedule must be one of constant, cosine; got 'linear'"):
+        SafeOptimizer([w], NM(2, 4), lam_schedule="linear", lam_steps=4)
+    with pytest.raises(ValueError, match="option lam_schedule of method 'safe\\+' must be one of constant, cosine"):
+        pyprune.methods.get("safe+", lam_schedule="linear")
+
+
+def test_safe_plus_with_the_lambda_ramp_moves_the_mask_further_from_wandas():
+    """On a tiny Llama SAFE⁺ with λ ramped from 0 ends with a mask further from z₀ (Wanda's mask) than
+    with λ constant, on the same steps: the ramp is what lets ADMM search."""
+    calib = random_tokens((8, 32), seed=1)
+    moved = {}
+    for schedule in ("constant", "cosine"):
+        report = pyprune.prune(tiny_llama(seed=0), "safe+", "0.5", calib, progress=False, epochs=4,
+                               lam_schedule=schedule)
+        moved[schedule] = sum(block["mask_moved"] for block in report["blocks"])
+        assert report["options"]["lam_schedule"] == schedule
+    assert moved["cosine"] > moved["constant"]
 
 
 def test_safe_admm_converges_on_a_tiny_llama():

@@ -238,6 +238,29 @@ def test_noise_floor_and_rank_correlation():
     assert moreau["decay"] == pytest.approx((1 - 1e-3 / 0.05) ** 2) and moreau["delta_to_noise"] > 0
 
 
+def test_noise_floor_in_perplexity_in_each_format():
+    """With noise_formats bf16 and fp16 each format is pruned once more at the next noise seed: the
+    floor's ppl_diff is |perplexity of the run − perplexity of that second draw| of the same format
+    (in the common format fp32), recomputed here from independent prunes; the top-level agreement
+    stays the first format's."""
+    model, calib, tokens = tiny_llama(hidden=64, heads=4, kv_heads=2), random_tokens((4, 16)), random_tokens((64,), seed=3)
+    report = robustness.study(model, "moreau", 0.5, calib, tokens, eval_seqlen=32, progress=False, cross=False,
+                              noise_formats=("bfloat16", "float16"), steps=2)
+    floor = report["noise_floor"]
+    assert set(floor["ppl_diff"]) == set(floor["formats"]) == {"bfloat16", "float16"}
+    for name in ("bfloat16", "float16"):
+        second = pyprune.methods.get("moreau", steps=2, noise_seed=1, loss_scaling=False)
+        rounded = robustness.to_format(copy.deepcopy(model), name, "rounding")
+        pyprune.prune(rounded, second, Structured(0.5), calib, batch_size=8, progress=False)
+        ppl = perplexity(rounded, tokens, 32, batch_size=8, progress=False)
+        assert floor["formats"][name]["perplexity"] == ppl
+        assert floor["ppl_diff"][name] == abs(report["runs"][name]["perplexity"] - ppl)
+    assert floor["agreement"] == floor["formats"]["bfloat16"]["agreement"] and floor["format"] == "bfloat16"
+    assert max(floor["ppl_diff"].values()) > 0  # two noise draws do not prune to the same perplexity
+    with pytest.raises(ValueError, match="noise_formats must be one or more of bfloat16, float16; got .'fp8'."):
+        robustness.study(model, "moreau", 0.5, calib, tokens, noise_formats=("fp8",), progress=False)
+
+
 def test_spearman():
     assert robustness.spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([30.0, 20.0, 10.0])) == -1.0
     # ties share their mean rank: ranks (0.5, 0.5, 2) against (0, 1, 2) -> 1.5 / sqrt(1.5 * 2)

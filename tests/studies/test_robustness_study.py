@@ -119,8 +119,34 @@ def test_the_verdict_column_pairs_moreau_with_each_baseline_by_seed():
     assert robustness.verdict_lines(_runs("taylor", "rounding", [0.9], [1.0])) == []
 
 
-@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut"])
+@pytest.mark.parametrize("name", ["robustness-smollm2-135m", "robustness-smollm2-135m-cut",
+                                  "robustness-smollm2-135m-channels"])
 def test_the_committed_tables_are_what_the_renderer_makes_of_their_results(name):
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     result = json.loads((results / f"{name}.json").read_text(encoding="utf-8"))
     assert (results / f"{name}.md").read_text(encoding="utf-8") == robustness.markdown(result)
+
+
+def _full_run(method, seed, ppl_diff, noise_ppl):
+    cross = {"bfloat16": {"bfloat16": 10.0, "float16": 10.0}, "float16": {"bfloat16": 11.0, "float16": 11.0}}
+    runs = {name: {"time_s": 1.0, "moreau": {}} for name in ("bfloat16", "float16")}
+    floor = None if noise_ppl is None else {"agreement": 0.9, "spearman": {"hidden": 0.99},
+                                            "ppl_diff": dict(zip(("bfloat16", "float16"), noise_ppl))}
+    return {"method": method, "arithmetic": "fp32-accumulate", "layers": "all", "overall_ratio": 0.1, "seed": seed,
+            "structure": "hidden", "agreement": 0.99, "spearman": {"hidden": 0.999}, "ppl_bf16": 10.0,
+            "ppl_fp16": 10.0 + ppl_diff, "ppl_diff": ppl_diff, "ppl_cross": cross, "noise_floor": floor, "runs": runs}
+
+
+def test_the_table_sets_the_papers_diff_beside_its_noise_floor_in_perplexity():
+    """The summary row of a noisy method gives the paper's Diff (ppl_diff) and, beside it, the noise
+    floor's perplexity difference per format (mean ± std over seeds); a deterministic one gives "–"."""
+    runs = [_full_run("moreau", 0, 1.0, (0.5, 0.25)), _full_run("moreau", 1, 3.0, (1.5, 0.75)),
+            _full_run("taylor", 0, 2.0, None), _full_run("taylor", 1, 4.0, None)]
+    result = {"settings": {"calibration": "c", "evaluation": "e"}, "runs": runs, "calibration_floor": {},
+              "environment": {"device": "CPU", "cpu_threads": 1, "torch": "t"}}
+    lines = robustness.markdown(result).splitlines()
+    assert "ppl_diff (the paper's Diff) | noise floor ppl_diff bf16 / fp16 |" in lines[2]
+    [moreau] = [line for line in lines if line.startswith("| moreau | fp32-accumulate | hidden | all | 0.1 | 2 |")]
+    assert "| 2.00 ± 1.41 | 1.00 ± 0.71 / 0.50 ± 0.35 |" in moreau
+    [taylor] = [line for line in lines if line.startswith("| taylor | fp32-accumulate | hidden | all | 0.1 | 2 |")]
+    assert "| 3.00 ± 1.41 | – / – |" in taylor

@@ -93,3 +93,19 @@ def test_the_paired_table_s_verdict_follows_the_rule(differences, word):
     [line] = [line for line in safe_controls.markdown(_made_up(differences)).splitlines()
               if line.startswith("| 2:4 | safe+ − masked-recon wanda |")]
     assert line.endswith(f" | {word} |")
+
+
+def test_vary_train_seed_and_the_arms_that_give_admm_room_to_move_the_mask():
+    """``vary_train_seed``: a training arm's minibatch seed is the calibration seed, a one-shot arm gets
+    no training option; the λ-ramp and λ 25 / K 4 arms are SAFE⁺ with those options; giving both
+    train_seed and vary_train_seed is refused before anything loads."""
+    study = studies.get("safe-controls", vary_train_seed=True, epochs=1)
+    assert study.arm_options("safe+ lam_schedule=cosine", 2) == \
+        ("safe+", {"lam_schedule": "cosine", "epochs": 1, "train_seed": 2})
+    assert study.arm_options("safe+ lam=25 K=4", 1) == \
+        ("safe+", {"lam": 25.0, "dual_interval": 4, "epochs": 1, "train_seed": 1})
+    assert study.arm_options("masked-recon wanda", 1)[1]["train_seed"] == 1
+    assert study.arm_options("sparsegpt", 2) == ("sparsegpt", {})
+    assert studies.get("safe-controls", epochs=1).arm_options("safe+", 2) == ("safe+", {"epochs": 1})
+    with pytest.raises(ValueError, match="options train_seed and vary_train_seed of study 'safe-controls': give one"):
+        studies.get("safe-controls", vary_train_seed=True, train_seed=3)
