@@ -126,7 +126,7 @@ def predictions(config, tokens, rates, link):
         parts = block_parts(layers, n, {k: v * scale for k, v in rates.items()}, link)
         return {k: round(blocks * v, 6) for k, v in parts.items()} | {"total": round(blocks * sum(parts.values()), 6)}
     return {"cpu": {label: total(ranks, threads, rates, link) for label, ranks, threads in CONFIGS},
-            "gpu": {f"{n} GPUs": total(n, 1.0, GPU_RATES, LINKS["nvlink"]) for n in (1, 2, 8)}}
+            "gpu": {f"{n} GPU{'s' if n > 1 else ''}": total(n, 1.0, GPU_RATES, LINKS["nvlink"]) for n in (1, 2, 8)}}
 
 
 def markdown(report):
@@ -158,14 +158,14 @@ def markdown(report):
             else:
                 pred_speedup = "–"
             lines.append(f"| {row['method']} | {row['pattern']} | {label} | {run['prune_s']} | {run['wall_s']} | "
-                         f"{predicted if predicted is not None else '– (no time model)'} | {speedup}× | {pred_speedup} |")
+                         f"{f'{predicted:.1f}' if predicted is not None else '– (no time model)'} | {speedup}× | {pred_speedup} |")
     lines += ["", "The time model's prediction on GPUs for the same prune (assumed rates of docs/distributed.md, "
               "NVLink), seconds:", "", "| method | GPUs | forward | Hessians | solves | communication | total |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for row in report["results"]:
         for label, parts in row.get("predicted", {}).get("gpu", {}).items():
-            lines.append(f"| {row['method']} | {label} | {parts['forward']} | {parts['hessians']} | {parts['solves']} | "
-                         f"{parts['communication']} | {parts['total']} |")
+            lines.append(f"| {row['method']} | {label} | " + " | ".join(f"{parts[key]:.3g}" for key in
+                         ("forward", "hessians", "solves", "communication", "total")) + " |")
     lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 

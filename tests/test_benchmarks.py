@@ -289,7 +289,7 @@ def test_distributed_speed_benchmark_times_one_process_and_two_ranks_beside_the_
     assert all(run["prune_s"] > 0 and run["wall_s"] > run["prune_s"] and run["sparsity"] == 0.5
                for run in row["runs"].values())
     predicted = row["predicted"]
-    assert set(predicted["cpu"]) == set(row["runs"]) and set(predicted["gpu"]) == {"1 GPUs", "2 GPUs", "8 GPUs"}
+    assert set(predicted["cpu"]) == set(row["runs"]) and set(predicted["gpu"]) == {"1 GPU", "2 GPUs", "8 GPUs"}
     one, two = (predicted["cpu"][label] for label in row["runs"])
     assert one["communication"] == 0 < two["communication"] and two["solves"] < 2 * one["solves"]
     assert min(report["rates"].values()) > 0 and report["link"] > 0 and report["settings"]["uptime_before"]
