@@ -18,7 +18,7 @@ _spec.loader.exec_module(_brackets)
 
 #: file-name prefix -> topic heading of the index, in the index's order (the longest prefix wins)
 TOPICS = {
-    "baselines": "Baselines (magnitude, Wanda, SparseGPT, Taylor)",
+    "baselines": "Baselines (magnitude, Wanda, SparseGPT, ALPS, RIA, DSnoT, Taylor)",
     "crosscheck": "Cross-check against the authors' code",
     "zeroshot": "Zero-shot accuracy",
     "safe": "SAFE / SAFE⁺",
@@ -33,6 +33,7 @@ TOPICS = {
     "sparse-linear": "Sparse execution: SparseLinear",
     "e2e": "Sparse execution: end to end",
     "peak-memory": "Peak memory and offload",
+    "distributed": "Data-parallel speed (torchrun)",
 }
 FIGURES = (".svg", ".png")
 
