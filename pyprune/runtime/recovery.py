@@ -44,14 +44,14 @@ class LoraSettings:
     them as its options and ``pyprune recover`` as its flags. Rank and alpha as DReSS (Table 6);
     lr and batch sized for a CPU (the paper: 2e-5 at batch 64)."""
 
-    steps: int = option(None, "optimizer steps (0: no training)", nonnegative)
+    steps: int = option(None, "optimizer steps; 0: no training", nonnegative)
     rank: int = option(32, "LoRA rank, as DReSS", at_least_one)
     alpha: float = option(10.0, "LoRA alpha, as DReSS; the scale is alpha/rank", positive)
-    lr: float = option(1e-4, "AdamW learning rate, constant (DReSS: 2e-5)", positive)
+    lr: float = option(1e-4, "AdamW learning rate, constant; DReSS: 2e-5", positive)
     batch_size: int = option(4, "training samples per step (DReSS: 64)", at_least_one)
     target_modules: Optional[Tuple[str, ...]] = option(
         None, "linears of the decoder blocks to adapt; none given: all, " + " ".join(DEFAULT_TARGET_MODULES) +
-        " (PEFT's llama default: q_proj v_proj)", nonempty)
+        "; PEFT's llama default: q_proj v_proj", nonempty)
 
 
 #: the declared settings of :func:`lora_finetune`, in order
