@@ -2,8 +2,9 @@
 stages (each a pruning method with its pattern and its declared options, or LoRA recovery), the
 evaluation and the output — run by ``pyprune run RECIPE`` and :func:`pyprune.run_recipe`.
 
-Every field is declared once: a method's options by the method (:mod:`pyprune.methods.options`,
-which also builds the CLI's flags), the recipe's own sections here with the same ``option(...)``
+Every field is declared once (:mod:`pyprune.options`): a method's options by the method (which
+also builds the CLI's flags), a LoRA stage's by :class:`pyprune.runtime.recovery.LoraSettings` (as
+``pyprune recover``'s flags), the recipe's own sections here with the same ``option(...)``
 declarations. :func:`from_dict` checks a recipe completely before any model is loaded; a bad field
 is one :class:`RecipeError` line naming its path (``stages[1].options.sparsity: ...``). The CLI's
 ``pyprune prune`` and ``pyprune recover`` build the same :class:`Recipe` from their flags
@@ -19,9 +20,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import methods
 from .io.recipe_file import read_recipe
-from .methods.options import Option, at_least_one, collect, nonnegative, option, positive
+from .options import Option, at_least_one, collect, option
 from .patterns import NM, Pattern, Structured, Unstructured, parse
-from .runtime.recovery import DEFAULTS as LORA
+from .runtime import recovery
 
 #: the method name of a LoRA recovery stage (:func:`pyprune.runtime.recovery.lora_finetune`)
 RECOVERY = "lora"
@@ -134,14 +135,10 @@ class PatternFields(Section):
 
 
 class LoraOptions(Section):
-    """The options of a ``method: lora`` stage (:func:`pyprune.runtime.recovery.lora_finetune`)."""
+    """The options of a ``method: lora`` stage: LoRA recovery's declared settings
+    (:class:`pyprune.runtime.recovery.LoraSettings`, also ``pyprune recover``'s flags)."""
 
-    steps: int = option(None, "optimizer steps (0: no training)", nonnegative)
-    rank: int = option(LORA.rank, "LoRA rank", at_least_one)
-    alpha: float = option(LORA.alpha, "LoRA alpha; the scale is alpha/rank", positive)
-    lr: float = option(LORA.lr, "AdamW learning rate, constant", positive)
-    batch_size: int = option(LORA.batch_size, "training samples per step", at_least_one)
-    target_modules: Optional[Tuple[str, ...]] = option(None, "linears of the decoder blocks to adapt (default all)")
+    fields = recovery.SETTINGS
 
 
 def pattern_from(values: Mapping[str, Any], spell: Callable[[str], str] = str) -> Pattern:
@@ -365,14 +362,13 @@ def from_prune_args(args, pattern: Pattern, options: Dict[str, Any]) -> Recipe:
         "output": {"path": args.output, "sparse_layers": args.sparse_layers, "offload": args.offload}})
 
 
-def from_recover_args(args) -> Recipe:
-    """The recipe of a ``pyprune recover`` command line (its flags already checked)."""
+def from_recover_args(args, settings: Dict[str, Any]) -> Recipe:
+    """The recipe of a ``pyprune recover`` command line (its flags already checked; ``settings``, its LoRA
+    settings, :func:`pyprune.runtime.recovery.check_settings`)."""
     return from_dict({
         "model": args.model, "dtype": args.dtype, "device": args.device, "batch_size": args.batch_size,
         "calibration": {"data": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": args.seed},
-        "stages": [{"method": RECOVERY, "options": {
-            "steps": args.steps, "rank": args.rank, "alpha": args.alpha, "lr": args.lr,
-            "batch_size": args.batch_size, "target_modules": args.target_modules}}],
+        "stages": [{"method": RECOVERY, "options": settings}],
         "evaluation": {"data": args.eval or None, "seqlen": args.eval_seqlen, "tokens": args.eval_tokens},
         "output": {"path": args.output}})
 

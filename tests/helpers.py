@@ -181,6 +181,9 @@ def tiny_decoder(family: str, seed=0, layers=4, hidden=64, heads=4, kv_heads=2, 
 #: hybrid families: a linear-attention (Gated DeltaNet), Mamba2 or short-conv mixer in some or all blocks
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "lfm2")
 
+#: MoE families whose experts are fused 3-D parameters (one tensor per projection for all experts)
+FUSED_MOE = ("gpt_oss", "llama4")
+
 
 def _hybrid_configs(tf, common, gqa):
     """Config builders of the hybrid families: block 0 holds the recurrent mixer, block 1 full attention

@@ -198,19 +198,22 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, method: Opti
 
 
 def add_option_flags(group, declared, prefix: str) -> None:
-    """One flag per declared option (:mod:`pyprune.methods.options`, a method's or a study's), its
-    value in ``args.<prefix><name>``, None when not given; a ``Tuple[type, ...]`` option takes
-    one or more values; a bool takes true or false, or none (true)."""
+    """One flag per declared option (:mod:`pyprune.options`: a method's, a study's, LoRA
+    recovery's), its value in ``args.<prefix><name>``, None when not given; an option without a
+    default (neither ``Optional`` nor set by default) is a required flag; a ``Tuple[type, ...]``
+    option takes one or more values; a bool takes true or false, or none (true)."""
     for option in declared:
         kwargs = {"choices": option.choices} if option.choices else {}
         if option.many:
             kwargs["nargs"] = "+"
         if option.type is bool:  # --owl alone is --owl true
             kwargs.update(nargs="?", const=True)
+        required = option.default is None and not option.optional
         default = " ".join(map(str, option.default)) if option.many and option.default else repr(option.default)
         group.add_argument(option.flag, dest=f"{prefix}{option.name}", default=None, metavar=option.name.upper(),
-                           type=_parse_bool if option.type is bool else option.type,
-                           help=f"{option.help} (default {default})".replace("%", "%%"), **kwargs)
+                           type=_parse_bool if option.type is bool else option.type, required=required,
+                           help=f"{option.help} ({'required' if required else 'default ' + default})"
+                           .replace("%", "%%"), **kwargs)
 
 
 def check_method(command: str, name: str) -> None:

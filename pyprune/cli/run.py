@@ -219,12 +219,7 @@ def _prune(model, stage: recipes.Stage, calib, args) -> dict:
 
 def _recover(model, stage: recipes.Stage, calib, args) -> dict:
     from ..runtime import recovery
-    options = stage.options
-    target = list(options["target_modules"]) if options["target_modules"] is not None else None
-    done = recovery.lora_finetune(model, calib, steps=options["steps"], rank=options["rank"], alpha=options["alpha"],
-                                  lr=options["lr"], batch_size=options["batch_size"], target_modules=target,
-                                  seed=stage.calibration["seed"], progress=not args.quiet)
-    if options["steps"]:
-        print(f"LoRA rank {options['rank']} on {done['lora_layers']} layers, {options['steps']} steps in "
-              f"{done['time_s']:.1f} s: training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
+    done = recovery.lora_finetune(model, calib, **stage.options, seed=stage.calibration["seed"],
+                                  progress=not args.quiet)
+    steps.print_recovery(done)
     return {"method": recipes.RECOVERY, "recovery": done}

@@ -97,6 +97,14 @@ def evaluate(model, streams: list, seqlen: int, batch_size: int, progress: bool,
     return results
 
 
+def print_recovery(done: dict) -> None:
+    """One line on a LoRA recovery (its report, :func:`pyprune.runtime.recovery.lora_finetune`'s);
+    none when it trained no step."""
+    if done["steps"]:
+        print(f"LoRA rank {done['rank']} on {done['lora_layers']} layers, {done['steps']} steps in "
+              f"{done['time_s']:.1f} s: training loss {done['first_loss']:.4f} -> {done['last_loss']:.4f}")
+
+
 def zero_shot_tasks(args):
     """Check --tasks / --limit and load the tasks with their data (lm-eval), before any model work:
     an unknown task, a missing extra or data that cannot be downloaded is a one-line error."""

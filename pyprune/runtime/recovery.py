@@ -15,11 +15,10 @@ DReSS (Table 6 / App. D) uses rank 32, LoRA alpha 10 (scale alpha/rank = 0.3125)
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -29,53 +28,52 @@ from .training import train
 from .tokens import check_token_ids
 from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
 from ..nn.sliced import check_plain_linears
+from ..options import at_least_one, collect, nonempty, nonnegative, option, positive
 
-__all__ = ["lora_finetune", "check_settings", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
+__all__ = ["lora_finetune", "check_settings", "LoraSettings", "SETTINGS", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
 
-
-@dataclass(frozen=True)
-class LoraDefaults:
-    """The LoRA recovery defaults of :func:`lora_finetune`, ``pyprune recover`` and DReSS's
-    ``lora_*`` options: rank and alpha as DReSS (Table 6); lr and batch sized for a CPU (the paper:
-    2e-5 at batch 64)."""
-
-    rank: int = 32
-    alpha: float = 10.0
-    lr: float = 1e-4
-    batch_size: int = 4
-
-
-DEFAULTS = LoraDefaults()
 
 #: Every linear layer of a LLaMA-style decoder block. The papers do not name their LoRA targets;
 #: LLM-Pruner's post_training.py adapts these seven, PEFT's own default for llama is q_proj, v_proj.
 DEFAULT_TARGET_MODULES = ATTENTION_LINEARS + MLP_LINEARS
 
 
+class LoraSettings:
+    """The settings of LoRA recovery, declared once (:mod:`pyprune.options`): :func:`lora_finetune`
+    checks its arguments with them (:func:`check_settings`), a recipe's ``method: lora`` stage has
+    them as its options and ``pyprune recover`` as its flags. Rank and alpha as DReSS (Table 6);
+    lr and batch sized for a CPU (the paper: 2e-5 at batch 64)."""
+
+    steps: int = option(None, "optimizer steps; 0: no training", nonnegative)
+    rank: int = option(32, "LoRA rank, as DReSS", at_least_one)
+    alpha: float = option(10.0, "LoRA alpha, as DReSS; the scale is alpha/rank", positive)
+    lr: float = option(1e-4, "AdamW learning rate, constant; DReSS: 2e-5", positive)
+    batch_size: int = option(4, "training samples per step (DReSS: 64)", at_least_one)
+    target_modules: Optional[Tuple[str, ...]] = option(
+        None, "linears of the decoder blocks to adapt; none given: all, " + " ".join(DEFAULT_TARGET_MODULES) +
+        "; PEFT's llama default: q_proj v_proj", nonempty)
+
+
+#: the declared settings of :func:`lora_finetune`, in order
+SETTINGS = collect(LoraSettings, ())
+#: their defaults by name (``DEFAULTS.rank``; ``steps`` has none: it is always given)
+DEFAULTS = SimpleNamespace(**{declared.name: declared.default for declared in SETTINGS})
+
+
+def check_settings(**given: Any) -> Dict[str, Any]:
+    """Every setting of :func:`lora_finetune` (:data:`SETTINGS`): the given one converted and
+    checked, or its default; ValueError naming the first bad one (what needs no model: ``pyprune
+    recover`` calls it before loading one)."""
+    unknown = sorted(set(given) - set(vars(DEFAULTS)))
+    if unknown:
+        raise ValueError(f"LoRA recovery has no setting {', '.join(unknown)}; its settings: "
+                         f"{', '.join(vars(DEFAULTS))}")
+    return {declared.name: declared.convert(given.get(declared.name, declared.default), "", where=declared.name)
+            for declared in SETTINGS}
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_settings(*, steps: int, rank: int, alpha: float, lr: float, batch_size: int, seed: int,
-                   target_modules: Optional[Sequence[str]] = None) -> None:
-    """Raise ValueError naming the first bad setting of :func:`lora_finetune` (what needs no
-    model: the CLI calls it before loading one)."""
-    for name, value, low in (("steps", steps, 0), ("rank", rank, 1), ("batch_size", batch_size, 1)):
-        if not _is_int(value) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-    for name, value in (("alpha", alpha), ("lr", lr)):
-        if not _is_number(value) or value <= 0:
-            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer; got {seed!r}")
-    if target_modules is not None and (isinstance(target_modules, str) or not target_modules or not all(
-            isinstance(name, str) and name for name in target_modules)):
-        raise ValueError(f"target_modules must be None or a non-empty list of module names (e.g. "
-                         f"['q_proj', 'v_proj']); got {target_modules!r}")
 
 
 def _check_tokens(model: nn.Module, tokens, batch_size: int) -> None:
@@ -165,8 +163,10 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     zero weights, merged under their mask), ``losses`` (every step),
     ``first_loss``/``last_loss`` (None when ``steps=0``) and ``time_s``.
     """
-    check_settings(steps=steps, rank=rank, alpha=alpha, lr=lr, batch_size=batch_size, seed=seed,
-                   target_modules=target_modules)
+    target_modules = check_settings(steps=steps, rank=rank, alpha=alpha, lr=lr, batch_size=batch_size,
+                                    target_modules=target_modules)["target_modules"]
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer; got {seed!r}")
     _check_model(model)
     _check_tokens(model, tokens, batch_size)
     names = tuple(DEFAULT_TARGET_MODULES if target_modules is None else target_modules)

@@ -190,15 +190,15 @@ TOKENS = counting_tokens()
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(steps=-1), r"steps must be an integer >= 0; got -1"),
-    (dict(steps=1.5), r"steps must be an integer >= 0; got 1.5"),
-    (dict(rank=0), r"rank must be an integer >= 1; got 0"),
-    (dict(rank=True), r"rank must be an integer >= 1; got True"),
-    (dict(alpha=0.0), r"alpha must be a finite number > 0; got 0.0"),
-    (dict(alpha=-10), r"alpha must be a finite number > 0; got -10"),
-    (dict(lr=0.0), r"lr must be a finite number > 0; got 0.0"),
-    (dict(lr=float("nan")), r"lr must be a finite number > 0; got nan"),
-    (dict(batch_size=0), r"batch_size must be an integer >= 1; got 0"),
+    (dict(steps=-1), r"steps must be >= 0; got -1"),
+    (dict(steps=1.5), r"steps must be an integer; got 1.5"),
+    (dict(rank=0), r"rank must be >= 1; got 0"),
+    (dict(rank=True), r"rank must be an integer; got True"),
+    (dict(alpha=0.0), r"alpha must be > 0; got 0.0"),
+    (dict(alpha=-10), r"alpha must be > 0; got -10.0"),
+    (dict(lr=0.0), r"lr must be > 0; got 0.0"),
+    (dict(lr=float("nan")), r"lr must be a finite number; got nan"),
+    (dict(batch_size=0), r"batch_size must be >= 1; got 0"),
     (dict(batch_size=9), r"batch_size must be <= the number of samples in tokens \(8\); got 9"),
     (dict(seed=None), r"seed must be an integer; got None"),
     (dict(tokens=TOKENS[0]), r"tokens must be \[nsamples, seqlen\]; got shape \(32,\) \(tokens\[None\] is one sample\)"),
@@ -207,8 +207,9 @@ TOKENS = counting_tokens()
     (dict(tokens=TOKENS.numpy()), r"tokens must be a torch integer tensor .* \(convert it with torch.from_numpy"),
     (dict(tokens=TOKENS[:, :1]), r"tokens must hold samples of at least 2 tokens"),
     (dict(tokens=TOKENS + VOCAB), r"tokens holds token ids in \[1\d\d, 2\d\d\]; the model embeds ids in \[0, 128\)"),
-    (dict(target_modules="q_proj"), r"target_modules must be None or a non-empty list"),
-    (dict(target_modules=[]), r"target_modules must be None or a non-empty list"),
+    (dict(target_modules="q_proj"), r"target_modules must be a non-empty list of str; got .q_proj."),
+    (dict(target_modules=[]), r"target_modules must be a non-empty list of str; got \[\]"),
+    (dict(target_modules=["q_proj", " "]), r"target_modules must not be empty; got . ."),
     (dict(target_modules=["q_proj", "qkv_proj"]), r"target_modules \['qkv_proj'\] match no nn.Linear"),
     (dict(target_modules=["self_attn"]), r"target_modules \['self_attn'\] match no nn.Linear"),
 ])
@@ -301,10 +302,10 @@ def test_cli_unknown_target_module_fails_before_writing(tiny_model_dir, tmp_path
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--steps", "-1"], r"steps must be an integer >= 0; got -1"),
-    (["--rank", "0"], r"rank must be an integer >= 1; got 0"),
-    (["--alpha", "0"], r"alpha must be a finite number > 0; got 0.0"),
-    (["--lr", "-0.0001"], r"lr must be a finite number > 0; got -0.0001"),
+    (["--steps", "-1"], r"steps must be >= 0; got -1"),
+    (["--rank", "0"], r"rank must be >= 1; got 0"),
+    (["--alpha", "0"], r"alpha must be > 0; got 0.0"),
+    (["--lr", "-0.0001"], r"lr must be > 0; got -0.0001"),
     (["--batch-size", "9"], r"--batch-size 9 is larger than --nsamples 8"),
     (["--seqlen", "1"], r"--seqlen must be >= 2"),
     (["--calib", "missing.txt"], r"source='missing.txt' is neither"),
@@ -320,6 +321,24 @@ def test_cli_bad_arguments_fail_before_loading(tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1 and err.startswith("pyprune recover: error:")
     assert re.search(message, err), err
     assert not output.exists()
+
+
+def test_cli_recover_flags_are_the_declared_settings(tmp_path, capsys):
+    """``pyprune recover``'s LoRA flags are the settings that lora_finetune and a recipe's lora
+    stage declare (recovery.SETTINGS): each one listed with its help, and --steps, which has no
+    default, required."""
+    from pyprune.runtime.recovery import SETTINGS
+    with pytest.raises(SystemExit):
+        cli.main(["recover", "--help"])
+    listed = "".join(capsys.readouterr().out.split())  # the help as printed, wrapped anywhere
+    for declared in SETTINGS:
+        assert declared.flag in listed and "".join(declared.help.split()) in listed
+    argv = _recover_argv(tmp_path / "never-loaded", "emma", tmp_path / "out")
+    at = argv.index("--steps")
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own refusal
+        cli.main(argv[:at] + argv[at + 2:])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: --steps" in capsys.readouterr().err
 
 
 def test_cli_recover_refuses_an_existing_output(tmp_path, capsys):
