@@ -40,6 +40,15 @@ NSAMPLES, SEQLEN, BATCH = 16, 256, 8
 PERCDAMP = 0.01
 
 
+
+def one_block_protocol(study) -> dict:
+    """The settings of a cross-check on one block's layers of ``study.model`` (recorded when not the
+    default), calibrated on NSAMPLES x SEQLEN tokens of emma."""
+    settings = {"calibration": f"{NSAMPLES} x {SEQLEN} tokens of emma (seed 0)", "block": study.block}
+    if study.model != DEFAULT_MODEL:
+        settings["model"] = study.model
+    return settings
+
 class _Stop(Exception):
     pass
 
@@ -124,10 +133,7 @@ class CrosscheckAlps(Study):
         return {"authors": authors, "linears": linears, "inputs": inputs, "stats": stats}
 
     def protocol(self, context):
-        settings = {"calibration": f"{NSAMPLES} x {SEQLEN} tokens of emma (seed 0)", "block": self.block}
-        if self.model != DEFAULT_MODEL:
-            settings["model"] = self.model
-        return settings
+        return one_block_protocol(self)
 
     def start(self, settings, context):
         return {"command": self.command(), "settings": settings,

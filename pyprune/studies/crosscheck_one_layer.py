@@ -40,11 +40,9 @@ from ..nn.dispatch import environment_record
 from ..patterns import NM, Unstructured
 from .alps_layers import check_block_layers
 from .authors_code import OneLayerModel, check_checkout, cpu_for_cuda, import_package_module, record
-from .crosscheck_alps import layer_inputs
+from .crosscheck_alps import DEFAULT_MODEL, NSAMPLES, SEQLEN, layer_inputs, one_block_protocol
 from .study import Arm, Study
 
-DEFAULT_MODEL = "smollm2-135m"
-NSAMPLES, SEQLEN = 16, 256
 AUTHORS_FILES = ("lib/prune.py", "lib/layerwrapper.py")
 
 
@@ -76,10 +74,7 @@ class _OneLayerCrosscheck(Study):
         return {"authors": authors, "linears": linears, "inputs": inputs}
 
     def protocol(self, context):
-        settings = {"calibration": f"{NSAMPLES} x {SEQLEN} tokens of emma (seed 0)", "block": self.block}
-        if self.model != DEFAULT_MODEL:
-            settings["model"] = self.model
-        return settings
+        return one_block_protocol(self)
 
     def start(self, settings, context):
         return {"command": self.command(), "settings": settings,
