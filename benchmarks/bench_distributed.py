@@ -12,7 +12,7 @@ block-training methods (forward, training steps, gradient all-reduces); its rate
 this machine with one thread: a float32 GEMM of a block's shapes (forward and Hessians), SparseGPT's
 solve of the model's largest layer, a gloo all-reduce between two local processes, and one training
 step of the model's first block on the whole minibatch and on one rank's share of it (the difference
-of two prunes of that block alone, few and many epochs of one step). "1 process × 2 threads" is
+of two prunes of that block alone, 8 and 24 epochs of one step). "1 process × 2 threads" is
 predicted as one rank at twice the one-thread rates (perfect thread scaling, an assumption).
 
     python benchmarks/bench_distributed.py      # benchmarks/results/distributed-speed-cpu.{json,md}
@@ -127,7 +127,8 @@ def _block_layers(config, tokens):
 def measured_training_steps(args, method, pattern):
     """Seconds of one ``method`` training step (its default options) of the model's first block on one thread, on the whole
     minibatch (``train_batch`` windows: one process) and on one rank's share of it (2 ranks): the
-    difference of two prunes of that block alone, 2 and 6 epochs over one minibatch (one step each)."""
+    difference of two prunes of that block alone, 8 and 24 epochs over one minibatch (one step each, so
+    that both include dual updates at the default interval of 8)."""
     import pyprune
     from pyprune.inputs.data import calibration_samples
     from pyprune.inputs.models import load_model
@@ -139,7 +140,7 @@ def measured_training_steps(args, method, pattern):
         seconds = {}
         for key, windows in (("whole", train_batch), ("share", max(1, train_batch // 2))):
             times = {}
-            for epochs in (2, 6):
+            for epochs in (8, 24):
                 model, tokenizer = load_model(args.model)
                 del decoder_blocks(model)[1:]
                 model.config.num_hidden_layers = 1
@@ -148,7 +149,7 @@ def measured_training_steps(args, method, pattern):
                 pyprune.prune(model, method, pattern, calib, batch_size=windows, progress=False,
                               epochs=epochs, train_batch=windows)
                 times[epochs] = time.perf_counter() - begin
-            seconds[key] = (times[6] - times[2]) / 4
+            seconds[key] = (times[24] - times[8]) / 16
         return {"train_batch": train_batch, "step_s": seconds}
     finally:
         torch.set_num_threads(before)
