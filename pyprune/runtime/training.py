@@ -2,10 +2,14 @@
 regularisation, LoRA recovery) and :func:`train_block` for one decoder block on its reconstruction
 error (SAFE; any block-wise reconstruction method). Both draw seeded shuffled minibatches; a
 16-bit model trains on fp32 master weights (:func:`fp32_master_weights`) and gets its dtype back.
+In a process group a block can train sharded over the ranks (:func:`sharded_block`, FSDP2).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import itertools
 import math
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -24,14 +28,17 @@ def backward_shared(params: Sequence[Tensor], share: Optional[Callable[[], Tenso
     their fraction of it; None when it holds none of them), then sum the gradients and the loss over
     the ranks (:func:`pyprune.runtime.distributed.all_reduce_gradients_`), so that every rank holds
     the whole minibatch's and takes the same step. Returns the minibatch loss. In one process, a
-    plain backward of the minibatch loss."""
+    plain backward of the minibatch loss. Parameters sharded by :func:`sharded_block` get their
+    gradients summed by FSDP's backward (each rank this sum's rows of them), and every rank must
+    give a ``share``."""
     for p in params:
         p.grad = None
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if share is not None:
         loss = share()
         loss.backward()
-    distributed.all_reduce_gradients_(params)
+    if not any(distributed.sharded(p) for p in params):
+        distributed.all_reduce_gradients_(params)
     return distributed.all_reduce_(loss.detach().reshape(1)).reshape(())
 
 
@@ -163,6 +170,35 @@ def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], 
     return factor
 
 
+@contextlib.contextmanager
+def sharded_block(ctx: "engine.BlockContext") -> Iterator["engine.BlockContext"]:
+    """``ctx`` with its block sharded over the ranks by PyTorch's FSDP2
+    (``torch.distributed.fsdp.fully_shard``), to train a block whose optimiser state does not fit one
+    device: a copy of the block's modules in which every parameter holds this rank's rows (dim 0, a
+    ``DTensor``). Its forward gathers the whole parameters and its backward reduce-scatters the
+    gradients, summed over the ranks (not averaged: each rank's loss is already its share of the
+    minibatch), so an optimiser built on its parameters keeps 1/N of the state on each rank. On
+    leaving, the trained parameters are gathered into the block's own (which keep their memory
+    meanwhile). Outside a process group, ``ctx`` as it is."""
+    if not distributed.active():
+        yield ctx
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    block = ctx.block
+    owned = dict(block.named_parameters())
+    # the copy starts with the block's own tensors; fully_shard replaces its parameters with their shards
+    copied = copy.deepcopy(block, {id(t): t for t in itertools.chain(block.parameters(), block.buffers())})
+    device = next(block.parameters()).device
+    fully_shard(copied, mesh=init_device_mesh(device.type, (distributed.world_size(),)))
+    copied.set_gradient_divide_factor(1.0)
+    copied.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    yield dataclasses.replace(ctx, block=copied)
+    with torch.no_grad():
+        for name, param in copied.named_parameters():
+            owned[name].copy_(param.full_tensor())
+
+
 def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.optim.Optimizer, *, steps: int,
                 batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True,
                 relative: bool = False) -> List[float]:
@@ -177,7 +213,9 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
 
     In a process group (``ctx.samples`` > the rows of ``ctx.inputs``) the minibatches are drawn over
     all ranks' samples alike on every rank; each rank adds the squared errors of its rows of a
-    minibatch and the gradients are summed over the ranks before every step (:func:`backward_shared`)."""
+    minibatch and the gradients are summed over the ranks before every step (:func:`backward_shared`).
+    A block sharded by :func:`sharded_block` runs its forward and backward on every rank (its
+    collectives need all of them): a rank without rows in a minibatch runs its first row, weighted 0."""
     dtype = next(ctx.block.parameters()).dtype
     samples = ctx.samples or ctx.inputs.shape[0]
     per_sample = targets[0].numel()
@@ -192,15 +230,19 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
     kwargs = _cast_floating(ctx.block_kwargs, dtype)
     batches = minibatches(samples, min(batch_size, samples), torch.Generator().manual_seed(seed))
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    sharded = any(distributed.sharded(p) for p in trained)
     losses = []
     for _ in tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress):
         index = next(batches)
         mine = index[(index >= ctx.offset) & (index < ctx.offset + ctx.inputs.shape[0])] - ctx.offset
+        weight = 1.0
+        if sharded and not mine.numel():
+            mine, weight = mine.new_zeros(1), 0.0
         inputs, wanted = ctx.inputs[mine].to(dtype), targets[mine].to(dtype)
 
         def share() -> Tensor:
             outputs = engine.first_tensor(ctx.block(inputs, **kwargs))
-            return F.mse_loss(outputs, wanted, reduction="sum") / (index.numel() * per_sample * scale)
+            return F.mse_loss(outputs, wanted, reduction="sum") * weight / (index.numel() * per_sample * scale)
 
         def closure() -> Tensor:
             return backward_shared(trained, share if mine.numel() else None, targets.device)
