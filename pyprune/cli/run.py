@@ -161,6 +161,7 @@ def perform(recipe: recipes.Recipe, args, calibs: list, streams: list, tasks) ->
     (:func:`pyprune.cli.steps.save_evaluate_report`). Under ``torchrun`` every rank prunes, rank 0
     alone saves. The report is the last pruning stage's, with ``recovery`` of a LoRA stage and,
     for several stages, each one's in ``stages``."""
+    steps.checks_passed(args)  # before the offload directory is made
     offload_dir = make_temp_dir(args.output) if args.offload else None
     try:
         return _perform(recipe, args, calibs, streams, tasks, offload_dir)

@@ -141,6 +141,13 @@ CASES = [
     ("prune-block-checkpoint-invalid-json", ["prune", "--model", "{tiny}", "--method", "safe", "--pattern", "2:4",
                                              "--calib", "{text.txt}", "--checkpoint", "{broken-checkpoint}"],
      r"checkpoint manifest .*broken-checkpoint/blockwise.json is not valid JSON", {}),
+    ("prune-shard-training-in-one-process", ["prune", "--model", "{tiny}", "--method", "safe+", "--pattern", "2:4",
+                                             "--calib", "{text.txt}", "--shard-training"],
+     r"option shard_training of method 'safe\+' shards a block's training over the ranks of a torch.distributed "
+     r"group: run under torchrun --nproc-per-node N with N >= 2 .*; got one process$", {}),
+    ("prune-shard-training-of-a-method-that-does-not-train", ["prune", "--model", "{tiny}", *WANDA, "--calib",
+                                                              "{text.txt}", "--shard-training"],
+     r"method 'wanda' has no option shard_training; its options: owl, ", {}),
     ("prune-offload-without-output", ["prune", "--model", "{tiny}", *WANDA, "--calib", "{text.txt}", "--offload"],
      r"--offload needs --output", {}),
     ("prune-offload-gradient-method", ["prune", "--model", "{tiny}", "--method", "taylor", "--ratio", "0.25", "--calib",
