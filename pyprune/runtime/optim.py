@@ -285,8 +285,9 @@ class SafeOptimizer(torch.optim.Optimizer):
 class MaskedAdam(torch.optim.Adam):
     """Adam on the kept entries of masked weights only: each step multiplies every masked
     parameter's gradient by its keep mask (``masks={weight: keep}``, bool of the weight's shape;
-    of its rows on this rank for a weight sharded over the ranks) before Adam's moments, so a pruned entry keeps zero moments and an Adam step of exactly 0 (a
-    weight that is 0 stays exactly 0), and the kept entries train as plain Adam. ``step`` takes the
+    of its rows on this rank for a weight sharded over the ranks) before Adam's moments, so a
+    pruned entry keeps zero moments and an Adam step of exactly 0 (a weight that is 0 stays
+    exactly 0), and the kept entries train as plain Adam. ``step`` takes the
     closure :func:`pyprune.runtime.training.train_block` gives (it runs once) and returns its loss."""
 
     def __init__(self, params: Iterable, masks: Dict[Tensor, Tensor], **adam):
