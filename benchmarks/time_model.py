@@ -1,5 +1,6 @@
-"""The time model of docs/distributed.md: seconds per decoder block of a SparseGPT prune on N ranks,
-from per-layer FLOP counts and assumed rates, and the memory one rank holds.
+"""The time model of docs/distributed.md: seconds per decoder block of a SparseGPT prune and of a
+block-training prune (SAFE⁺) on N ranks, from per-layer FLOP counts and assumed rates, and the memory
+one rank holds.
 
 Per block, with T calibration tokens (a layer with ``in``, ``out`` features and ``T_l`` tokens; an
 expert sees ``T·k/E`` of them):
@@ -11,12 +12,21 @@ expert sees ``T·k/E`` of them):
 * communication: ``(Σ_l 8·in² · (N − 1)/N + Σ_l 2·out·in) / B`` (the float64 sums reduced, the
   16-bit weights broadcast).
 
+A block-training prune (SAFE⁺, masked reconstruction) has the same two forwards, then ``S`` optimiser
+steps on minibatches of ``T_s`` tokens split over the ranks, each step ``p`` forward-and-backward
+passes (SAM: 2) and ``p`` all-reduces of the block's float32 gradients:
+
+* training: ``S · p · 3 · 2 · P_active · T_s / (N · R_fp32)`` (a backward costs two forwards), or
+  ``S`` times a step's seconds measured on one rank's share of the minibatch;
+* gradient communication: ``S · p · 2 · (N − 1)/N · 4 · P / B`` (a ring all-reduce sends each byte
+  twice over).
+
 ``GPU_RATES`` and ``LINKS`` are assumptions (A100-class GPUs, see the docs page);
 ``bench_distributed.py`` evaluates the same model with rates measured on its CPU.
 
     python benchmarks/time_model.py     # the docs page's memory and hours for three model shapes
 """
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: FLOP/s: bf16 forward, float32 Hessians, solves (SparseGPT paper: OPT-175B in under 4.5 hours on one A100)
 GPU_RATES = {"fwd": 200e12, "fp32": 15e12, "solve": 1.5e12}
@@ -60,6 +70,28 @@ def block_parts(layers: Sequence[Layer], n: int, rates: Dict[str, float], link: 
                                         + sum(2 * i * o for i, o, t in layers)) / link}
 
 
+#: forward-and-backward passes of a SAFE⁺ step: SAM's ascent and the step's own gradient
+SAM_PASSES = 2
+#: SAFE⁺'s default schedule on the docs' calibration: 3 epochs over 128 windows, minibatches of 2 x 2048 tokens
+TRAINING = {"steps": 3 * 128 // 2, "step_tokens": 2 * 2048}
+
+
+def training_parts(layers: Sequence[Layer], n: int, rates: Dict[str, float], link: float, *, steps: int,
+                   step_tokens: float, passes: int = SAM_PASSES, step_seconds: Optional[float] = None
+                   ) -> Dict[str, float]:
+    """Seconds of one block of a block-training prune on ``n`` ranks, by part (forward, training,
+    communication): ``steps`` steps of ``step_tokens`` tokens, each ``passes`` forward-and-backward
+    passes costed by FLOPs at ``rates["fp32"]``, or ``step_seconds`` a step where measured."""
+    tokens = max(t for _, _, t in layers)
+    active = sum(i * o * t for i, o, t in layers) / tokens
+    params = sum(i * o for i, o, t in layers)
+    step = (step_seconds if step_seconds is not None
+            else passes * 3 * 2 * active * step_tokens / (n * rates["fp32"]))
+    return {"forward": 2 * 2 * active * tokens / (n * rates["fwd"]),
+            "training": steps * step,
+            "communication": steps * passes * 2 * (n - 1) / n * 4 * params / link}
+
+
 def block_seconds(layers: Sequence[Layer], n: int, rates: Dict[str, float], link: float) -> float:
     return sum(block_parts(layers, n, rates, link).values())
 
@@ -77,9 +109,14 @@ def main() -> None:
               f"solve temporaries {max(12 * i * i + 8 * i * o for i, o, t in layers) / 2**30:.1f} GiB, "
               f"activations {TOKENS * layers[0][0] * 4 / 2**30:.1f} GiB / N, "
               f"block weights {sum(2 * i * o for i, o, t in layers) / 2**30:.1f} GiB")
+        ranks = ((1, "nvlink"), (8, "nvlink"), (16, "ib"), (64, "ib"))
         hours = [(n, sum(b * block_seconds(ls, n, GPU_RATES, LINKS[link]) for b, ls in parts) / 3600)
-                 for n, link in ((1, "nvlink"), (8, "nvlink"), (16, "ib"), (64, "ib"))]
-        print("  hours on", ", ".join(f"{n} GPUs: {h:.2f}" for n, h in hours))
+                 for n, link in ranks]
+        print("  SparseGPT hours on", ", ".join(f"{n} GPUs: {h:.2f}" for n, h in hours))
+        hours = [(n, sum(b * sum(training_parts(ls, n, GPU_RATES, LINKS[link], **TRAINING).values())
+                         for b, ls in parts) / 3600) for n, link in ranks]
+        print(f"  SAFE⁺ hours ({TRAINING['steps']} steps of {TRAINING['step_tokens']} tokens a block) on",
+              ", ".join(f"{n} GPUs: {h:.2f}" for n, h in hours))
 
 
 if __name__ == "__main__":

@@ -295,3 +295,41 @@ def test_distributed_speed_benchmark_times_one_process_and_two_ranks_beside_the_
     assert min(report["rates"].values()) > 0 and report["link"] > 0 and report["settings"]["uptime_before"]
     md = (tmp_path / "dist.md").read_text()
     assert "| sparsegpt | 2:4 | 2 ranks × 1 thread |" in md and "- tiny" in md
+
+
+def test_distributed_speed_benchmark_predicts_a_training_prune_again_from_a_results_file(tiny_model_dir, tmp_path):
+    model_dir, text = tiny_model_dir
+    timed = {"environment": {"cpu": {"model": "test CPU"}}, "notes": ["timed"], "rates": {}, "link": 1.0,
+             "settings": {"model": str(model_dir), "calib": str(text), "nsamples": 8, "seqlen": 16, "batch_size": 2,
+                          "extra": [], "started": "then", "load_average_before": [0.1], "uptime_before": "up",
+                          "load_average_after": [0.2], "uptime_after": "up"},
+             "results": [{"method": "safe+", "pattern": "2:4", "runs": {
+                 label: {"ranks": ranks, "threads": threads, "prune_s": 10.0 * ranks, "wall_s": 12.0 * ranks,
+                         "sparsity": 0.5} for label, ranks, threads in bench_distributed.CONFIGS}}]}
+    (tmp_path / "timed.json").write_text(json.dumps(timed))
+    assert bench_distributed.main(["--predict-from", str(tmp_path / "timed.json"), "--output-dir", str(tmp_path),
+                                   "--name", "again"]) == 0
+    report = json.loads((tmp_path / "again.json").read_text())
+    [row] = report["results"]
+    assert row["runs"] == timed["results"][0]["runs"] and report["notes"] == ["timed"]
+    assert row["steps_per_block"] == 3 * 8 // 2  # the default 3 epochs of minibatches of 2 of the 8 windows
+    assert row["training_step"]["train_batch"] == 2 and min(row["training_step"]["step_s"].values()) > 0
+    one, two = (row["predicted"]["cpu"][label] for label in row["runs"])
+    blocks = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert one["communication"] == 0 < two["communication"]
+    assert one["training"] == pytest.approx(blocks * 12 * row["training_step"]["step_s"]["whole"] / 2, rel=1e-4)
+    assert two["training"] == pytest.approx(blocks * 12 * row["training_step"]["step_s"]["share"], rel=1e-4)
+    md = (tmp_path / "again.md").read_text()
+    assert "| safe+ | 2:4 | 2 ranks × 1 thread | 20.0 |" in md and "after the timed prunes" in md
+
+
+def test_time_model_costs_a_training_step_as_its_passes_of_forward_and_backward():
+    from time_model import training_parts
+    layers = [(2, 3, 4), (3, 2, 4)]  # P_active = 12 weights a token, 12 weights
+    rates = {"fwd": 8.0, "fp32": 6.0}
+    one = training_parts(layers, 1, rates, link=16.0, steps=5, step_tokens=2)
+    two = training_parts(layers, 2, rates, link=16.0, steps=5, step_tokens=2)
+    assert one == {"forward": 2 * 2 * 12 * 4 / 8.0, "training": 5 * 2 * 3 * 2 * 12 * 2 / 6.0, "communication": 0}
+    assert two["training"] == one["training"] / 2 and two["communication"] == 5 * 2 * (2 * 1 / 2) * 4 * 12 / 16.0
+    measured = training_parts(layers, 2, rates, link=16.0, steps=5, step_tokens=2, step_seconds=0.5)
+    assert measured["training"] == 2.5 and measured["forward"] == two["forward"]
