@@ -28,6 +28,7 @@ from ..patterns import NM, Unstructured
 from ..runtime import distributed, engine
 from ..runtime.optim import MaskedAdam
 from ..runtime.training import fp32_master_weights, linear_warmup_decay, sharded_block, train_block
+from ..nn.experts import expert_linears
 from .base import REGISTRY, BlockwiseMethod, LayerSparsityMethod, LayerwiseMaskMethod, apply_mask
 from .options import at_least_one, block_checkpoint, nonnegative, option, positive, shard_training
 
@@ -75,10 +76,14 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
     def working_bytes(self, block):
         """fp32 master weights, their gradients, Adam's two moments and one more copy (SAM's
         perturbation, or the masks): 20 bytes per parameter of the block; with ``shard_training``
-        on N ranks, the fp32 masters, the whole weights gathered for a forward and their gradients
-        before the reduce-scatter (12 bytes), and 20/N bytes of shards."""
-        per_parameter = 12 + 20 / distributed.world_size() if self.shard_training else 20
-        return round(per_parameter * sum(p.numel() for p in block.parameters()))
+        on N ranks, 20/N bytes of them per parameter, and the largest linear's weight gathered in
+        fp32 with its gradient before the reduce-scatter (8 bytes per entry)."""
+        parameters = sum(p.numel() for p in block.parameters())
+        if not self.shard_training:
+            return 20 * parameters
+        with expert_linears(block, strict=False):
+            largest = max(linear.weight.numel() for linear in engine.block_linears(block).values())
+        return round(20 * parameters / distributed.world_size()) + 8 * largest
 
     def schedule(self, samples: int) -> Tuple[int, int]:
         """(steps, warm-up steps) per block for ``samples`` calibration samples."""
@@ -99,8 +104,7 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
         for p in frozen:
             p.requires_grad_(False)
         try:
-            with fp32_master_weights(ctx.block), (sharded_block(ctx) if self.shard_training
-                                                  else contextlib.nullcontext(ctx)) as training:
+            with self._training(ctx) as training:
                 optimizer, trained = build([linear.weight for linear in training.linears().values()], training.block)
                 for p in trained:
                     p.requires_grad_(True)
@@ -117,6 +121,17 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
             for p in frozen:
                 p.requires_grad_(True)
         return losses, optimizer
+
+    @contextlib.contextmanager
+    def _training(self, ctx: engine.BlockContext):
+        """The block context that trains: ``ctx`` with its block on fp32 masters in train mode, or
+        with ``shard_training`` its copy sharded over the ranks."""
+        if self.shard_training:
+            with sharded_block(ctx) as training:
+                yield training
+        else:
+            with fp32_master_weights(ctx.block):
+                yield ctx
 
     @abstractmethod
     def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:

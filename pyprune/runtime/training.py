@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import math
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -174,12 +173,14 @@ def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], 
 def sharded_block(ctx: "engine.BlockContext") -> Iterator["engine.BlockContext"]:
     """``ctx`` with its block sharded over the ranks by PyTorch's FSDP2
     (``torch.distributed.fsdp.fully_shard``), to train a block whose optimiser state does not fit one
-    device: a copy of the block's modules in which every parameter holds this rank's rows (dim 0, a
-    ``DTensor``). Its forward gathers the whole parameters and its backward reduce-scatters the
-    gradients, summed over the ranks (not averaged: each rank's loss is already its share of the
-    minibatch), so an optimiser built on its parameters keeps 1/N of the state on each rank. On
-    leaving, the trained parameters are gathered into the block's own (which keep their memory
-    meanwhile). Outside a process group, ``ctx`` as it is."""
+    device: a copy of the block's modules, in train mode, whose every parameter holds this rank's
+    rows (dim 0, a ``DTensor``) as fp32 masters, whatever the block's dtype. Each linear layer is a
+    unit of its own: a forward gathers one layer's whole weight at a time, and a backward
+    reduce-scatters its gradient, summed over the ranks (not averaged: each rank's loss is already
+    its share of the minibatch), so an optimiser built on the copy's parameters keeps 1/N of the
+    state on each rank. On leaving, the trained parameters are gathered one at a time into the
+    block's own (in their dtype); an error inside leaves the block as it was. Outside a process
+    group, ``ctx`` as it is."""
     if not distributed.active():
         yield ctx
         return
@@ -187,12 +188,17 @@ def sharded_block(ctx: "engine.BlockContext") -> Iterator["engine.BlockContext"]
     from torch.distributed.fsdp import fully_shard
     block = ctx.block
     owned = dict(block.named_parameters())
-    # the copy starts with the block's own tensors; fully_shard replaces its parameters with their shards
-    copied = copy.deepcopy(block, {id(t): t for t in itertools.chain(block.parameters(), block.buffers())})
-    device = next(block.parameters()).device
-    fully_shard(copied, mesh=init_device_mesh(device.type, (distributed.world_size(),)))
-    copied.set_gradient_divide_factor(1.0)
-    copied.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    # the copy's modules hold new parameters over the block's tensors, so casting them leaves the block's alone
+    memo = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in block.parameters()}
+    copied = copy.deepcopy(block, dict(memo, **{id(b): b for b in block.buffers()})).train()
+    mesh = init_device_mesh(next(block.parameters()).device.type, (distributed.world_size(),))
+    for unit in [*engine.block_linears(copied).values(), copied]:  # the linears first: FSDP's units nest
+        for param in unit.parameters():
+            if not distributed.sharded(param):
+                param.data = param.data.float()  # one layer at a time in fp32 before its shards are cut
+        fully_shard(unit, mesh=mesh)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
     yield dataclasses.replace(ctx, block=copied)
     with torch.no_grad():
         for name, param in copied.named_parameters():
