@@ -119,7 +119,9 @@ def check(recipe: recipes.Recipe, args) -> None:
                 raise UsageError(f"output.offload: {where} (lora) trains the whole model at once; it cannot run "
                                  "offloaded")
             _at("output.offload", lambda: checks.check_offload(_namespace(args, stage), runner))
-        if runner is None:
+        if runner is None:  # a LoRA stage
+            from ..runtime import recovery
+            _at(where, lambda: recovery.check_group(stage.options.get("shard_training", False)))
             continue
         if runner.needs_calibration:
             runner.check_samples(stage.calibration["nsamples"])

@@ -1,13 +1,14 @@
 """The methods' option declarations: the machinery of :mod:`pyprune.options` (``option``, its
 checks, ``collect`` and ``resolve``, which every method imports from here) and the checks and
-options only methods need (a directory a method writes; the block-wise methods' ``checkpoint``;
-the training methods' ``shard_training``).
+options only methods need (a directory a method writes; the block-wise methods' ``checkpoint``),
+and ``shard_training``, which LoRA recovery declares too.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..options import TYPES, Option, at_least_one, collect, fraction, nonnegative, option, positive, resolve
+from ..options import (TYPES, Option, at_least_one, collect, fraction, nonnegative, option, positive, resolve,
+                       shard_training)
 
 __all__ = ["TYPES", "Option", "option", "collect", "resolve", "positive", "nonnegative", "at_least_one", "fraction",
            "written_directory", "block_checkpoint", "shard_training"]
@@ -29,10 +30,3 @@ def block_checkpoint() -> Any:
     return option(None, "block-wise methods (wanda, sparsegpt, copal, safe): directory where every finished "
                   "block is saved; a rerun with the same settings, calibration and model resumes after the last one",
                   written_directory)
-
-
-def shard_training() -> Any:
-    """The ``shard_training`` option of a method that trains (:func:`pyprune.runtime.training.sharded_block`)."""
-    return option(False, "training methods (safe, safe+, masked-recon), under torchrun with 2 or more ranks: shard "
-                  "each block's trained weights, their gradients and the optimiser state over the ranks (PyTorch's "
-                  "FSDP2), for a block whose optimiser state does not fit one device")

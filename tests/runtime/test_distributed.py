@@ -517,38 +517,58 @@ SHARDED = [(name, method, pattern, dict(options, shard_training=sharded))
            for sharded in (False, True)]
 
 
+def _state_numel(optimizer):
+    """The elements of an optimiser's state tensors on this rank (its shards' when sharded)."""
+    from pyprune.runtime import distributed
+    return sum(distributed.local(value).numel() for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor) and value.dim())
+
+
 def _sharded_worker(rank, world, rendezvous, out):
-    """Each case of :data:`SHARDED` on the tiny Llama; every block's optimiser, with the numel of its state
-    tensors on this rank, recorded per case."""
+    """Each case of :data:`SHARDED` on the tiny Llama, then LoRA recovery unsharded and sharded; the weights,
+    and the numel of the optimisers' state on this rank (every block's, or LoRA's one), per case."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         from pyprune.methods.reconstruction import BlockTraining
-        from pyprune.runtime import distributed
-        states, train = [], BlockTraining.train
+        from pyprune.runtime import recovery
+        states, train, adamw = [], BlockTraining.train, torch.optim.AdamW
 
         def counting(self, *args, **kwargs):
             losses, optimizer = train(self, *args, **kwargs)
-            states.append(sum(distributed.local(value).numel() for state in optimizer.state.values()
-                              for value in state.values() if isinstance(value, torch.Tensor) and value.dim()))
+            states.append(_state_numel(optimizer))
             return losses, optimizer
-        BlockTraining.train = counting
+
+        class Counting(adamw):
+            def step(self, closure=None):
+                result = super().step(closure)
+                states[-1:] = [_state_numel(self)]  # after the last step: its state
+                return result
+        BlockTraining.train, torch.optim.AdamW = counting, Counting
         results = {}
         for case in SHARDED:
             states.clear()
             weights = _prune_all([case], ("llama",), {})["llama/" + case[0]][0]
             results[f"{case[0]}-{case[3]['shard_training']}"] = (weights, list(states))
+        for sharded in (False, True):
+            states.clear()
+            model = tiny_decoder("llama", layers=2)
+            report = recovery.lora_finetune(model, random_tokens(**CALIB), steps=3, rank=4, lr=1e-3, batch_size=4,
+                                            progress=False, shard_training=sharded)
+            results[f"lora-{sharded}"] = ({name: p.detach().clone() for name, p in model.named_parameters()},
+                                          list(states), report["losses"])
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
+        torch.optim.AdamW = adamw
         dist.destroy_process_group()
 
 
-def test_sharded_block_training_gives_the_data_parallel_weights_with_half_the_state_on_each_rank(tmp_path,
-                                                                                                 one_process):
-    """``shard_training`` trains each block through FSDP2: each rank keeps the optimiser state of its half of
-    every weight's rows (exactly half the state tensors' elements of the data-parallel run: the tiny model's
-    dimensions are even), and the weights are the data-parallel run's. Masked reconstruction's are equal to
-    the bit: its gradients are the same sums of the two ranks' (a reduce-scatter instead of an all-reduce,
+def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on_each_rank(tmp_path, one_process):
+    """``shard_training`` trains each block (or the LoRA-wrapped model) through FSDP2: each rank keeps the
+    optimiser state of its half of every weight's rows (exactly half the state tensors' elements of the
+    data-parallel run: the tiny model's dimensions and the LoRA rank are even), and the weights are the
+    data-parallel run's. Masked reconstruction's and LoRA's (merged) are equal to the bit, with LoRA's
+    losses: their gradients are the same sums of the two ranks' (a reduce-scatter instead of an all-reduce,
     a + b either way) and Adam acts on each entry alone. SAFE⁺'s SAM ascent divides by ‖∇f‖, which the
     sharded run sums from the two ranks' halves, so the step sizes differ by float32 rounding; Adam's
     normalised steps carry such differences into the next block's inputs, so its weights are held to the
@@ -568,6 +588,11 @@ def test_sharded_block_training_gives_the_data_parallel_weights_with_half_the_st
         plain, sharded = result["safe+-False"][0], result["safe+-True"][0]
         assert _distance(sharded, plain) < 0.1 * _distance(seed1, seed0), rank
         assert sum(int((w == 0).sum()) for w in sharded.values()) == sum(int((w == 0).sum()) for w in plain.values())
+        (plain, plain_states, plain_losses), (sharded, sharded_states, sharded_losses) = (
+            result["lora-False"], result["lora-True"])
+        assert len(plain_states) == 1 and plain_states[0] > 0 and [2 * sharded_states[0]] == plain_states, rank
+        assert sharded_losses == plain_losses and len(plain_losses) == 3, rank
+        assert plain.keys() == sharded.keys() and all(torch.equal(sharded[n], plain[n]) for n in plain), rank
     assert all(torch.equal(ranks[0][key][0][name], ranks[1][key][0][name]) for key in ranks[0]
                for name in ranks[0][key][0])  # both ranks hold the gathered weights
 
