@@ -145,6 +145,9 @@ CASES = [
                                              "--calib", "{text.txt}", "--shard-training"],
      r"option shard_training of method 'safe\+' shards a block's training over the ranks of a torch.distributed "
      r"group: run under torchrun --nproc-per-node N with N >= 2 .*; got one process$", {}),
+    ("recover-shard-training-in-one-process", ["recover", "--model", "{tiny}", "--calib", "{text.txt}", "--steps", "1",
+                                               "--output", "{new}", "--shard-training"],
+     r"setting shard_training of LoRA recovery shards its training over the ranks .*; got one process$", {}),
     ("prune-shard-training-of-a-method-that-does-not-train", ["prune", "--model", "{tiny}", *WANDA, "--calib",
                                                               "{text.txt}", "--shard-training"],
      r"method 'wanda' has no option shard_training; its options: owl, ", {}),

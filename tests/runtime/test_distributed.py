@@ -598,6 +598,7 @@ def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on
 
 
 def test_shard_training_is_refused_in_one_process_before_anything_changes():
+    """By a training method and by LoRA recovery, before the model is touched."""
     import pyprune
     model = tiny_decoder("llama", layers=2)
     before = [p.detach().clone() for p in model.parameters()]
@@ -605,6 +606,10 @@ def test_shard_training_is_refused_in_one_process_before_anything_changes():
                                          r"the ranks of a torch.distributed group: run under torchrun "
                                          r"--nproc-per-node N with N >= 2 .*; got one process$"):
         pyprune.prune(model, "safe+", "2:4", random_tokens(**CALIB), batch_size=BATCH, shard_training=True)
+    from pyprune.runtime import recovery
+    with pytest.raises(ValueError, match=r"^setting shard_training of LoRA recovery shards its training over the "
+                                         r"ranks of a torch.distributed group: .*; got one process$"):
+        recovery.lora_finetune(model, random_tokens(**CALIB), steps=1, shard_training=True)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
