@@ -2,7 +2,7 @@
 regularisation, LoRA recovery) and :func:`train_block` for one decoder block on its reconstruction
 error (SAFE; any block-wise reconstruction method). Both draw seeded shuffled minibatches; a
 16-bit model trains on fp32 master weights (:func:`fp32_master_weights`) and gets its dtype back.
-In a process group a block can train sharded over the ranks (:func:`sharded_block`, FSDP2).
+In a process group a block, or a model, can train sharded over the ranks (:func:`sharded_copy`, FSDP2).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def backward_shared(params: Sequence[Tensor], share: Optional[Callable[[], Tenso
     their fraction of it; None when it holds none of them), then sum the gradients and the loss over
     the ranks (:func:`pyprune.runtime.distributed.all_reduce_gradients_`), so that every rank holds
     the whole minibatch's and takes the same step. Returns the minibatch loss. In one process, a
-    plain backward of the minibatch loss. Parameters sharded by :func:`sharded_block` get their
+    plain backward of the minibatch loss. Parameters sharded by :func:`sharded_copy` get their
     gradients summed by FSDP's backward (each rank this sum's rows of them), and every rank must
     give a ``share``."""
     for p in params:
