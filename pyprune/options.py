@@ -166,3 +166,11 @@ def fraction(value) -> Optional[str]:
 
 def nonempty(value) -> Optional[str]:
     return None if value.strip() else "must not be empty"
+
+
+def shard_training() -> Any:
+    """The ``shard_training`` option of the block-training methods and of LoRA recovery, declared
+    once (:func:`pyprune.runtime.training.sharded_block`, :func:`pyprune.runtime.training.train`)."""
+    return option(False, "training (safe, safe+, masked-recon, LoRA recovery), under torchrun with 2 or more ranks: "
+                  "shard the trained weights, their gradients and the optimiser state over the ranks (PyTorch's "
+                  "FSDP2), for a block or model whose training state does not fit one device")

@@ -38,6 +38,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     settings = recovery.check_settings(**lora_flags(args))
+    recovery.check_group(settings["shard_training"])
     checks.check_counts(args, ("nsamples", "eval_seqlen"), optional=("eval_tokens",))
     if args.seqlen < 2:
         raise UsageError(f"--seqlen must be >= 2 (next-token loss); got {args.seqlen}")

@@ -119,7 +119,9 @@ def check(recipe: recipes.Recipe, args) -> None:
                 raise UsageError(f"output.offload: {where} (lora) trains the whole model at once; it cannot run "
                                  "offloaded")
             _at("output.offload", lambda: checks.check_offload(_namespace(args, stage), runner))
-        if runner is None:
+        if runner is None:  # a LoRA stage
+            from ..runtime import recovery
+            _at(where, lambda: recovery.check_group(stage.options.get("shard_training", False)))
             continue
         if runner.needs_calibration:
             runner.check_samples(stage.calibration["nsamples"])
@@ -161,6 +163,7 @@ def perform(recipe: recipes.Recipe, args, calibs: list, streams: list, tasks) ->
     (:func:`pyprune.cli.steps.save_evaluate_report`). Under ``torchrun`` every rank prunes, rank 0
     alone saves. The report is the last pruning stage's, with ``recovery`` of a LoRA stage and,
     for several stages, each one's in ``stages``."""
+    steps.checks_passed(args)  # before the offload directory is made
     offload_dir = make_temp_dir(args.output) if args.offload else None
     try:
         return _perform(recipe, args, calibs, streams, tasks, offload_dir)

@@ -21,7 +21,9 @@ def in_process_group(args, body: Callable[[], int]) -> int:
     ``cuda:LOCAL_RANK``; --dist-timeout) and leaves it after. Every rank runs the same steps, each
     its shard of the calibration and evaluation windows; rank 0 alone prints, shows progress and
     writes (the others run with --quiet and no stdout; :func:`save_evaluate_report`,
-    :func:`output_report`). In one process, or in a group the caller joined, ``body()`` as it is."""
+    :func:`output_report`). The ranks agree on their pre-load checks before anything loads or is
+    written (:func:`checks_passed`). In one process, or in a group the caller joined, ``body()`` as
+    it is."""
     import torch.distributed as dist
     from ..runtime import distributed
     if args.dist_timeout is not None and not args.dist_timeout > 0:
@@ -30,14 +32,68 @@ def in_process_group(args, body: Callable[[], int]) -> int:
     try:
         args.device = distributed.join_from_environment(args.device, args.dist_timeout or distributed.DEFAULT_TIMEOUT_S)
         joined = joined and dist.is_initialized()
-        if distributed.is_main():
-            return body()
-        args.quiet = True
-        with open(os.devnull, "w") as silent, contextlib.redirect_stdout(silent):
-            return body()
+        with _checks_shared(args):
+            if distributed.is_main():
+                return body()
+            args.quiet = True
+            with open(os.devnull, "w") as silent, contextlib.redirect_stdout(silent):
+                return body()
     finally:
         if joined:
             distributed.leave()
+
+
+@contextlib.contextmanager
+def _checks_shared(args):
+    """In a process group, the command's body with its pre-load checks shared: a rank that raises
+    before :func:`checks_passed` (a file only it cannot read, a path only it sees) takes part in the
+    ranks' status exchange there with its error, so that every rank ends with the same one-line
+    :class:`UsageError` at once, before any rank loads or writes; a body that never gets there (it
+    loads nothing) exchanges at its end."""
+    from ..runtime import distributed
+    args.checks_pending = distributed.active()
+    try:
+        yield
+    except Exception as error:
+        if not args.checks_pending:
+            raise
+        args.checks_pending = False
+        raise _checks_failure(error) from None
+    else:
+        checks_passed(args)
+    finally:
+        args.checks_pending = False
+
+
+def checks_passed(args) -> None:
+    """The ranks' status exchange after the pre-load checks of a command (once; :func:`load` and
+    ``pyprune run``'s :func:`~pyprune.cli.run.perform` call it before they load or write): when a
+    rank failed its checks, every rank raises a :class:`UsageError` naming it and its error. Nothing
+    outside :func:`in_process_group`'s process group."""
+    if getattr(args, "checks_pending", False):
+        args.checks_pending = False
+        failure = _checks_failure(None)
+        if failure is not None:
+            raise failure
+
+
+def _checks_failure(error: Optional[Exception]) -> Optional[Exception]:
+    """The status exchange: every rank's check ``error`` (None: passed) gathered on every rank. None
+    when every rank passed; this rank's own ``error`` when every rank failed alike (the message of
+    one process); otherwise a UsageError naming the first failing rank and its error."""
+    from ..runtime import distributed
+    message = None
+    if error is not None:
+        message = first_line(error) if isinstance(error, (UsageError, ValueError, FileNotFoundError)) \
+            else f"{type(error).__name__}: {first_line(error)}"
+    failed = [(rank, text) for rank, text in enumerate(distributed.all_gather_objects(message)) if text is not None]
+    if not failed:
+        return None
+    if error is not None and len(failed) == distributed.world_size() and len({text for _, text in failed}) == 1:
+        return error
+    (rank, text), others = failed[0], [str(other) for other, _ in failed[1:]]
+    return UsageError(f"rank {rank} failed its checks: {text}"
+                      + (f" (and rank{'s' if len(others) > 1 else ''} {', '.join(others)})" if others else ""))
 
 
 def tokenizer(model: str):
@@ -142,9 +198,11 @@ def load(args, dtype: Optional[torch.dtype] = None, offload_dir: Optional[str] =
     """(model, tokenizer) of --model on --device, in ``dtype`` or --dtype; with ``offload_dir`` its
     decoder blocks stay on disk (:mod:`pyprune.io.offload`). With ``dense`` (the commands that
     change weights: prune, recover, continual, robustness) the SparseLinear layers of a
-    ``--sparse-layers`` output become nn.Linear again, with the same weights."""
+    ``--sparse-layers`` output become nn.Linear again, with the same weights. In a process group,
+    after the ranks agree on their checks (:func:`checks_passed`)."""
     from ..inputs.models import load_model
     from ..nn import densify_
+    checks_passed(args)
     model, tok = load_model(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device,
                             offload_dir=offload_dir)
     densified = densify_(model) if dense else {}

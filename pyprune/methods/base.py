@@ -278,10 +278,12 @@ class BlockwiseMethod(Method):
     def block_checkpoint(self, model: Optional[nn.Module], pattern: Pattern,
                          calib: Optional[Tensor]) -> Optional[engine.BlockCheckpoint]:
         """Where block-wise pruning saves its finished blocks (None without ``checkpoint``), keyed by
-        this run's settings, pattern, model and calibration tokens (None before they exist)."""
+        this run's settings, pattern, model and calibration tokens (None before they exist); the
+        options that say where and how the run goes, not what it computes (``checkpoint``,
+        ``shard_training``), are left out, so a run resumes with or without sharding."""
         if self.checkpoint is None:
             return None
-        settings = {k: v for k, v in self.settings.items() if k != "checkpoint"}
+        settings = {k: v for k, v in self.settings.items() if k not in ("checkpoint", "shard_training")}
         return engine.BlockCheckpoint.of_run(self.checkpoint, self.name, settings, pattern, model, calib,
                                              dense_propagation=getattr(self, "propagate", None) == "dense")
 

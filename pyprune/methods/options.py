@@ -1,15 +1,17 @@
 """The methods' option declarations: the machinery of :mod:`pyprune.options` (``option``, its
 checks, ``collect`` and ``resolve``, which every method imports from here) and the checks and
-options only methods need (a directory a method writes; the block-wise methods' ``checkpoint``).
+options only methods need (a directory a method writes; the block-wise methods' ``checkpoint``),
+and ``shard_training``, which LoRA recovery declares too.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..options import TYPES, Option, at_least_one, collect, fraction, nonnegative, option, positive, resolve
+from ..options import (TYPES, Option, at_least_one, collect, fraction, nonnegative, option, positive, resolve,
+                       shard_training)
 
 __all__ = ["TYPES", "Option", "option", "collect", "resolve", "positive", "nonnegative", "at_least_one", "fraction",
-           "written_directory", "block_checkpoint"]
+           "written_directory", "block_checkpoint", "shard_training"]
 
 
 def written_directory(value) -> Optional[str]:

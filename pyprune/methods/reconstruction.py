@@ -4,7 +4,8 @@
 inputs X (the outputs of the blocks already pruned), the 7 linear weights train on fp32 masters
 for ``epochs`` passes of minibatches of ``train_batch`` samples on the reconstruction error of the
 dense block's outputs Y (:func:`pyprune.runtime.training.train_block`), with Adam β = (0.9, β₂), a
-linear LR schedule with warm-up and a seeded minibatch order.
+linear LR schedule with warm-up and a seeded minibatch order; with ``shard_training``, sharded over
+the ranks of a process group (:func:`pyprune.runtime.training.sharded_block`).
 
 :class:`MaskedReconstruction` (``masked-recon``) is SAFE without ADMM and without SAM: each block
 is first pruned one-shot by ``start`` (magnitude: SAFE's z₀; Wanda: SAFE⁺'s z₀; SparseGPT: its
@@ -15,6 +16,7 @@ methods; if not, plain reconstruction training is.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import abstractmethod
 from typing import Callable, List, Optional, Tuple
@@ -23,11 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from ..patterns import NM, Unstructured
-from ..runtime import engine
+from ..runtime import distributed, engine
 from ..runtime.optim import MaskedAdam
-from ..runtime.training import fp32_master_weights, linear_warmup_decay, train_block
+from ..runtime.training import fp32_master_weights, linear_warmup_decay, sharded_block, train_block
+from ..nn.experts import expert_linears
 from .base import REGISTRY, BlockwiseMethod, LayerSparsityMethod, LayerwiseMaskMethod, apply_mask
-from .options import at_least_one, block_checkpoint, nonnegative, option, positive
+from .options import at_least_one, block_checkpoint, nonnegative, option, positive, shard_training
 
 
 def _below_one(value):
@@ -60,11 +63,27 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
                        choices=("relative", "mse"))
     beta2: float = option(0.95, "block training: Adam β₂ (β₁ = 0.9)", _below_one)
     train_seed: int = option(0, "block training: seed of the minibatch order")
+    shard_training: bool = shard_training()
+
+    def check(self, model: nn.Module, pattern) -> None:
+        """:meth:`Method.check`, and ``shard_training`` only in a process group of several ranks."""
+        if self.shard_training and not distributed.active():
+            raise ValueError(f"option shard_training of method {self.name!r} shards a block's training over the "
+                             "ranks of a torch.distributed group: run under torchrun --nproc-per-node N with N >= 2 "
+                             "(or in a process group of 2 or more ranks); got one process")
+        super().check(model, pattern)
 
     def working_bytes(self, block):
         """fp32 master weights, their gradients, Adam's two moments and one more copy (SAM's
-        perturbation, or the masks): 20 bytes per parameter of the block."""
-        return 20 * sum(p.numel() for p in block.parameters())
+        perturbation, or the masks): 20 bytes per parameter of the block; with ``shard_training``
+        on N ranks, 20/N bytes of them per parameter, and the largest linear's weight gathered in
+        fp32 with its gradient before the reduce-scatter (8 bytes per entry)."""
+        parameters = sum(p.numel() for p in block.parameters())
+        if not self.shard_training:
+            return 20 * parameters
+        with expert_linears(block, strict=False):
+            largest = max(linear.weight.numel() for linear in engine.block_linears(block).values())
+        return round(20 * parameters / distributed.world_size()) + 8 * largest
 
     def schedule(self, samples: int) -> Tuple[int, int]:
         """(steps, warm-up steps) per block for ``samples`` calibration samples."""
@@ -72,21 +91,25 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
         return self.epochs * steps_per_epoch, round(self.warmup_epochs * steps_per_epoch)
 
     def train(self, ctx: engine.BlockContext, targets: Tensor,
-              build: Callable[[List[nn.Parameter]], Tuple[torch.optim.Optimizer, List[nn.Parameter]]], *,
+              build: Callable[[List[nn.Parameter], nn.Module], Tuple[torch.optim.Optimizer, List[nn.Parameter]]], *,
               steps: int, warmup: int, progress: bool, finish: Optional[Callable] = None):
-        """Train the block on fp32 masters: ``build(weights)`` gets the linear weights and returns
-        the optimiser and every parameter it trains; the others stay frozen. ``finish(optimizer)``
-        runs on the fp32 masters after the last step. Returns (the loss of every step, the optimiser)."""
+        """Train the block on fp32 masters: ``build(weights, block)`` gets the linear weights (in
+        the order of ``ctx.linears()``) and the block they are in, and returns the optimiser and
+        every parameter it trains; the others stay frozen. ``finish(optimizer)`` runs on the fp32
+        masters after the last step. With ``shard_training`` the block that trains is its copy
+        sharded over the ranks (:func:`pyprune.runtime.training.sharded_block`), whose parameters
+        ``build`` gets and whose weights are gathered into the block's after ``finish``. Returns
+        (the loss of every step, the optimiser)."""
         frozen = [p for p in ctx.block.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
         try:
-            with fp32_master_weights(ctx.block):
-                optimizer, trained = build([linear.weight for linear in ctx.linears().values()])
+            with self._training(ctx) as training:
+                optimizer, trained = build([linear.weight for linear in training.linears().values()], training.block)
                 for p in trained:
                     p.requires_grad_(True)
                 schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(steps, warmup))
-                losses = train_block(ctx, targets, optimizer, steps=steps, batch_size=self.train_batch,
+                losses = train_block(training, targets, optimizer, steps=steps, batch_size=self.train_batch,
                                      seed=self.train_seed + ctx.index, scheduler=schedule,
                                      desc=f"{self.name} block {ctx.index}", progress=progress,
                                      relative=self.loss == "relative")
@@ -98,6 +121,17 @@ class BlockTraining(LayerSparsityMethod, BlockwiseMethod):
             for p in frozen:
                 p.requires_grad_(True)
         return losses, optimizer
+
+    @contextlib.contextmanager
+    def _training(self, ctx: engine.BlockContext):
+        """The block context that trains: ``ctx`` with its block on fp32 masters in train mode, or
+        with ``shard_training`` its copy sharded over the ranks."""
+        if self.shard_training:
+            with sharded_block(ctx) as training:
+                yield training
+        else:
+            with fp32_master_weights(ctx.block):
+                yield ctx
 
     @abstractmethod
     def prune_block(self, ctx: engine.BlockContext, pattern, *, steps: int, warmup: int, progress: bool) -> dict:
@@ -156,13 +190,12 @@ class MaskedReconstruction(BlockTraining):
             with torch.no_grad():
                 for linear in linears.values():
                     apply_mask(linear, pattern.weight_mask(linear.weight))
-        masks = {}
+        weights = [linear.weight for linear in linears.values()]
+        kept = sum(int((w != 0).sum()) for w in weights) / sum(w.numel() for w in weights)  # the masks' density
 
-        def build(weights):
-            masks.update({w: w.detach() != 0 for w in weights})
-            optimizer = MaskedAdam(weights, masks, lr=self.lr, betas=(0.9, self.beta2))
-            return optimizer, weights
+        def build(weights, block):
+            masks = {w: distributed.local(w) != 0 for w in weights}
+            return MaskedAdam(weights, masks, lr=self.lr, betas=(0.9, self.beta2)), weights
 
         losses, _ = self.train(ctx, targets, build, steps=steps, warmup=warmup, progress=progress)
-        kept = sum(int(keep.sum()) for keep in masks.values()) / sum(keep.numel() for keep in masks.values())
         return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1], "kept": round(kept, 6)}

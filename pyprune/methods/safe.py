@@ -36,6 +36,9 @@ import math
 import warnings
 from typing import Optional
 
+import torch
+
+from ..patterns import Unstructured
 from ..runtime import distributed, engine
 from ..runtime.optim import SafeOptimizer
 from .base import RunWarning
@@ -77,6 +80,16 @@ class Safe(BlockTraining):
                              "'decoupled' (each step moves x by that fraction of its distance to z - u); got "
                              f"lr={settings['lr']}, lam={settings['lam']}")
 
+    def check(self, model, pattern) -> None:
+        """:meth:`BlockTraining.check`; with ``shard_training``, a projection that needs a weight's
+        rows alone (N:M, or unstructured of scope row), as each rank holds rows of every weight."""
+        super().check(model, pattern)
+        resolved = self.resolve(pattern)
+        if self.shard_training and isinstance(resolved, Unstructured) and resolved.scope != "row":
+            raise ValueError(f"option shard_training of method {self.name!r} shards each weight by rows, and the "
+                             f"projection of scope {resolved.scope!r} needs whole weights: give an N:M pattern or "
+                             "scope 'row'")
+
     def check_samples(self, nsamples: int) -> None:
         """At least one dual (z/u) update a block: fewer steps than ``dual_interval`` would train
         the weights with the penalty towards z₀ alone and never run ADMM's projection again."""
@@ -98,29 +111,36 @@ class Safe(BlockTraining):
         if self.weighted_projection:
             sqnorms = {name: new_sqnorms(linear) for name, linear in linears.items()}
             targets = ctx.capture(lambda name, linear, x, y: add_sqnorms(sqnorms[name], x))
-            importance = {linear.weight: distributed.all_reduce_(sqnorms[name]).float()
-                          for name, linear in linears.items()}
+            importance = [distributed.all_reduce_(sqnorms[name]).float() for name in linears]
         else:
             targets = ctx.forward()
         first_masks = {}
+        counts = torch.zeros(2, dtype=torch.float64)  # z₀'s kept entries, those of them pruned at the end
 
-        def build(weights):
+        def build(weights, block):
             groups = [{"params": weights}]
             if self.train_norms:
-                groups.append({"params": [p for p in ctx.block.parameters() if all(p is not w for w in weights)],
+                groups.append({"params": [p for p in block.parameters() if all(p is not w for w in weights)],
                                "pattern": None})
             optimizer = SafeOptimizer(groups, pattern, lr=self.lr, betas=(0.9, self.beta2), rho=self.rho,
-                                      lam=self.lam, dual_interval=self.dual_interval, importance=importance,
+                                      lam=self.lam, dual_interval=self.dual_interval,
+                                      importance=None if importance is None else dict(zip(weights, importance)),
                                       penalty=self.penalty, dual_init=self.dual_init,
                                       lam_schedule=self.lam_schedule, lam_steps=steps)
-            first_masks.update(optimizer.masks())  # z₀'s support
+            first_masks.update(optimizer.masks())  # z₀'s support (of this rank's rows, when sharded)
             return optimizer, [p for group in groups for p in group["params"]]
 
+        def finish(optimizer):
+            optimizer.project_(self.final_projection)
+            for w, first in first_masks.items():
+                counts[0] += int(first.sum())
+                counts[1] += int((first & (distributed.local(w) == 0)).sum())
+            distributed.sum_shards_(counts, next(iter(first_masks)))
+
         losses, optimizer = self.train(ctx, targets, build, steps=steps, warmup=warmup, progress=progress,
-                                       finish=lambda optimizer: optimizer.project_(self.final_projection))
+                                       finish=finish)
         weights = [linear.weight for linear in linears.values()]
-        kept_first = sum(int(keep.sum()) for keep in first_masks.values())
-        moved = sum(int((first_masks[w] & (w == 0)).sum()) for w in weights)
+        kept_first, moved = (int(count) for count in counts)
         weight_norm = math.sqrt(sum(float(w.detach().float().square().sum()) for w in weights))
         count = sum(w.numel() for w in weights)
         return {"block": ctx.index, "loss_first": losses[0], "loss_last": losses[-1],

@@ -13,6 +13,9 @@ unconditionally. In a process group of N ranks:
 * :func:`all_reduce_gradients_`: training (a block's reconstruction, DReSS's regularisation, LoRA
   recovery: :func:`pyprune.runtime.training.backward_shared`) steps on the sum of the ranks'
   gradients, each rank's loss over its rows of a global minibatch.
+* :func:`sharded` / :func:`local` / :func:`sum_shards_`: block training sharded by FSDP2
+  (:func:`pyprune.runtime.training.sharded_block`): each rank holds rows of every trained weight (a
+  ``DTensor``); the optimisers step on the local rows and sum their norms over the ranks.
 * Evaluation: perplexity sums its NLL and token counts over the ranks, each rank scoring its shard
   of the windows (:func:`shard` with ``empty_ok``).
 * :func:`owners` / :func:`broadcast_`: a block's costly per-layer solves are spread over the ranks
@@ -38,7 +41,7 @@ from torch import Tensor
 
 __all__ = ["RankFailed", "active", "rank", "world_size", "is_main", "join_from_environment", "leave", "shard_bounds",
            "shard", "owners", "all_reduce_", "reduce_", "broadcast_", "all_reduce_gradients_", "all_gather_objects",
-           "failure_shared",
+           "sharded", "local", "sum_shards_", "failure_shared",
            "DEFAULT_TIMEOUT_S"]
 
 #: seconds a collective waits for a silent rank before the job fails (``--dist-timeout``)
@@ -201,6 +204,27 @@ def all_reduce_gradients_(params: Sequence[Tensor]) -> None:
     flat = all_reduce_(torch.cat([grad.reshape(-1) for grad in grads]))
     for p, summed in zip(params, flat.split([p.numel() for p in params])):
         p.grad = summed.view_as(p)
+
+
+def sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is sharded over the ranks (a ``DTensor``: a parameter FSDP sharded, or its
+    gradient); always False in one process."""
+    if not active():
+        return False
+    from torch.distributed.tensor import DTensor  # imported here: it takes about a second
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a :func:`sharded` tensor (sharing its storage: writing it writes the
+    shard), or ``tensor`` itself."""
+    return tensor.detach().to_local() if sharded(tensor) else tensor
+
+
+def sum_shards_(tensor: Tensor, over: Tensor) -> Tensor:
+    """A sum over the shards of ``over``: ``tensor`` (this rank's partial, e.g. a squared norm of its
+    rows) summed over the ranks in place when ``over`` is :func:`sharded`; as it is otherwise."""
+    return all_reduce_(tensor) if sharded(over) else tensor
 
 
 def all_gather_objects(value) -> List:

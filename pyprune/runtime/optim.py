@@ -24,6 +24,11 @@ restriction in the initial phases of training"), so that x can leave z₀ before
 
 SAFE projects by |v|; SAFE⁺ by sqrt(P)·|v| with a diagonal P given per weight as
 ``importance={weight: act_sqnorm}`` (P = diag(AᵀA), Wanda's statistic, §1.6.2).
+
+Both optimisers here also step parameters sharded by rows over the ranks
+(:func:`pyprune.runtime.training.sharded_block`): each rank keeps the state of its rows and steps
+them, and the norms over all parameters (SAM's ‖∇f‖, the residuals) are summed over the ranks.
+A row-wise projection (N:M, or top-k per row) needs no other rank's rows.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from torch import Tensor
 from .. import ops
 from ..ops import reference
 from ..patterns import NM, Pattern, Unstructured, parse
+from .distributed import local, sharded, sum_shards_
 
 
 _PENALTIES = ("adam", "decoupled")
@@ -121,24 +127,29 @@ class SafeOptimizer(torch.optim.Optimizer):
                     yield group["pattern"], p
 
     def _state(self, p: Tensor) -> Dict:
+        """The state of ``p``'s entries on this rank (all of them unless it is sharded)."""
         state = self.state[p]
         if "v" not in state:
-            state["v"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["keep"] = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["anchor"] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            rows = local(p)
+            state["v"] = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            state["keep"] = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+            state["exp_avg"] = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            state["exp_avg_sq"] = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            state["anchor"] = torch.empty_like(rows, memory_format=torch.contiguous_format)
         return state
 
     @torch.no_grad()
     def dual_update(self) -> float:
         """z- and u-step on every constrained weight; returns (and records) ‖x − z‖ / ‖x‖."""
-        residual, total = 0.0, 0.0
+        sums, last = torch.zeros(2, dtype=torch.float64), None  # ‖x − z‖², ‖x‖²
         for pattern, p in self._constrained():
-            state = self._state(p)
-            residual += float(ops.admm_dual_update_(state["v"], state["keep"], p.detach(),
-                                                    act_sqnorm=self.importance.get(p), **_selection(pattern)))
-            total += float(p.detach().float().square().sum())
+            state, last = self._state(p), p
+            sums[0] += float(ops.admm_dual_update_(state["v"], state["keep"], local(p),
+                                                   act_sqnorm=self.importance.get(p), **_selection(pattern)))
+            sums[1] += float(local(p).float().square().sum())
+        if last is not None:
+            sum_shards_(sums, last)
+        residual, total = sums.tolist()
         relative = math.sqrt(residual / total) if total > 0 else 0.0
         self.residuals.append(relative)
         return relative
@@ -180,8 +191,7 @@ class SafeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("SafeOptimizer.step: the closure produced no gradient for any parameter")
         states = [self._state(p) for p in params]
         with torch.no_grad():
-            norm = ops.sam_perturb_([p.data for p in params], [p.grad for p in params],
-                                    [s["anchor"] for s in states], self.rho)
+            norm = self._perturb(params, states)
         self.grad_norms.append(float(norm))
         self.zero_grad(set_to_none=True)
         with torch.enable_grad():
@@ -195,23 +205,38 @@ class SafeOptimizer(torch.optim.Optimizer):
                 members = [(p, self.state[p]) for p in group["params"] if id(p) in with_grad]
                 if not members:
                     continue
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _ in members]
-                ops.sam_adam_step_([p.data for p, _ in members], grads, [s["anchor"] for _, s in members],
+                grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p, _ in members]
+                ops.sam_adam_step_([local(p) for p, _ in members], grads, [s["anchor"] for _, s in members],
                                    [s["v"] for _, s in members], [s["keep"] for _, s in members],
                                    [s["exp_avg"] for _, s in members], [s["exp_avg_sq"] for _, s in members],
                                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                    weight_decay=group["weight_decay"],
                                    lam=lam if group["pattern"] is not None and not self.decoupled else 0.0,
                                    step=self.steps_done)
-                moved += sum(float((p.float() - s["anchor"].float()).square().sum()) for p, s in members)
+                moved += sum(float((local(p).float() - s["anchor"].float()).square().sum()) for p, s in members)
                 if group["pattern"] is not None and self.decoupled:  # Algorithm 1, line 13, at x⁽ᵗ⁾ = the anchor
                     for p, state in members:
                         gap = reference.admm_gap(state["anchor"], state["v"], state["keep"])
-                        p.sub_((group["lr"] * lam * gap).to(p.dtype))
-        self.step_norms.append(math.sqrt(moved))
+                        local(p).sub_((group["lr"] * lam * gap).to(p.dtype))
+        self.step_norms.append(math.sqrt(float(sum_shards_(torch.tensor([moved], dtype=torch.float64), params[0]))))
         if self.steps_done % self.dual_interval == 0:
             self.dual_update()
         return loss
+
+    def _perturb(self, params: List[Tensor], states: List[Dict]) -> Tensor:
+        """The SAM ascent of every parameter with a gradient (:func:`pyprune.ops.sam_perturb_`);
+        returns ‖∇f‖. The kernel normalises by the norm of the gradients it is given: on rows sharded
+        over the ranks, this rank's ‖g_r‖, so it gets ρ·‖g_r‖/‖g‖ for its step ρ·g_r/‖g‖, with ‖g‖
+        summed over the ranks."""
+        grads = [local(p.grad) for p in params]
+        rows, anchors = [local(p) for p in params], [s["anchor"] for s in states]
+        if not sharded(params[0]):
+            return ops.sam_perturb_(rows, grads, anchors, self.rho)
+        squares = torch.stack([g.double().square().sum() for g in grads]).sum().reshape(1)
+        mine = float(squares)
+        norm = math.sqrt(float(sum_shards_(squares, params[0])))
+        ops.sam_perturb_(rows, grads, anchors, self.rho * math.sqrt(mine) / norm if norm > 0 else 0.0)
+        return torch.tensor(norm, dtype=torch.float32)
 
     def state_dict(self) -> Dict:
         """torch's optimiser state dict with the per-parameter state (v, keep, moments; kept in
@@ -247,28 +272,29 @@ class SafeOptimizer(torch.optim.Optimizer):
         masks = {}
         for pattern, p in self._constrained():
             act = self.importance.get(p) if metric == "same" else None
-            masks[p] = pattern.weight_mask(p.detach(), act)
+            masks[p] = pattern.weight_mask(local(p), act)  # row-wise: a sharded weight's rows alone
         return masks
 
     @torch.no_grad()
     def project_(self, metric: str = "same") -> None:
         """Zero every constrained weight outside its projection's support (Algorithm 1, line 15)."""
         for p, keep in self.masks(metric).items():
-            p.mul_(keep.to(p.dtype))
+            local(p).mul_(keep.to(p.dtype))
 
 
 class MaskedAdam(torch.optim.Adam):
     """Adam on the kept entries of masked weights only: each step multiplies every masked
-    parameter's gradient by its keep mask (``masks={weight: keep}``, bool of the weight's shape)
-    before Adam's moments, so a pruned entry keeps zero moments and an Adam step of exactly 0 (a
-    weight that is 0 stays exactly 0), and the kept entries train as plain Adam. ``step`` takes the
+    parameter's gradient by its keep mask (``masks={weight: keep}``, bool of the weight's shape;
+    of its rows on this rank for a weight sharded over the ranks) before Adam's moments, so a
+    pruned entry keeps zero moments and an Adam step of exactly 0 (a weight that is 0 stays
+    exactly 0), and the kept entries train as plain Adam. ``step`` takes the
     closure :func:`pyprune.runtime.training.train_block` gives (it runs once) and returns its loss."""
 
     def __init__(self, params: Iterable, masks: Dict[Tensor, Tensor], **adam):
         super().__init__(params, **adam)
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for p, keep in masks.items():
-            if id(p) not in known or keep.shape != p.shape or keep.dtype != torch.bool:
+            if id(p) not in known or keep.shape != local(p).shape or keep.dtype != torch.bool:
                 raise ValueError("masks must map parameters of this optimiser to bool keep masks of their shape; "
                                  f"got a mask of shape {tuple(keep.shape)} and dtype {keep.dtype} for a parameter "
                                  f"of shape {tuple(p.shape)}")
@@ -282,6 +308,6 @@ class MaskedAdam(torch.optim.Adam):
         with torch.no_grad():
             for p, keep in self.masks.items():
                 if p.grad is not None:
-                    p.grad.mul_(keep)
+                    local(p.grad).mul_(keep)
         super().step()
         return loss

@@ -23,14 +23,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import engine
+from . import distributed, engine
 from .training import train
 from .tokens import check_token_ids
 from ..nn.layout import ATTENTION_LINEARS, MLP_LINEARS
 from ..nn.sliced import check_plain_linears
-from ..options import at_least_one, collect, nonempty, nonnegative, option, positive
+from ..options import at_least_one, collect, nonempty, nonnegative, option, positive, shard_training
 
-__all__ = ["lora_finetune", "check_settings", "LoraSettings", "SETTINGS", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
+__all__ = ["lora_finetune", "check_settings", "check_group", "LoraSettings", "SETTINGS", "DEFAULT_TARGET_MODULES", "DEFAULTS"]
 
 
 #: Every linear layer of a LLaMA-style decoder block. The papers do not name their LoRA targets;
@@ -52,6 +52,7 @@ class LoraSettings:
     target_modules: Optional[Tuple[str, ...]] = option(
         None, "linears of the decoder blocks to adapt; none given: all, " + " ".join(DEFAULT_TARGET_MODULES) +
         "; PEFT's llama default: q_proj v_proj", nonempty)
+    shard_training: bool = shard_training()
 
 
 #: the declared settings of :func:`lora_finetune`, in order
@@ -70,6 +71,15 @@ def check_settings(**given: Any) -> Dict[str, Any]:
                          f"{', '.join(vars(DEFAULTS))}")
     return {declared.name: declared.convert(given.get(declared.name, declared.default), "", where=declared.name)
             for declared in SETTINGS}
+
+
+def check_group(shard_training: bool) -> None:
+    """``shard_training`` only in a process group of several ranks (ValueError naming it otherwise;
+    ``pyprune recover`` and ``run`` call it once they joined their group, before loading)."""
+    if shard_training and not distributed.active():
+        raise ValueError("setting shard_training of LoRA recovery shards its training over the ranks of a "
+                         "torch.distributed group: run under torchrun --nproc-per-node N with N >= 2 (or in a "
+                         "process group of 2 or more ranks); got one process")
 
 
 def _is_int(value) -> bool:
@@ -118,7 +128,7 @@ def _check_model(model: nn.Module) -> None:
 def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = DEFAULTS.rank,
                   alpha: float = DEFAULTS.alpha, lr: float = DEFAULTS.lr, batch_size: int = DEFAULTS.batch_size,
                   target_modules: Optional[Sequence[str]] = None,
-                  seed: int = 0, progress: bool = True) -> Dict:
+                  seed: int = 0, progress: bool = True, shard_training: bool = False) -> Dict:
     """Recover a (pruned) causal LM with LoRA, in place, and merge the adapters into its weights.
 
     ``tokens`` are ``[nsamples, seqlen]`` token ids (as :func:`pyprune.inputs.data.calibration_samples`
@@ -134,7 +144,10 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     constant ``lr``) of the mean next-token loss, each on ``batch_size`` samples drawn without
     replacement from a permutation reshuffled every epoch; ``seed`` fixes the adapters'
     initialisation and the order, and the caller's global RNG state is left as it was. The
-    model is in train mode while training.
+    model is in train mode while training. With ``shard_training`` (in a process group of 2 or
+    more ranks) a copy of the wrapped model trains sharded over the ranks, each decoder block an
+    FSDP unit (:func:`pyprune.runtime.training.train`), so each rank holds its rows of the weights,
+    adapters and optimiser state.
 
     Then the adapters are merged, each under its layer's mask: W += (alpha/rank)·BA ⊙ (W != 0) for
     a layer with zero weights (a pruned one keeps its N:M or unstructured mask exactly; the masked
@@ -164,7 +177,8 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     ``first_loss``/``last_loss`` (None when ``steps=0``) and ``time_s``.
     """
     target_modules = check_settings(steps=steps, rank=rank, alpha=alpha, lr=lr, batch_size=batch_size,
-                                    target_modules=target_modules)["target_modules"]
+                                    target_modules=target_modules, shard_training=shard_training)["target_modules"]
+    check_group(shard_training)
     if not _is_int(seed):
         raise ValueError(f"seed must be an integer; got {seed!r}")
     _check_model(model)
@@ -180,7 +194,7 @@ def lora_finetune(model: nn.Module, tokens: Tensor, *, steps: int, rank: int = D
     }
     start = time.perf_counter()
     losses = _finetune(model, tokens, targets, steps=steps, rank=rank, alpha=float(alpha), lr=float(lr),
-                       batch_size=batch_size, seed=seed, progress=progress) if steps else []
+                       batch_size=batch_size, seed=seed, progress=progress, shard=shard_training) if steps else []
     report.update(losses=losses, first_loss=losses[0] if losses else None,
                   last_loss=losses[-1] if losses else None, time_s=round(time.perf_counter() - start, 3))
     return report
@@ -204,8 +218,9 @@ def _merge_under_masks(model: nn.Module, masks: Dict[str, Tensor]) -> None:
 
 
 def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *, steps: int, rank: int,
-              alpha: float, lr: float, batch_size: int, seed: int, progress: bool) -> List[float]:
-    """Wrap ``targets`` with LoRA, train, merge; the model's flags and config restored after."""
+              alpha: float, lr: float, batch_size: int, seed: int, progress: bool, shard: bool) -> List[float]:
+    """Wrap ``targets`` with LoRA, train (with ``shard``, sharded over the ranks, each decoder block
+    a unit), merge; the model's flags and config restored after."""
     import peft
 
     requires_grad = [(p, p.requires_grad) for p in model.parameters()]
@@ -228,7 +243,8 @@ def _finetune(model: nn.Module, tokens: Tensor, targets: Dict[str, nn.Linear], *
             with torch.enable_grad():
                 try:
                     losses = train(wrapped, params, tokens, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                                   desc="lora", progress=progress)["loss"]
+                                   desc="lora", progress=progress,
+                                   shard=engine.decoder_blocks(model) if shard else ())["loss"]
                 except FloatingPointError as error:
                     raise FloatingPointError(f"{error}; the adapters are dropped and the model is left "
                                              "unchanged") from None

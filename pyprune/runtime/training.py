@@ -2,10 +2,13 @@
 regularisation, LoRA recovery) and :func:`train_block` for one decoder block on its reconstruction
 error (SAFE; any block-wise reconstruction method). Both draw seeded shuffled minibatches; a
 16-bit model trains on fp32 master weights (:func:`fp32_master_weights`) and gets its dtype back.
+In a process group a block, or a model, can train sharded over the ranks (:func:`sharded_copy`, FSDP2).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -24,14 +27,17 @@ def backward_shared(params: Sequence[Tensor], share: Optional[Callable[[], Tenso
     their fraction of it; None when it holds none of them), then sum the gradients and the loss over
     the ranks (:func:`pyprune.runtime.distributed.all_reduce_gradients_`), so that every rank holds
     the whole minibatch's and takes the same step. Returns the minibatch loss. In one process, a
-    plain backward of the minibatch loss."""
+    plain backward of the minibatch loss. Parameters sharded by :func:`sharded_copy` get their
+    gradients summed by FSDP's backward (each rank this sum's rows of them), and every rank must
+    give a ``share``."""
     for p in params:
         p.grad = None
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if share is not None:
         loss = share()
         loss.backward()
-    distributed.all_reduce_gradients_(params)
+    if not any(distributed.sharded(p) for p in params):
+        distributed.all_reduce_gradients_(params)
     return distributed.all_reduce_(loss.detach().reshape(1)).reshape(())
 
 
@@ -106,7 +112,7 @@ class TrainingCheckpoint:
 def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
           batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
           after_step: Optional[Callable[[], None]] = None, checkpoint: Optional[TrainingCheckpoint] = None, desc: str = "train",
-          progress: bool = True) -> Dict[str, list]:
+          progress: bool = True, shard: Sequence[nn.Module] = ()) -> Dict[str, list]:
     """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
     loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
     runs between backward and the step and returns values to log (e.g. a penalty); ``after_step()``
@@ -118,7 +124,27 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
     In a process group every rank holds ``tokens`` and draws the same minibatches; each runs its
     part of every minibatch (:func:`backward_shared`: gradients summed over the ranks before
     ``after_backward`` and the step), so the ranks train one model as one process would, up to the
-    rounding of the sums."""
+    rounding of the sums. With ``shard`` (submodules of ``model``, e.g. its decoder blocks; in a
+    process group only, without ``checkpoint``, ``after_backward`` or ``after_step``), a copy of
+    the model sharded over the ranks trains (:func:`sharded_copy`, each of ``shard`` a unit, in the
+    model's dtype), and the trained parameters come back into ``model`` at the end; a rank without
+    rows in a minibatch runs its first row of it, weighted 0."""
+    if shard and not distributed.active():
+        raise ValueError("train: shard needs a process group of 2 or more ranks")
+    if shard and (checkpoint is not None or after_backward is not None or after_step is not None):
+        raise ValueError("train: a sharded run takes no checkpoint, after_backward or after_step")
+    with sharded_copy(model, shard, fp32=False) if shard else contextlib.nullcontext(model) as training:
+        names = {id(p): name for name, p in model.named_parameters()}
+        copied = dict(training.named_parameters())
+        return _train(training, [copied[names[id(p)]] for p in params], tokens, steps=steps, lr=lr,
+                      batch_size=batch_size, seed=seed, after_backward=after_backward, after_step=after_step,
+                      checkpoint=checkpoint, desc=desc, progress=progress, sharded=bool(shard))
+
+
+def _train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
+           batch_size: int, seed: int, after_backward, after_step, checkpoint: Optional[TrainingCheckpoint],
+           desc: str, progress: bool, sharded: bool) -> Dict[str, list]:
+    """:func:`train` on ``model`` (a sharded copy when ``sharded``)."""
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     batches = minibatches(tokens.shape[0], min(batch_size, tokens.shape[0]), torch.Generator().manual_seed(seed))
@@ -130,10 +156,13 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
         for step in range(start, steps):
             index = next(batches)
             mine = index.tensor_split(distributed.world_size())[distributed.rank()]
+            weight = mine.numel() / index.numel()
+            if sharded and not mine.numel():
+                mine = index[:1]
             batch = tokens[mine].to(device=device, dtype=torch.long)
 
             def share() -> Tensor:
-                return model(input_ids=batch, labels=batch, use_cache=False).loss * (mine.numel() / index.numel())
+                return model(input_ids=batch, labels=batch, use_cache=False).loss * weight
 
             value = float(backward_shared(params, share if mine.numel() else None, device))
             if not math.isfinite(value):
@@ -163,6 +192,51 @@ def linear_warmup_decay(total_steps: int, warmup_steps: int) -> Callable[[int], 
     return factor
 
 
+@contextlib.contextmanager
+def sharded_copy(module: nn.Module, units: Sequence[nn.Module], fp32: bool) -> Iterator[nn.Module]:
+    """A copy of ``module``'s modules, in train mode, sharded over the ranks by PyTorch's FSDP2
+    (``torch.distributed.fsdp.fully_shard``), to train what does not fit one device: every
+    parameter holds this rank's rows (dim 0, a ``DTensor``), in fp32 with ``fp32``. Each of
+    ``units`` (submodules of ``module``: a block's linears, a model's decoder blocks) is an FSDP
+    unit of its own, the rest one more: a forward gathers one unit's whole parameters at a time, and
+    a backward reduce-scatters their gradients, summed over the ranks (not averaged: each rank's
+    loss is already its share of the minibatch), so an optimiser built on the copy's parameters
+    keeps 1/N of the state on each rank. On leaving, the copy's parameters are gathered one at a
+    time into ``module``'s own (in their dtype); an error inside leaves ``module`` as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    owned = dict(module.named_parameters())
+    # the copy's modules hold new parameters over the module's tensors, so casting them leaves the module's alone
+    memo = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): b for b in module.buffers()})
+    copied = copy.deepcopy(module, memo).train()
+    mesh = init_device_mesh(next(module.parameters()).device.type, (distributed.world_size(),))
+    for unit in [*(memo[id(unit)] for unit in units), copied]:  # the units first: FSDP's units nest
+        if fp32:
+            for param in unit.parameters():
+                if not distributed.sharded(param):
+                    param.data = param.data.float()  # one unit at a time in fp32 before its shards are cut
+        fully_shard(unit, mesh=mesh)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    yield copied
+    with torch.no_grad():
+        for name, param in copied.named_parameters():
+            owned[name].copy_(param.full_tensor())
+
+
+@contextlib.contextmanager
+def sharded_block(ctx: "engine.BlockContext") -> Iterator["engine.BlockContext"]:
+    """``ctx`` with its block's copy sharded over the ranks (:func:`sharded_copy`: fp32 masters,
+    each linear layer a unit), whose trained weights come back into the block on leaving; outside
+    a process group, ``ctx`` as it is."""
+    if not distributed.active():
+        yield ctx
+        return
+    with sharded_copy(ctx.block, list(engine.block_linears(ctx.block).values()), fp32=True) as block:
+        yield dataclasses.replace(ctx, block=block)
+
+
 def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.optim.Optimizer, *, steps: int,
                 batch_size: int, seed: int, scheduler=None, desc: str = "block", progress: bool = True,
                 relative: bool = False) -> List[float]:
@@ -177,7 +251,9 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
 
     In a process group (``ctx.samples`` > the rows of ``ctx.inputs``) the minibatches are drawn over
     all ranks' samples alike on every rank; each rank adds the squared errors of its rows of a
-    minibatch and the gradients are summed over the ranks before every step (:func:`backward_shared`)."""
+    minibatch and the gradients are summed over the ranks before every step (:func:`backward_shared`).
+    A block sharded by :func:`sharded_block` runs its forward and backward on every rank (its
+    collectives need all of them): a rank without rows in a minibatch runs its first row, weighted 0."""
     dtype = next(ctx.block.parameters()).dtype
     samples = ctx.samples or ctx.inputs.shape[0]
     per_sample = targets[0].numel()
@@ -192,15 +268,19 @@ def train_block(ctx: "engine.BlockContext", targets: Tensor, optimizer: torch.op
     kwargs = _cast_floating(ctx.block_kwargs, dtype)
     batches = minibatches(samples, min(batch_size, samples), torch.Generator().manual_seed(seed))
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    sharded = any(distributed.sharded(p) for p in trained)
     losses = []
     for _ in tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress):
         index = next(batches)
         mine = index[(index >= ctx.offset) & (index < ctx.offset + ctx.inputs.shape[0])] - ctx.offset
+        weight = 1.0
+        if sharded and not mine.numel():
+            mine, weight = mine.new_zeros(1), 0.0
         inputs, wanted = ctx.inputs[mine].to(dtype), targets[mine].to(dtype)
 
         def share() -> Tensor:
             outputs = engine.first_tensor(ctx.block(inputs, **kwargs))
-            return F.mse_loss(outputs, wanted, reduction="sum") / (index.numel() * per_sample * scale)
+            return F.mse_loss(outputs, wanted, reduction="sum") * weight / (index.numel() * per_sample * scale)
 
         def closure() -> Tensor:
             return backward_shared(trained, share if mine.numel() else None, targets.device)

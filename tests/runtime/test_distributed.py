@@ -504,3 +504,152 @@ def test_pyprune_run_on_two_ranks_gives_the_one_process_model_and_only_rank_0_wr
     assert len(masked) == 2 * 7  # every linear of the tiny model's two blocks: Wanda's masks, LoRA merged under them
     assert all(torch.equal(weights[1][name] == 0, weights[0][name] == 0) for name in weights[0])
     assert all(torch.allclose(weights[1][n], weights[0][n], rtol=1e-4, atol=1e-6) for n in weights[0])
+
+
+# -- block training sharded over the ranks (shard_training, FSDP2) ------------------------------------------------
+
+#: block training on 2 ranks, data-parallel and sharded: masked reconstruction (from Wanda's masks), and SAFE⁺ as
+#: :data:`TRAINING` runs it (whose two seeds measure its seed-to-seed spread)
+SHARDED = [(name, method, pattern, dict(options, shard_training=sharded))
+           for name, method, pattern, options in [
+               ("masked-recon", "masked-recon", 0.5, {"epochs": 1}),
+               ("safe+", "safe+", 0.5, {"dual_interval": 2, "epochs": 1, "train_seed": 0})]
+           for sharded in (False, True)]
+
+
+def _state_numel(optimizer):
+    """The elements of an optimiser's state tensors on this rank (its shards' when sharded)."""
+    from pyprune.runtime import distributed
+    return sum(distributed.local(value).numel() for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor) and value.dim())
+
+
+def _sharded_worker(rank, world, rendezvous, out):
+    """Each case of :data:`SHARDED` on the tiny Llama, then LoRA recovery unsharded and sharded; the weights,
+    and the numel of the optimisers' state on this rank (every block's, or LoRA's one), per case."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        from pyprune.methods.reconstruction import BlockTraining
+        from pyprune.runtime import recovery
+        states, train, adamw = [], BlockTraining.train, torch.optim.AdamW
+
+        def counting(self, *args, **kwargs):
+            losses, optimizer = train(self, *args, **kwargs)
+            states.append(_state_numel(optimizer))
+            return losses, optimizer
+
+        class Counting(adamw):
+            def step(self, closure=None):
+                result = super().step(closure)
+                states[-1:] = [_state_numel(self)]  # after the last step: its state
+                return result
+        BlockTraining.train, torch.optim.AdamW = counting, Counting
+        results = {}
+        for case in SHARDED:
+            states.clear()
+            weights = _prune_all([case], ("llama",), {})["llama/" + case[0]][0]
+            results[f"{case[0]}-{case[3]['shard_training']}"] = (weights, list(states))
+        for sharded in (False, True):
+            states.clear()
+            model = tiny_decoder("llama", layers=2)
+            report = recovery.lora_finetune(model, random_tokens(**CALIB), steps=3, rank=4, lr=1e-3, batch_size=4,
+                                            progress=False, shard_training=sharded)
+            results[f"lora-{sharded}"] = ({name: p.detach().clone() for name, p in model.named_parameters()},
+                                          list(states), report["losses"])
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.optim.AdamW = adamw
+        dist.destroy_process_group()
+
+
+def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on_each_rank(tmp_path, one_process):
+    """``shard_training`` trains each block (or the LoRA-wrapped model) through FSDP2: each rank keeps the
+    optimiser state of its half of every weight's rows (exactly half the state tensors' elements of the
+    data-parallel run: the tiny model's dimensions and the LoRA rank are even), and the weights are the
+    data-parallel run's. Masked reconstruction's and LoRA's (merged) are equal to the bit, with LoRA's
+    losses: their gradients are the same sums of the two ranks' (a reduce-scatter instead of an all-reduce,
+    a + b either way) and Adam acts on each entry alone. SAFE⁺'s SAM ascent divides by ‖∇f‖, which the
+    sharded run sums from the two ranks' halves, so the step sizes differ by float32 rounding; Adam's
+    normalised steps carry such differences into the next block's inputs, so its weights are held to the
+    bound of the data-parallel test: closer to the data-parallel run's than a tenth of the distance
+    between two training seeds."""
+    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    seed0, seed1 = (one_process[f"llama/safe+-seed{seed}"][0] for seed in (0, 1))
+    for rank, result in enumerate(ranks):
+        for method in ("masked-recon", "safe+"):
+            (plain, plain_states), (sharded, sharded_states) = result[f"{method}-False"], result[f"{method}-True"]
+            assert len(plain_states) == len(sharded_states) == 2 and min(plain_states) > 0, (rank, method)
+            assert [2 * count for count in sharded_states] == plain_states, (rank, method)
+            assert plain.keys() == sharded.keys() and len(plain) == 2 * 7
+        plain, sharded = result["masked-recon-False"][0], result["masked-recon-True"][0]
+        assert all(torch.equal(sharded[name], plain[name]) for name in plain), rank
+        plain, sharded = result["safe+-False"][0], result["safe+-True"][0]
+        assert _distance(sharded, plain) < 0.1 * _distance(seed1, seed0), rank
+        assert sum(int((w == 0).sum()) for w in sharded.values()) == sum(int((w == 0).sum()) for w in plain.values())
+        (plain, plain_states, plain_losses), (sharded, sharded_states, sharded_losses) = (
+            result["lora-False"], result["lora-True"])
+        assert len(plain_states) == 1 and plain_states[0] > 0 and [2 * sharded_states[0]] == plain_states, rank
+        assert sharded_losses == plain_losses and len(plain_losses) == 3, rank
+        assert plain.keys() == sharded.keys() and all(torch.equal(sharded[n], plain[n]) for n in plain), rank
+    assert all(torch.equal(ranks[0][key][0][name], ranks[1][key][0][name]) for key in ranks[0]
+               for name in ranks[0][key][0])  # both ranks hold the gathered weights
+
+
+def test_shard_training_is_refused_in_one_process_before_anything_changes():
+    """By a training method and by LoRA recovery, before the model is touched."""
+    import pyprune
+    model = tiny_decoder("llama", layers=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^option shard_training of method 'safe\+' shards a block's training over "
+                                         r"the ranks of a torch.distributed group: run under torchrun "
+                                         r"--nproc-per-node N with N >= 2 .*; got one process$"):
+        pyprune.prune(model, "safe+", "2:4", random_tokens(**CALIB), batch_size=BATCH, shard_training=True)
+    from pyprune.runtime import recovery
+    with pytest.raises(ValueError, match=r"^setting shard_training of LoRA recovery shards its training over the "
+                                         r"ranks of a torch.distributed group: .*; got one process$"):
+        recovery.lora_finetune(model, random_tokens(**CALIB), steps=1, shard_training=True)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# -- the ranks' status exchange after the pre-load checks ---------------------------------------------------------
+
+#: ``pyprune`` in the directory ``rank<RANK>`` beside this script, recording its exit status there as ``status``
+_CHECKED_IN_RANK_DIRECTORY = """
+import os
+import sys
+os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank" + os.environ["RANK"]))
+from pyprune.cli import main
+status = main()
+with open("status", "w") as file:
+    file.write(str(status))
+sys.exit(status)
+"""
+
+
+def test_a_rank_that_fails_its_checks_ends_every_rank_at_once_in_one_line_before_anything_is_written(
+        tiny_model_dir, tmp_path):
+    """The calibration text exists in rank 0's working directory only: rank 1's check of --calib fails, and
+    at the status exchange before the model loads both ranks end with the line naming rank 1 and its
+    error, exit status 2, long before --dist-timeout, with no --output written."""
+    import shutil
+    import time
+    model_dir, text = tiny_model_dir
+    script = tmp_path / "checked_in_rank_directory.py"
+    script.write_text(_CHECKED_IN_RANK_DIRECTORY)
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}").mkdir()
+    shutil.copy(text, tmp_path / "rank0" / "calib.txt")
+    timeout = 120
+    started = time.monotonic()
+    done = _torchrun(str(script), "prune", "--model", str(model_dir), "--method", "wanda", "--pattern", "2:4",
+                     "--calib", "calib.txt", "--nsamples", "8", "--seqlen", "16", "--batch-size", "2", "--threads", "1",
+                     "--quiet", "--output", "pruned", "--dist-timeout", str(timeout))
+    assert time.monotonic() - started < timeout / 2
+    ours = [line for line in done.stderr.splitlines() if line.startswith("pyprune prune:")]
+    line = "pyprune prune: error: rank 1 failed its checks: source='calib.txt' is neither an existing .txt file"
+    assert len(ours) == 1 and ours[0].startswith(line), done.stderr[-3000:]
+    assert [(tmp_path / f"rank{rank}" / "status").read_text() for rank in (0, 1)] == ["2", "2"]
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["calib.txt", "status"]
+    assert sorted(p.name for p in (tmp_path / "rank1").iterdir()) == ["status"]
