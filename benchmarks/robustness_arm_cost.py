@@ -3,8 +3,10 @@
 An arm of ``pyprune study robustness`` (a method variant, an arithmetic, a ratio, a calibration
 seed) prunes the model in bf16 and in fp16 and, for a method with noise, once more in each of
 ``--noise-formats`` at the next noise seed, and evaluates each pruned model once, in fp32. Its time
-is the sum of those prunes and evaluations. This script times each prune and one evaluation at a
-small setting through the study's own code (``robustness._prune_copy``, ``robustness._perplexity_in``):
+is the sum of those prunes and evaluations. This script measures the CPU time (the process's, all
+threads; ``time.process_time``, which a shared machine's load does not inflate as it does the wall
+time, also recorded) of each prune and of one evaluation at a small setting, through the study's
+own code (``robustness._prune_copy``, ``robustness._perplexity_in``):
 ``--nsamples`` x ``--seqlen`` calibration tokens and one gradient pass per prune (Taylor; MoreauPruner
 with one step; SmoothGrad with one pass), ``--eval-tokens`` evaluation tokens. It then scales them
 to the full setting: a prune runs ``passes`` gradient passes (Taylor 1, MoreauPruner T = 10,
@@ -18,6 +20,7 @@ An arm at a further ratio of the same seed cuts the scores its first ratio kept
 Writes benchmarks/results/robustness-smollm2-135m-arm-cost.{json,md}.
 """
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -59,18 +62,25 @@ def measure(model, tokenizer, args):
                 option, count = passes(method, args.smoothgrad_passes)
                 options = {**options, "structure": args.structure, "loss_scaling": arithmetic != "rounding",
                            **({option: 1} if option else {})}
-                start = time.perf_counter()
-                pruned, report, _ = robustness._prune_copy(model, name, arithmetic, method, Structured(args.ratio),
-                                                           calib, 8, False, options)
-                seconds = time.perf_counter() - start
-                prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, "measured_s": seconds,
-                               "passes": count, "full_s": seconds * count * token_scale})
-                print(f"{arithmetic} {name} {variant}: {seconds:.1f} s for one pass", flush=True)
-        start = time.perf_counter()
-        robustness._perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
-        seconds = time.perf_counter() - start
-        evals.append({"arithmetic": arithmetic, "measured_s": seconds, "full_s": seconds * eval_scale})
+                with timed() as seconds:
+                    pruned, _, _ = robustness._prune_copy(model, name, arithmetic, method, Structured(args.ratio),
+                                                          calib, 8, False, options)
+                prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, **seconds,
+                               "passes": count, "full_s": seconds["measured_s"] * count * token_scale})
+                print(f"{arithmetic} {name} {variant}: {seconds['measured_s']:.1f} CPU s "
+                      f"({seconds['wall_s']:.1f} s wall) for one pass", flush=True)
+        with timed() as seconds:
+            robustness._perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
+        evals.append({"arithmetic": arithmetic, **seconds, "full_s": seconds["measured_s"] * eval_scale})
     return prunes, evals, token_scale, eval_scale
+
+
+@contextlib.contextmanager
+def timed():
+    """A dict filled on exit with the block's CPU seconds (``measured_s``) and wall seconds (``wall_s``)."""
+    seconds, cpu, wall = {}, time.process_time(), time.perf_counter()
+    yield seconds
+    seconds.update(measured_s=time.process_time() - cpu, wall_s=time.perf_counter() - wall)
 
 
 def arms(prunes, evals, args):
@@ -94,28 +104,32 @@ def arms(prunes, evals, args):
 
 def markdown(result):
     s, rows = result["settings"], result["arms"]
-    lines = [f"SmolLM2-135M, structure {s['structure']}; {result['environment']['cpu']['model']}, "
-             f"{torch.get_num_threads()} threads, load average {', '.join(map(str, result['load_average']))} at the "
-             f"start. Measured: one gradient pass per prune at {s['nsamples']} x {s['seqlen']} calibration tokens, "
-             f"one evaluation of {s['eval_tokens']} tokens; scaled to {s['full_nsamples']} x {s['full_seqlen']} "
-             f"calibration tokens (x{result['token_scale']:g}) times the method's passes, and to "
+    threads = result["environment"]["cpu_threads"]
+    lines = [f"{s['model']}, structure {s['structure']}; {result['environment']['device']}, {threads} threads, "
+             f"torch {result['environment']['torch']}, load average "
+             f"{', '.join(map(str, result['load_average']))} at the start. CPU time (all threads of the process; "
+             f"wall time in the JSON). Measured: one gradient pass per prune at {s['nsamples']} x {s['seqlen']} "
+             f"calibration tokens, one evaluation of {s['eval_tokens']} tokens; scaled to {s['full_nsamples']} x "
+             f"{s['full_seqlen']} calibration tokens (x{result['token_scale']:g}) times the method's passes, and to "
              f"{s['full_eval_tokens']} evaluation tokens (x{result['eval_scale']:g}).", "",
-             "| arithmetic | format | method | one pass, measured (s) | passes | full prune (s) |",
+             "| arithmetic | format | method | one pass, measured (CPU s) | passes | full prune (CPU s) |",
              "|---|---|---|---:|---:|---:|"]
     lines += [f"| {p['arithmetic']} | {p['format']} | {p['method']} | {p['measured_s']:.1f} | {p['passes']} | "
               f"{p['full_s']:.0f} |" for p in result["prunes"]]
-    lines += ["", "| arithmetic | evaluation, measured (s) | full evaluation (s) |", "|---|---:|---:|"]
+    lines += ["", "| arithmetic | evaluation, measured (CPU s) | full evaluation (CPU s) |", "|---|---:|---:|"]
     lines += [f"| {e['arithmetic']} | {e['measured_s']:.1f} | {e['full_s']:.0f} |" for e in result["evaluations"]]
     lines += ["", f"Per arm at the full setting (noise formats {', '.join(s['noise_formats'])}; a further ratio "
               f"cuts the kept scores) and per command ({len(s['seeds'])} seeds x ratios "
               f"{', '.join(map(str, s['ratios']))}):", "",
-              "| arithmetic | method | prunes | evaluations | arm, first ratio (h) | arm, further ratio (h) | "
-              "command (h) |", "|---|---|---:|---:|---:|---:|---:|"]
+              "| arithmetic | method | prunes | evaluations | arm, first ratio (CPU h) | arm, further ratio (CPU h) | "
+              "command (CPU h) |", "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['arithmetic']} | {r['method']} | {r['prunes']} | {r['evaluations']} | "
               f"{r['first_ratio_s'] / 3600:.2f} | {r['further_ratio_s'] / 3600:.2f} | {r['command_s'] / 3600:.2f} |"
               for r in rows]
     totals = {a: sum(r["command_s"] for r in rows if r["arithmetic"] == a) for a in s["arithmetic"]}
-    lines += ["", "Per command, all methods: " + "; ".join(f"{a} {t / 3600:.1f} h" for a, t in totals.items()) + "."]
+    lines += ["", "Per command, all methods: " + "; ".join(f"{a} {t / 3600:.1f} CPU hours" for a, t in totals.items())
+              + f"; with its {threads} threads fully used, the wall time is the CPU time over {threads}, more on a "
+              "loaded machine."]
     return "\n".join(lines) + "\n"
 
 

@@ -306,13 +306,14 @@ def test_robustness_arm_cost_scales_each_measured_prune_by_its_passes_and_tokens
     assert robustness_arm_cost.main(["--model", str(tiny_model_dir[0]), "--methods", "taylor", "moreau",
                                      "--arithmetic", "rounding", "--nsamples", "2", "--seqlen", "16",
                                      "--eval-tokens", "64", "--eval-seqlen", "16", "--full-nsamples", "4",
-                                     "--full-eval-tokens", "128", "--seeds", "0", "1", "--output", str(output)]) == 0
+                                     "--full-seqlen", "16", "--full-eval-tokens", "128", "--seeds", "0", "1", "--output", str(output)]) == 0
     result = json.loads(output.read_text())
     assert result["token_scale"] == 2.0 and result["eval_scale"] == 2.0
     prunes = {(p["format"], p["method"]): p for p in result["prunes"]}
     assert {key: p["passes"] for key, p in prunes.items()} == {
         ("bfloat16", "taylor"): 1, ("float16", "taylor"): 1, ("bfloat16", "moreau"): 10, ("float16", "moreau"): 10}
-    assert all(p["full_s"] == pytest.approx(p["measured_s"] * p["passes"] * 2) > 0 for p in prunes.values())
+    assert all(p["full_s"] == pytest.approx(p["measured_s"] * p["passes"] * 2) and p["measured_s"] > 0
+               for p in prunes.values())
     [evaluation] = result["evaluations"]
     taylor, moreau = result["arms"]
     assert (taylor["prunes"], moreau["prunes"]) == (2, 4)  # the noise floor: a second draw in bf16 and in fp16

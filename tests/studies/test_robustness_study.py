@@ -168,7 +168,8 @@ def test_the_format_is_set_against_the_noise_draw_by_the_verdict_rule():
             _noisy_run("smoothgrad", 0, 0.90, 0.95, 5.0, (1.0, 1.0)),
             _noisy_run("smoothgrad", 1, 0.91, 0.96, 6.0, (1.0, 1.0)),
             _noisy_run("smoothgrad", 2, 0.90, 0.97, 7.0, (2.0, 2.0)),
-            _noisy_run("moreau-gs", 0, 0.99, 0.93, 0.2, (1.0, 1.0)), _noisy_run("moreau-gs", 1, 0.90, 0.93, 3.0, (1.0, 1.0)),
+            _noisy_run("moreau-gs", 0, 0.99, 0.93, 0.2, (1.0, 1.0)),
+            _noisy_run("moreau-gs", 1, 0.90, 0.93, 3.0, (1.0, 1.0)),
             _full_run("taylor", 0, 2.0, None)]
     runs[-2]["noise_floor"].pop("ppl_diff")
     runs[-3]["noise_floor"].pop("ppl_diff")  # a floor measured before the perplexity floor existed
