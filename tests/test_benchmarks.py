@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(__file__), ".."
 import bench_distributed  # noqa: E402
 import bench_dress_speed  # noqa: E402
 import report  # noqa: E402
+import robustness_arm_cost  # noqa: E402
 import test_e2e as e2e_suite  # noqa: E402
 import test_ops as ops_suite  # noqa: E402
 import test_sparse_linear as sparse_linear_suite  # noqa: E402
@@ -333,3 +334,30 @@ def test_time_model_costs_a_training_step_as_its_passes_of_forward_and_backward(
     assert two["training"] == one["training"] / 2 and two["communication"] == 5 * 2 * (2 * 1 / 2) * 4 * 12 / 16.0
     measured = training_parts(layers, 2, rates, link=16.0, steps=5, step_tokens=2, step_seconds=0.5)
     assert measured["training"] == 2.5 and measured["forward"] == two["forward"]
+
+
+def test_robustness_arm_cost_scales_each_measured_prune_by_its_passes_and_tokens(tiny_model_dir, tmp_path):
+    """Each prune is timed with one gradient pass and scaled by the method's passes and the calibration
+    tokens; an arm at its first ratio is its prunes (noise floor included) and evaluations, a further
+    ratio its evaluations alone; the command sums them over seeds and ratios."""
+    output = tmp_path / "cost.json"
+    assert robustness_arm_cost.main(["--model", str(tiny_model_dir[0]), "--methods", "taylor", "moreau",
+                                     "--arithmetic", "rounding", "--nsamples", "2", "--seqlen", "16",
+                                     "--eval-tokens", "64", "--eval-seqlen", "16", "--full-nsamples", "4",
+                                     "--full-seqlen", "16", "--full-eval-tokens", "128", "--seeds", "0", "1", "--output", str(output)]) == 0
+    result = json.loads(output.read_text())
+    assert result["token_scale"] == 2.0 and result["eval_scale"] == 2.0
+    prunes = {(p["format"], p["method"]): p for p in result["prunes"]}
+    assert {key: p["passes"] for key, p in prunes.items()} == {
+        ("bfloat16", "taylor"): 1, ("float16", "taylor"): 1, ("bfloat16", "moreau"): 10, ("float16", "moreau"): 10}
+    assert all(p["full_s"] == pytest.approx(p["measured_s"] * p["passes"] * 2) and p["measured_s"] > 0
+               for p in prunes.values())
+    [evaluation] = result["evaluations"]
+    taylor, moreau = result["arms"]
+    assert (taylor["prunes"], moreau["prunes"]) == (2, 4)  # the noise floor: a second draw in bf16 and in fp16
+    assert moreau["first_ratio_s"] == pytest.approx(2 * (prunes["bfloat16", "moreau"]["full_s"]
+                                                         + prunes["float16", "moreau"]["full_s"])
+                                                    + 4 * evaluation["full_s"])
+    assert taylor["further_ratio_s"] == pytest.approx(2 * evaluation["full_s"])
+    assert moreau["command_s"] == pytest.approx(2 * (moreau["first_ratio_s"] + moreau["further_ratio_s"]))
+    assert "| rounding | moreau | 4 | 4 |" in (tmp_path / "cost.md").read_text()

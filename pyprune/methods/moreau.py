@@ -262,9 +262,13 @@ class MoreauPruner(StructuredMethod):
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
         self.diagnostics = None
-        details = super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+        return super()._prune(model, pattern, calib, batch_size=batch_size, progress=progress)
+
+    def scoring_details(self):
+        """The loss scale and, when it scored, ``moreau``: :func:`moreau_diagnostics` of δ_T."""
+        details = super().scoring_details()
         if self.diagnostics is not None:
-            details["moreau"] = self.diagnostics  # see moreau_diagnostics
+            details["moreau"] = self.diagnostics
         return details
 
 

@@ -308,7 +308,9 @@ class StructuredMethod(Method):
     """Structured pruning of heads and MLP channels, or of hidden channels (see the module
     docstring). A subclass gives :meth:`element_scores`: fp32 per-element importance of the pruned
     parameters. After a prune, ``layer_scores`` holds each pruned layer's :func:`group_scores`, or,
-    with ``structure="hidden"``, ``{STREAM: {"hidden": hidden_channel_scores}}``."""
+    with ``structure="hidden"``, ``{STREAM: {"hidden": hidden_channel_scores}}``, and
+    :meth:`scoring_details` what the scoring reported. None of them depends on the ratio, which
+    only cuts them: :meth:`use_scores` prunes at another ratio from the scores of an earlier prune."""
 
     patterns = (Structured,)
     structured_moe = True  # an MoE model's expert channels (see the module docstring)
@@ -327,12 +329,44 @@ class StructuredMethod(Method):
     loss_scaling: bool = option(False, "structured: dynamic loss scaling of the gradient passes (scale, "
                                 "back off on inf, as torch.amp.GradScaler), for fp16 models")
 
+    #: (layer scores, scoring details) this method prunes from instead of scoring (:meth:`use_scores`)
+    given_scores: Optional[Tuple[Dict[int, Dict[str, Tensor]], Dict]] = None
+
     @abstractmethod
     def element_scores(self, model: nn.Module, params: List[nn.Parameter], calib: Tensor, *,
                        batch_size: int, progress: bool) -> Dict[int, Tensor]:
         """Per-element fp32 importance of each of ``params`` (the pruned layers' weights and
         biases, or every hidden-stream parameter), keyed by ``id(param)``, computed with the model
         as it is (restore it after)."""
+
+    def use_scores(self, layer_scores: Dict[int, Dict[str, Tensor]], details: Optional[Dict] = None
+                   ) -> "StructuredMethod":
+        """Make every later prune of this method select and compact from ``layer_scores`` instead of
+        scoring: the :attr:`layer_scores` of an earlier prune of the same model, with the same
+        settings and calibration, at any ratio (the scores do not depend on it). ``details`` (that
+        prune's :meth:`scoring_details`) go into the report in place of this run's. A prune refuses
+        scores whose layers or group counts are not the model's. Returns the method."""
+        self.given_scores = ({index: dict(kinds) for index, kinds in layer_scores.items()}, dict(details or {}))
+        return self
+
+    def scoring_details(self) -> Dict:
+        """What the last prune's scoring reports beside the pruned structure: the loss scale of its
+        gradient passes (option ``loss_scaling``)."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}}
+
+    def _scored(self, model: nn.Module, params: List[nn.Parameter], calib: Tensor, batch_size: int, progress: bool,
+                grouping: Callable[[ElementScores], Dict[int, Dict[str, Tensor]]]) -> Dict[int, Dict[str, Tensor]]:
+        """:attr:`layer_scores`: ``grouping`` (each layer's groups, their element scores summed) of the
+        :meth:`element_scores` of ``params``, or the given scores (:meth:`use_scores`), checked
+        against the groups ``grouping`` makes of this model."""
+        if self.given_scores is None:
+            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            self.layer_scores = grouping(lambda p: scores.get(id(p)))
+        else:
+            self.layer_scores = _fitting(self.name, self.given_scores[0], grouping(lambda p: None))
+        return self.layer_scores
 
     def calibration_gradients(self, model: nn.Module, params: Sequence[nn.Parameter], calib: Tensor, *,
                               batch_size: int, progress: bool = False) -> List[Tensor]:
@@ -483,12 +517,12 @@ class StructuredMethod(Method):
         """Kept (query heads, KV heads, channels) of each pruned layer, from the element scores."""
         params = [p for block in blocks[first:last + 1]
                   for linear in engine.block_linears(block).values() for p in linear.parameters()]
-        scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+        scored = self._scored(model, params, calib, batch_size, progress,
+                              lambda element: {index: group_scores(blocks[index], element)
+                                               for index in range(first, last + 1)})
         n_groups = self._uniform_kv_groups(model, blocks, ratio) if uniform else None
         selections = {}
-        for index in range(first, last + 1):
-            grouped = group_scores(blocks[index], lambda p: scores.get(id(p)))
-            self.layer_scores[index] = grouped
+        for index, grouped in scored.items():
             n_q, n_kv, n_ch = (grouped[k].numel() for k in ("heads", "kv_heads", "channels"))
             q_kept, kv_kept = keep_heads(grouped["heads"], grouped["kv_heads"], ratio, uniform, n_groups) \
                 if self.heads else (torch.arange(n_q), torch.arange(n_kv))
@@ -502,9 +536,9 @@ class StructuredMethod(Method):
         details = {"hidden_size": [hidden, hidden], "pruned_hidden_channels": []}
         if ratio > 0:
             params = [param for _, param, _, _ in hidden_slices(model)]
-            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
-            channel_scores = hidden_channel_scores(model, lambda p: scores.get(id(p)))
-            self.layer_scores[STREAM] = {"hidden": channel_scores}
+            scored = self._scored(model, params, calib, batch_size, progress,
+                                  lambda element: {STREAM: {"hidden": hidden_channel_scores(model, element)}})
+            channel_scores = scored[STREAM]["hidden"]
             count = allowed_kept_count(hidden, ratio, lambda n: compact.hidden_width_accepted(model, n))
             keep = _top(channel_scores, count).sort().values
             compact.keep_hidden_channels_(model, keep)
@@ -512,7 +546,8 @@ class StructuredMethod(Method):
         return {**details, "config_compatible": True}
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        self.layer_scores, self.scaler = {}, engine.LossScaler() if self.loss_scaling else None
+        self.layer_scores = {}
+        self.scaler = engine.LossScaler() if self.loss_scaling and self.given_scores is None else None
         if self.structure == "hidden":
             details = self._prune_hidden(model, float(pattern.ratio), calib, batch_size, progress)
             details["structure"] = [{"layer": index, "pruned": len(details["pruned_hidden_channels"]) > 0,
@@ -525,8 +560,7 @@ class StructuredMethod(Method):
             details = self._prune_hybrid_channels(model, float(pattern.ratio), calib, batch_size, progress)
         else:
             details = self._prune_groups(model, pattern, calib, batch_size=batch_size, progress=progress)
-        if self.scaler is not None:
-            details["loss_scale"] = {"final": self.scaler.scale, "backoffs": self.scaler.backoffs}
+        details.update(self.scoring_details() if self.given_scores is None else self.given_scores[1])
         return details
 
     def _prune_expert_channels(self, model, ratio, calib, batch_size, progress) -> Dict:
@@ -539,18 +573,25 @@ class StructuredMethod(Method):
         if ratio > 0 and self.channels:
             params = [p for _, _, fused, shared in modules
                       for p in [*fused.parameters(recurse=False), *(shared.parameters() if shared else ())]]
-            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+
+            def grouping(element: ElementScores) -> Dict[int, Dict[str, Tensor]]:
+                grouped: Dict[int, Dict[str, Tensor]] = {}
+                for index, name, fused, shared in modules:
+                    grouped.setdefault(index, {})[name] = expert_channel_scores(fused, element)
+                    if shared is not None:
+                        grouped[index][f"{name}:shared"] = gated_mlp_scores(shared, element)
+                return grouped
+
+            scored = self._scored(model, params, calib, batch_size, progress, grouping)
             plan = []
             for index, name, fused, shared in modules:
-                experts = expert_channel_scores(fused, lambda p: scores.get(id(p)))
+                experts = scored[index][name]
                 kept = torch.stack([keep_channels(row, ratio) for row in experts])
                 entry = {"layer": index, "module": name, "experts": experts.shape[0], "channels": kept.shape[1],
                          "pruned_channels": [_complement(row, experts.shape[1]) for row in kept]}
-                self.layer_scores.setdefault(index, {})[name] = experts
                 shared_kept = None
                 if shared is not None:
-                    shared_scores = gated_mlp_scores(shared, lambda p: scores.get(id(p)))
-                    self.layer_scores[index][f"{name}:shared"] = shared_scores
+                    shared_scores = scored[index][f"{name}:shared"]
                     shared_kept = keep_channels(shared_scores, ratio)
                     entry.update(shared_channels=shared_kept.numel(),
                                  pruned_shared_channels=_complement(shared_kept, shared_scores.numel()))
@@ -575,11 +616,12 @@ class StructuredMethod(Method):
         structure: List[Dict] = []
         if ratio > 0 and self.channels:
             params = [p for block, names in mlps for name in names for p in block.get_submodule(name).parameters()]
-            scores = self.element_scores(model, params, calib, batch_size=batch_size, progress=progress)
+            scored = self._scored(model, params, calib, batch_size, progress,
+                                  lambda element: {index: {"channels": gated_mlp_scores(block, element, names)}
+                                                   for index, (block, names) in enumerate(mlps)})
             plan = []
             for index, (block, names) in enumerate(mlps):
-                channel_scores = gated_mlp_scores(block, lambda p: scores.get(id(p)), names)
-                self.layer_scores[index] = {"channels": channel_scores}
+                channel_scores = scored[index]["channels"]
                 kept = keep_channels(channel_scores, ratio)
                 plan.append((block, names, kept))
                 structure.append({"layer": index, "mlp": names[2].rpartition(".")[0], "channels": kept.numel(),
@@ -643,6 +685,19 @@ def _size_field(config, names: Sequence[str], size: int) -> Optional[str]:
     """The first of the config fields ``names`` the config has, when it states ``size``; else None."""
     field = next((name for name in names if isinstance(getattr(config, name, None), int)), None)
     return field if field is not None and getattr(config, field) == size else None
+
+
+def _fitting(method: str, given: Dict[int, Dict[str, Tensor]], groups: Dict[int, Dict[str, Tensor]]
+             ) -> Dict[int, Dict[str, Tensor]]:
+    """``given`` layer scores when they score the model's ``groups`` (the same layers, kinds and
+    shapes); ValueError naming the first that differs otherwise."""
+    shapes = {(index, kind): tuple(t.shape) for index, kinds in groups.items() for kind, t in kinds.items()}
+    have = {(index, kind): tuple(t.shape) for index, kinds in given.items() for kind, t in kinds.items()}
+    for key in sorted(shapes.keys() | have.keys(), key=str):
+        if shapes.get(key) != have.get(key):
+            raise ValueError(f"method {method!r}: the given scores do not fit this model: layer {key[0]} {key[1]} "
+                             f"has shape {have.get(key)} there and {shapes.get(key)} here")
+    return {index: {kind: given[index][kind] for kind in kinds} for index, kinds in groups.items()}
 
 
 def _complement(kept: Tensor, total: int) -> List[int]:

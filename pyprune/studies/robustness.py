@@ -62,6 +62,7 @@ from ..methods.structured import STREAM
 from ..evaluation.perplexity import perplexity
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
+from ..runtime.checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from .results import mean_std, verdict_cell
 from .study import Arm, Study
 from .verdict import RULE, paired_verdict
@@ -163,16 +164,73 @@ def rank_correlation(first: LayerScores, second: LayerScores) -> Dict[str, float
     return {kind: sum(spearman(first[i][kind], second[i][kind]) for i in layers) / len(layers) for kind in kinds}
 
 
+class ScoreStore:
+    """The group scores of each prune of one arm, kept in ``directory`` so that they are computed
+    once: a prune whose scores are there cuts them (at any ratio: the scores do not depend on it,
+    :meth:`pyprune.methods.StructuredMethod.use_scores`) instead of scoring again, and a stopped
+    arm resumes after its last finished prune. One safetensors state per method, format and noise
+    seed (:class:`pyprune.runtime.checkpoint.Checkpoint`, written atomically) holds the scores, the
+    scoring details (loss scale, Moreau diagnostics) and the time of the prune that computed them,
+    keyed by everything the scores depend on: the method's settings, the format and arithmetic, the
+    batch size, the model (:func:`~pyprune.runtime.checkpoint.model_fingerprint`) and the calibration
+    tokens. A state of another key is refused, naming what differs, never reused or overwritten."""
+
+    kind = "robustness scores"
+
+    def __init__(self, directory: str, model: nn.Module, calib: Tensor, arithmetic: str, batch_size: int):
+        self.directory, self.arithmetic, self.batch_size = directory, arithmetic, batch_size
+        self.identity = {"model": model_fingerprint(model), "calibration": tokens_digest(calib)}
+
+    def _state(self, runner: "methods.StructuredMethod", name: str) -> Tuple[Checkpoint, str]:
+        settings = {"method": runner.name, "options": runner.settings, "format": name, "arithmetic": self.arithmetic,
+                    "batch_size": self.batch_size}
+        noise = f"-noise{runner.settings['noise_seed']}" if "noise_seed" in runner.settings else ""
+        return (Checkpoint(self.directory, {"settings": settings, **self.identity}, self.kind),
+                f"{runner.name}-{name}{noise}.safetensors")
+
+    def load(self, runner: "methods.StructuredMethod", name: str) -> Optional[float]:
+        """Set ``runner`` to prune from the kept scores of format ``name`` (:meth:`use_scores`): the
+        time of the prune that computed them; None (nothing set) when none are kept."""
+        states, file = self._state(runner, name)
+        stored = states.load(file)
+        if stored is None:
+            return None
+        tensors, meta = stored
+        scores: Dict[int, Dict[str, Tensor]] = {}
+        for key, values in tensors.items():
+            layer, kind = key.split(".", 1)
+            scores.setdefault(int(layer), {})[kind] = values
+        runner.use_scores(scores, meta["details"])
+        return meta["time_s"]
+
+    def save(self, runner: "methods.StructuredMethod", name: str, time_s: float) -> None:
+        """Keep the scores ``runner``'s last prune computed in format ``name`` (none when it scored nothing)."""
+        if not runner.layer_scores:
+            return
+        states, file = self._state(runner, name)
+        tensors = {f"{layer}.{kind}": values for layer, kinds in runner.layer_scores.items()
+                   for kind, values in kinds.items()}
+        states.save(file, tensors, {"details": runner.scoring_details(), "time_s": time_s})
+
+
 def _prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, pattern: Structured, calib: Tensor,
-                batch_size: int, progress: bool, options: Dict) -> Tuple[nn.Module, Dict, Dict]:
+                batch_size: int, progress: bool, options: Dict, store: Optional[ScoreStore] = None
+                ) -> Tuple[nn.Module, Dict, Dict]:
     """A copy of ``model`` in format ``name`` pruned by ``method``: (the pruned copy, the pruning
-    report, its layer scores ``layer -> {"heads", "channels"}``)."""
+    report, its layer scores ``layer -> {"heads", "channels"}``), from the scores ``store`` keeps
+    when it keeps them (the report's ``time_s`` is then the time of the prune that computed them),
+    otherwise scored here and kept in ``store``."""
     runner = methods.get(method, **options)
     if not isinstance(runner, methods.StructuredMethod):
         raise ValueError(f"method must be a structured method; got {method!r}")
+    scored_in = store.load(runner, name) if store is not None else None
     pruned = to_format(copy.deepcopy(model), name, arithmetic)
     with linear_arithmetic(arithmetic):
         report = pruning.prune(pruned, runner, pattern, calib, batch_size=batch_size, progress=progress)
+    if scored_in is not None:
+        report["time_s"] = scored_in
+    elif store is not None:
+        store.save(runner, name, report["time_s"])
     scores = {layer: {kind: grouped[kind] for kind in KINDS if kind in grouped}
               for layer, grouped in runner.layer_scores.items()}
     return pruned, report, scores
@@ -190,10 +248,12 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
           eval_seqlen: int = 128, arithmetic: str = "rounding", eval_format: str = "float32",
           cross: bool = True, noise_control: bool = True, noise_formats: Sequence[str] = ("bfloat16",),
           keep_scores: bool = False, uniform: bool = False, batch_size: int = 8, progress: bool = True,
-          **options) -> Dict:
+          scores_dir: Optional[str] = None, **options) -> Dict:
     """Prune copies of ``model`` in bf16 and in fp16 with ``method`` at structured ``ratio`` and
     compare them (see the module docstring). ``model`` itself is not changed; ``options`` go to the
-    method (``loss_scaling`` defaults to on for the 16-bit arithmetics).
+    method (``loss_scaling`` defaults to on for the 16-bit arithmetics). With ``scores_dir`` each
+    prune's group scores are kept there and reused by a later call with the same settings (another
+    ratio, a resumed run; :class:`ScoreStore`); one directory per method variant and calibration.
 
     Returns the report: ``method``, ``agreement``, ``spearman``, ``ppl_bf16`` / ``ppl_fp16`` /
     ``ppl_diff`` in ``eval_format``; with ``cross`` ``ppl_cross[pruned in][evaluated in]`` over the
@@ -209,10 +269,11 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
     options = {"loss_scaling": arithmetic != "rounding", **options}
     pattern = Structured(ratio, uniform=uniform)
     evaluated_in = list(dict.fromkeys([eval_format] + (list(FORMATS) if cross else [])))
+    store = ScoreStore(scores_dir, model, calib, arithmetic, batch_size) if scores_dir is not None else None
     runs, groups, scores = {}, {}, {}
     for name in FORMATS:
         pruned, report, scores[name] = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
-                                                   progress, options)
+                                                   progress, options, store)
         groups[name] = pruned_groups(report)
         ppl = {}
         for fmt in evaluated_in:
@@ -246,7 +307,7 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
         per_format = {}
         for name in dict.fromkeys(noise_formats):
             pruned, report, other = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
-                                                progress, {**options, "noise_seed": seeds[1]})
+                                                progress, {**options, "noise_seed": seeds[1]}, store)
             ppl = _perplexity_in(pruned, eval_format, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
             del pruned
             per_format[name] = {"agreement": agreement(groups[name], pruned_groups(report)),
@@ -325,6 +386,14 @@ def _scores_path(directory, run, seed):
     method, arithmetic, layers, ratio, structure = _key(run)
     hidden = "-hidden" if structure == "hidden" else ""
     return os.path.join(directory, f"{method}-{arithmetic}-{layers}{hidden}-{ratio}-seed{seed}.safetensors")
+
+
+def _arm_scores_dir(directory, run):
+    """Where the arm of ``run`` keeps each prune's scores (:class:`ScoreStore`): one directory per
+    variant, arithmetic, layers, structure and seed, shared by the ratios."""
+    method, arithmetic, layers, _, structure = _key(run)
+    hidden = "-hidden" if structure == "hidden" else ""
+    return os.path.join(directory, "arms", f"{method}-{arithmetic}-{layers}{hidden}-seed{run['seed']}")
 
 
 def save_scores(path, report):
@@ -427,6 +496,50 @@ def _noise_ppl(run) -> Dict[str, float]:
     return (run.get("noise_floor") or {}).get("ppl_diff", {})
 
 
+def format_against_noise(runs):
+    """Per setting with a noise floor, the bf16/fp16 comparison against two noise draws of one format,
+    paired by calibration seed (:func:`pyprune.studies.verdict.paired_verdict`): (key, its runs,
+    the agreement verdict, the ppl_diff verdict). Differences: the run's agreement − its noise
+    floor's (higher is better: the formats' selections agree more than two noise draws'), and its
+    ppl_diff − the mean over the floor's formats of their ppl_diff (lower is better); the ppl_diff
+    verdict is None where no run has a perplexity floor. "ahead" thus reads: the format moves the
+    choice (the perplexity) less than the method's own noise does."""
+    found = []
+    for key in sorted({_key(r) for r in runs if r.get("noise_floor")},
+                      key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]), k[1])):
+        rows = [r for r in runs if _key(r) == key and r.get("noise_floor")]
+        agreement_verdict = paired_verdict({r["seed"]: r["agreement"] for r in rows},
+                                           {r["seed"]: r["noise_floor"]["agreement"] for r in rows},
+                                           lower_is_better=False)
+        floors = {r["seed"]: statistics.fmean(_noise_ppl(r).values()) for r in rows if _noise_ppl(r)}
+        ppl_verdict = paired_verdict({r["seed"]: r["ppl_diff"] for r in rows}, floors) if floors else None
+        found.append((key, rows, agreement_verdict, ppl_verdict))
+    return found
+
+
+def format_against_noise_lines(runs):
+    """The markdown of :func:`format_against_noise` (nothing when no run has a noise floor)."""
+    found = format_against_noise(runs)
+    if not found:
+        return []
+    lines = ["", "The format against the noise draw, paired by calibration seed: the bf16/fp16 agreement and the "
+             "paper's Diff (ppl_diff) beside the same measures between two noise draws of one format (perplexity: "
+             f"the mean over the floor's formats); ahead or behind only when {RULE}. Difference = bf16/fp16 − "
+             "noise floor; ahead: the format moves the selection (the perplexity) less than a second noise draw "
+             "does.", "",
+             "| method | arithmetic | structure | layers | ratio | agreement bf16/fp16 | noise floor agr. | "
+             "agreement − floor | ppl_diff (the paper's Diff) | noise floor ppl_diff | ppl_diff − floor |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|---|"]
+    for key, rows, agreement_verdict, ppl_verdict in found:
+        floors = [statistics.fmean(_noise_ppl(r).values()) if _noise_ppl(r) else None for r in rows]
+        lines.append(f"| {key[0]} | {key[1]} | {key[4]} | {key[2]} | {key[3]:g} | "
+                     f"{mean_std([r['agreement'] for r in rows])} | "
+                     f"{mean_std([r['noise_floor']['agreement'] for r in rows])} | {verdict_cell(agreement_verdict)} | "
+                     f"{mean_std([r['ppl_diff'] for r in rows], '.2f')} | {mean_std(floors, '.2f')} | "
+                     f"{'–' if ppl_verdict is None else verdict_cell(ppl_verdict, '.2f')} |")
+    return lines
+
+
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
     lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
@@ -465,20 +578,21 @@ def markdown(result) -> str:
                  mean_std([m.get("gs_shrunk_1pct") for m in moreau])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += verdict_lines(runs)
+    lines += format_against_noise_lines(runs)
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
               "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
               "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "
               "prune s (bf16, fp16) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
-        cross = r["ppl_cross"]
+        cross = r["ppl_cross"] or {name: {fmt: None for fmt in FORMATS} for name in FORMATS}
         backoffs = [r["runs"][f].get("loss_scale", {}).get("backoffs") for f in ("bfloat16", "float16")]
         lines.append(
             f"| {r['method']} | {r['arithmetic']} | {r.get('structure', 'groups')} | {r['layers']} | "
             f"{r['overall_ratio']:g} | {r['seed']} | {r['agreement']:.4f} | {_rho_channels(r['spearman']):.5f} | "
             f"{mean_std([r['spearman'].get('heads')])} | "
-            f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | {cross['bfloat16']['bfloat16']:.2f} | "
-            f"{cross['bfloat16']['float16']:.2f} | {cross['float16']['bfloat16']:.2f} | "
-            f"{cross['float16']['float16']:.2f} | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
+            f"{r['ppl_bf16']:.2f} | {r['ppl_fp16']:.2f} | "
+            + " | ".join(mean_std([cross[name][fmt]], ".2f") for name in FORMATS for fmt in FORMATS)
+            + f" | {', '.join('–' if b is None else str(b) for b in backoffs)} | "
             f"{r['runs']['bfloat16']['time_s']:.0f}, {r['runs']['float16']['time_s']:.0f} |")
     if not runs:
         lines = lines[:1]
@@ -502,10 +616,13 @@ class Robustness(Study):
 
     Every arm (method variant × arithmetic × ratio × calibration seed, seeds the outer loop) runs
     :func:`study`: the agreement of the bf16 and fp16 runs' pruned groups, the rank correlation of
-    all group scores, both pruned models' perplexities in fp32 and the 2 × 2 pruned-in ×
-    evaluated-in. Controls: the Monte-Carlo floor (``noise_floor``) and the calibration floor
-    (agreement and rank correlation between the bf16 runs of two calibration seeds, from the
-    per-run scores kept in the ``.scores`` directory beside the results, not committed).
+    all group scores, both pruned models' perplexities in fp32 (each pruned model evaluated once;
+    with ``cross`` also the 2 × 2 pruned-in × evaluated-in). Controls: the Monte-Carlo floor
+    (``noise_floor``) and the calibration floor (agreement and rank correlation between the bf16
+    runs of two calibration seeds, from the per-run scores kept in the ``.scores`` directory beside
+    the results, not committed). Each prune's group scores are kept there too, under ``arms/``
+    (:class:`ScoreStore`), as soon as they are computed: the ratios of one arm share them (scored
+    once, cut at every ratio) and a stopped arm resumes after its last finished prune.
     ``eta_sweep`` runs instead a MoreauPruner-GS η sweep against η = 0 (:func:`eta_sweep`; bf16,
     rounding, the first seed and ratio) into ``NAME-eta-sweep.{json,md}``.
 
@@ -540,6 +657,8 @@ class Robustness(Study):
     smoothgrad_passes: int = option(10, "SmoothGrad's K (paper: 100)", at_least_one)
     noise_floor: bool = option(True, "prune once more in bf16 with the next noise seed (methods with noise; +50% "
                                "time)")
+    cross: bool = option(False, "evaluate each pruned model in bf16 and fp16 too (ppl_cross, the 2 x 2 of pruned in x "
+                         "evaluated in); otherwise once, in fp32")
     noise_formats: Tuple[str, ...] = option(("bfloat16",), "the formats the noise floor prunes once more in (with "
                                             "noise_floor): two noise draws of one format, their agreement, rank "
                                             "correlation and perplexity difference", choices=tuple(FORMATS))
@@ -619,8 +738,9 @@ class Robustness(Study):
             options["passes"] = self.smoothgrad_passes
         start = time.perf_counter()
         report = study(model, name, layer_ratio, self._calibration(context, seed), context["tokens"],
-                       eval_seqlen=self.eval_seqlen, arithmetic=arithmetic, keep_scores=True,
-                       noise_control=self.noise_floor, noise_formats=self.noise_formats, progress=False, **options)
+                       eval_seqlen=self.eval_seqlen, arithmetic=arithmetic, cross=self.cross, keep_scores=True,
+                       noise_control=self.noise_floor, noise_formats=self.noise_formats, progress=False,
+                       scores_dir=_arm_scores_dir(context["scores"], run), **options)
         report["method"] = method
         save_scores(_scores_path(context["scores"], run, seed), report)
         del report["scores"], report["groups"]

@@ -150,3 +150,36 @@ def test_the_table_sets_the_papers_diff_beside_its_noise_floor_in_perplexity():
     assert "| 2.00 ± 1.41 | 1.00 ± 0.71 / 0.50 ± 0.35 |" in moreau
     [taylor] = [line for line in lines if line.startswith("| taylor | fp32-accumulate | hidden | all | 0.1 | 2 |")]
     assert "| 3.00 ± 1.41 | – / – |" in taylor
+
+
+def _noisy_run(method, seed, agreement, floor_agreement, ppl_diff, noise_ppl):
+    run = _full_run(method, seed, ppl_diff, noise_ppl)
+    run["agreement"], run["noise_floor"]["agreement"] = agreement, floor_agreement
+    return run
+
+
+def test_the_format_is_set_against_the_noise_draw_by_the_verdict_rule():
+    """Per setting with a noise floor, bf16/fp16 against two noise draws paired by seed: ahead where on
+    every seed the formats agree more than the draws and their perplexities differ less (than the
+    mean of the floor's formats) by more than two standard errors; behind the other way; unsettled
+    where the signs differ; no perplexity verdict for floors without one, no row without a floor."""
+    runs = [_noisy_run("moreau", 0, 0.99, 0.93, 0.2, (1.0, 2.0)), _noisy_run("moreau", 1, 0.98, 0.94, 0.4, (1.5, 2.5)),
+            _noisy_run("moreau", 2, 0.99, 0.92, 0.3, (2.0, 1.0)),
+            _noisy_run("smoothgrad", 0, 0.90, 0.95, 5.0, (1.0, 1.0)),
+            _noisy_run("smoothgrad", 1, 0.91, 0.96, 6.0, (1.0, 1.0)),
+            _noisy_run("smoothgrad", 2, 0.90, 0.97, 7.0, (2.0, 2.0)),
+            _noisy_run("moreau-gs", 0, 0.99, 0.93, 0.2, (1.0, 1.0)),
+            _noisy_run("moreau-gs", 1, 0.90, 0.93, 3.0, (1.0, 1.0)),
+            _full_run("taylor", 0, 2.0, None)]
+    runs[-2]["noise_floor"].pop("ppl_diff")
+    runs[-3]["noise_floor"].pop("ppl_diff")  # a floor measured before the perplexity floor existed
+    found = {key[0]: (agreement.word, None if ppl is None else ppl.word)
+             for key, _, agreement, ppl in robustness.format_against_noise(runs)}
+    assert found == {"moreau": ("ahead", "ahead"), "smoothgrad": ("behind", "behind"),
+                     "moreau-gs": ("unsettled", None)}
+    lines = robustness.format_against_noise_lines(runs)
+    assert "| moreau | fp32-accumulate | hidden | all | 0.1 | 0.9867 ± 0.0058 | 0.9300 ± 0.0100 | +0.0567 ± 0.0153, " \
+           "3 seeds: ahead | 0.30 ± 0.10 | 1.67 ± 0.29 | -1.37 ± 0.21, 3 seeds: ahead |" in lines
+    assert "| moreau-gs | fp32-accumulate | hidden | all | 0.1 | 0.9450 ± 0.0636 | 0.9300 ± 0.0000 | +0.0150 ± 0.0636, " \
+           "2 seeds: unsettled (signs differ across seeds) | 1.60 ± 1.98 | – | – |" in lines
+    assert robustness.format_against_noise_lines([_full_run("taylor", 0, 2.0, None)]) == []
