@@ -166,13 +166,13 @@ class DReSS(Method):
                              f"Phi-3); {type(config).__name__} has no rms_norm_eps (LayerNorm centres over every "
                              f"channel)")
         self.pruned_channels(config, pattern.ratio)
+        if self.shard_training and self.checkpoint:
+            raise ValueError(f"option shard_training of method {self.name!r} takes no checkpoint (a sharded "
+                             f"regularisation is not saved mid-run); got checkpoint={self.checkpoint!r}")
         if self.shard_training and not distributed.active():
             raise ValueError(f"option shard_training of method {self.name!r} shards its regularised training over "
                              "the ranks of a torch.distributed group: run under torchrun --nproc-per-node N with N "
                              ">= 2 (or in a process group of 2 or more ranks); got one process")
-        if self.shard_training and self.checkpoint:
-            raise ValueError(f"option shard_training of method {self.name!r} takes no checkpoint (a sharded "
-                             f"regularisation is not saved mid-run); got checkpoint={self.checkpoint!r}")
         if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
             self._checkpoint(None, pattern).check(parts=["settings"])
 

@@ -631,8 +631,8 @@ def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on
                for name in ranks[0][key][0])  # both ranks hold the gathered weights
 
 
-def test_shard_training_is_refused_in_one_process_before_anything_changes():
-    """By a training method and by LoRA recovery, before the model is touched."""
+def test_shard_training_is_refused_in_one_process_before_anything_changes(tmp_path):
+    """By a training method, DReSS (and with its checkpoint) and LoRA recovery, before the model is touched."""
     import pyprune
     model = tiny_decoder("llama", layers=2)
     before = [p.detach().clone() for p in model.parameters()]
@@ -644,6 +644,13 @@ def test_shard_training_is_refused_in_one_process_before_anything_changes():
     with pytest.raises(ValueError, match=r"^setting shard_training of LoRA recovery shards its training over the "
                                          r"ranks of a torch.distributed group: .*; got one process$"):
         recovery.lora_finetune(model, random_tokens(**CALIB), steps=1, shard_training=True)
+    with pytest.raises(ValueError, match=r"^option shard_training of method 'dress' shards its regularised training "
+                                         r"over the ranks of a torch.distributed group: .*; got one process$"):
+        pyprune.prune(model, "dress", Structured(0.25), random_tokens(**CALIB), batch_size=BATCH, shard_training=True)
+    with pytest.raises(ValueError, match=r"^option shard_training of method 'dress' takes no checkpoint .*; got "
+                                         r"checkpoint='.*'$"):
+        pyprune.prune(model, "dress", Structured(0.25), random_tokens(**CALIB), batch_size=BATCH, shard_training=True,
+                      checkpoint=str(tmp_path / "checkpoint"))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
