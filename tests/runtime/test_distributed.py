@@ -720,3 +720,62 @@ def test_dress_sharded_removes_the_data_parallel_channels_with_its_penalties_and
     for name in ("dress-penalty-True", "dress-proximal-True"):  # both ranks hold the gathered weights
         assert all(torch.equal(sharded_ranks[0][name][4][n], sharded_ranks[1][name][4][n])
                    for n in sharded_ranks[0][name][4])
+
+
+#: (family, norm) of :func:`_dress_norms_worker`: Gemma's norms are shrunk on their effective scale 1 + w
+DRESS_NORMS = [("llama", "l1"), ("gemma3", "l2")]
+
+
+def _dress_norms_worker(rank, world, rendezvous, out):
+    """DReSS's penalty gradient and proximal step on each of :data:`DRESS_NORMS`' gradients, whole and on the model's copy sharded by rows (each rank's loss half the same batch's, so FSDP's sum is
+    the whole gradient): the whole gradients, totals and weights of both, per family and norm."""
+    import contextlib
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        from pyprune.methods.dress import DReSS
+        from pyprune.nn.anatomy import decoder_blocks
+        from pyprune.runtime.training import sharded_copy
+        channels, batch = torch.tensor([1, 5, 30, 33, 40, 63]), random_tokens(**CALIB)
+        results = {}
+        for family, norm in DRESS_NORMS:
+            for sharded in (False, True):
+                model = tiny_decoder(family, layers=2).train()
+                slices = DReSS().penalised_slices(model)
+                names = {id(p): name for name, p in model.named_parameters()}
+                with sharded_copy(model, decoder_blocks(model), fp32=False) if sharded else \
+                        contextlib.nullcontext(model) as trained:
+                    (trained(input_ids=batch, labels=batch).loss * (0.5 if sharded else 1.0)).backward()
+                    copied = dict(trained.named_parameters())
+                    mine = [(name, copied[names[id(p)]], dim, offset) for name, p, dim, offset in slices]
+                    total = DReSS.penalise_(mine, channels, 0.3, norm)
+                    grads = {name: (p.grad.full_tensor() if sharded else p.grad).clone()
+                             for name, p, _, _ in mine}
+                    DReSS.proximal_step(mine, channels, 0.05, norm)
+                results[f"{family}-{norm}-{sharded}"] = (total, grads, {
+                    name: p.detach().clone() for name, p in model.named_parameters()})
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dress_penalty_and_proximal_step_on_rows_sharded_over_the_ranks_act_on_the_whole_channels(tmp_path):
+    """On rows sharded over 2 ranks, DReSS's penalty (ℓ1 on Llama, ℓ2 on Gemma 3) adds the whole model's
+    gradient and its proximal step gives the whole model's weights, with channels in both ranks' rows of the
+    writers and norms and in every rank's rows of the readers' columns (Gemma's norms shrunk on 1 + w): each
+    channel's norm is summed over the ranks. Without that sum (each rank its own rows' norms) the totals, and
+    ℓ2's gradients and shrinks, differ."""
+    mp.spawn(_dress_norms_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for family, norm in DRESS_NORMS:
+            (total, grads, weights), (got, sharded_grads, sharded_weights) = (
+                result[f"{family}-{norm}-{sharded}"] for sharded in (False, True))
+            assert abs(got - total) <= 1e-6 * total, (rank, family, norm)
+            assert grads.keys() == sharded_grads.keys() and len(grads) >= 2 * 7 + 2
+            assert all(torch.allclose(sharded_grads[n], grads[n], rtol=1e-5, atol=1e-7) for n in grads), \
+                (rank, family, norm)
+            assert all(torch.allclose(sharded_weights[n], weights[n], rtol=1e-5, atol=1e-7) for n in weights), \
+                (rank, family, norm)
+            dense = tiny_decoder(family, layers=2).state_dict()
+            assert any(not torch.equal(weights[n], dense[n]) for n in weights)  # the step moved weights
