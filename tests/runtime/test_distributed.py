@@ -88,7 +88,8 @@ def _prune_all(cases, families=FAMILIES, only=None):
                 continue
             model = _model(family)
             report = pyprune.prune(model, method, pattern, calib, batch_size=BATCH, progress=False, **options)
-            results[f"{family}/{case}"] = (_linear_weights(model), report.get("owl"), report.get("admm", {}).get("layers"),
+            results[f"{family}/{case}"] = (_linear_weights(model), report.get("owl"),
+                                           report.get("admm", {}).get("layers"),
                                            report.get("pruned_channels"))
     return results
 
@@ -701,9 +702,10 @@ def test_dress_sharded_removes_the_data_parallel_channels_with_its_penalties_and
     """DReSS's regularisation (and its LoRA recovery) with ``shard_training``: each rank holds half the
     optimiser state of the data-parallel run (the tiny Llama's dimensions are even); its group-lasso penalty
     (gradient or proximal step) acts on each channel's norm summed from the two ranks' rows, so it logs the
-    data-parallel run's penalties (up to the rounding of those sums: within a relative 1e-7), removes the same channels, and its weights stay
-    closer to the data-parallel run's than a tenth of the distance between two training seeds (the norms'
-    float64 sums of two halves round unlike one float32 norm, and AdamW's normalised steps carry that on)."""
+    data-parallel run's penalties (up to the rounding of those sums: within a relative 1e-7), removes the
+    same channels, and its weights stay closer to the data-parallel run's than a tenth of the distance
+    between two training seeds (the norms' float64 sums of two halves round unlike one float32 norm, and
+    AdamW's normalised steps carry that on)."""
     seed0, seed1 = (one_process[f"llama/dress-seed{seed}"][0] for seed in (0, 1))
     for rank, result in enumerate(sharded_ranks):
         for name, _ in SHARDED_DRESS[::2]:
@@ -727,8 +729,9 @@ DRESS_NORMS = [("llama", "l1"), ("gemma3", "l2")]
 
 
 def _dress_norms_worker(rank, world, rendezvous, out):
-    """DReSS's penalty gradient and proximal step on each of :data:`DRESS_NORMS`' gradients, whole and on the model's copy sharded by rows (each rank's loss half the same batch's, so FSDP's sum is
-    the whole gradient): the whole gradients, totals and weights of both, per family and norm."""
+    """DReSS's penalty gradient and proximal step on each of :data:`DRESS_NORMS`' gradients, whole and on
+    the model's copy sharded by rows (each rank's loss half the same batch's, so FSDP's sum is the whole
+    gradient): the whole gradients, totals and weights of both, per family and norm."""
     import contextlib
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
