@@ -169,8 +169,9 @@ def nonempty(value) -> Optional[str]:
 
 
 def shard_training() -> Any:
-    """The ``shard_training`` option of the block-training methods and of LoRA recovery, declared
+    """The ``shard_training`` option of the block-training methods, DReSS and LoRA recovery, declared
     once (:func:`pyprune.runtime.training.sharded_block`, :func:`pyprune.runtime.training.train`)."""
-    return option(False, "training (safe, safe+, masked-recon, LoRA recovery), under torchrun with 2 or more ranks: "
+    return option(False, "training (safe, safe+, masked-recon, dress, LoRA recovery), under torchrun with 2 or more "
+                  "ranks: "
                   "shard the trained weights, their gradients and the optimiser state over the ranks (PyTorch's "
                   "FSDP2), for a block or model whose training state does not fit one device")

@@ -17,6 +17,10 @@ Table 3); the kept width stays a multiple of the head count (and of ``multiple``
    then applies the penalty's proximal operator to the slices, prox of lr·λ‖·‖ (proximal gradient,
    step lr): group soft-thresholding (:func:`pyprune.ops.group_soft_threshold`; ℓ1: elementwise
    :func:`pyprune.ops.soft_threshold`), which sets a slice exactly to zero once its norm is below lr·λ.
+   With ``shard_training`` the model trains sharded over the ranks (FSDP2, each decoder block a
+   unit): each rank holds rows of every weight, so a channel's slice norm is the square root of
+   its partial squared norms (ℓ1: its partial sums of |w|) summed over the ranks, one all-reduce a
+   step (:meth:`DReSS.sharded_slices`), and every rank shrinks its rows of the slice alike.
 2. Slice (Eqs. 8-9): :func:`pyprune.nn.keep_hidden_channels_` removes P physically; each norm
    is then scaled by the factor that keeps its output on the calibration data (``rescale_norms``,
    not in the paper; :meth:`DReSS.norm_scales`): sqrt(s·d/d') with s the kept channels' measured
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops import reference
 from ..ops.conventions import kept_count, round_half_up
 from ..nn.measure import model_cost
 from ..nn.anatomy import block_linears, decoder_blocks
@@ -48,7 +53,7 @@ from ..runtime import distributed
 from ..runtime.checkpoint import model_fingerprint
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .base import Method
-from .options import at_least_one, nonnegative, option, positive, written_directory
+from .options import at_least_one, nonnegative, option, positive, shard_training, written_directory
 
 
 
@@ -101,6 +106,7 @@ class DReSS(Method):
                                        "same settings resumes from it", written_directory)
     checkpoint_every: int = option(10, "DReSS: steps between checkpoints", at_least_one)
     train_seed: int = option(0, "DReSS: seed of the minibatch order (and of LoRA)")
+    shard_training: bool = shard_training()
 
     # -- which channels ------------------------------------------------------------------------
 
@@ -160,6 +166,13 @@ class DReSS(Method):
                              f"Phi-3); {type(config).__name__} has no rms_norm_eps (LayerNorm centres over every "
                              f"channel)")
         self.pruned_channels(config, pattern.ratio)
+        if self.shard_training and self.checkpoint:
+            raise ValueError(f"option shard_training of method {self.name!r} takes no checkpoint (a sharded "
+                             f"regularisation is not saved mid-run); got checkpoint={self.checkpoint!r}")
+        if self.shard_training and not distributed.active():
+            raise ValueError(f"option shard_training of method {self.name!r} shards its regularised training over "
+                             "the ranks of a torch.distributed group: run under torchrun --nproc-per-node N with N "
+                             ">= 2 (or in a process group of 2 or more ranks); got one process")
         if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
             self._checkpoint(None, pattern).check(parts=["settings"])
 
@@ -296,7 +309,7 @@ class DReSS(Method):
             details["lora"] = lora_finetune(model, recovery, steps=self.lora_steps, rank=self.lora_rank,
                                             alpha=self.lora_alpha, lr=self.lora_lr, seed=self.train_seed,
                                             batch_size=min(self.train_batch, recovery.shape[0]),
-                                            progress=progress)
+                                            progress=progress, shard_training=self.shard_training)
         return details
 
     @staticmethod
@@ -305,11 +318,67 @@ class DReSS(Method):
         """W[slice c] ← prox of α‖·‖ at W[slice c] for every c in ``channels`` of every penalised
         tensor, in place; the other entries are not touched. ℓ2: group soft-thresholding,
         W_c·max(0, 1 − α/‖W_c‖₂) (zero once ‖W_c‖₂ ≤ α); ℓ1: sign(w)·max(|w| − α, 0) per entry.
-        An offset norm (Gemma's 1 + w) is shrunk on its effective scale: w ← prox(1 + w) − 1."""
+        An offset norm (Gemma's 1 + w) is shrunk on its effective scale: w ← prox(1 + w) − 1.
+        Tensors sharded by rows over the ranks shrink their rows by the norms summed over the
+        ranks (:meth:`sharded_slices`)."""
+        if slices and distributed.sharded(slices[0][1]):
+            for rows, dim, offset, held, part, norms in DReSS.sharded_slices(slices, channels, norm)[0]:
+                shrunk = reference.group_shrink(part, norms, alpha) if norm == "l2" else \
+                    ops.soft_threshold(part, alpha)
+                rows.index_copy_(dim, held, (shrunk - offset if offset else shrunk).to(rows.dtype))
+            return
         for _, p, dim, offset in slices:
             part = DReSS.effective(p, offset).index_select(dim, channels)
             shrunk = ops.group_soft_threshold(part, alpha, dim) if norm == "l2" else ops.soft_threshold(part, alpha)
             p.index_copy_(dim, channels, shrunk - offset if offset else shrunk)
+
+    @staticmethod
+    @torch.no_grad()
+    def penalise_(slices, channels: Tensor, lam: float, norm: str) -> float:
+        """grad[slice c] += lam·∂‖W[slice c]‖/∂W for every c in ``channels`` of every penalised
+        tensor (:func:`pyprune.ops.channel_penalty_`; of this rank's rows, with the norms summed
+        over the ranks, for tensors sharded by rows: :meth:`sharded_slices`); returns Σ‖slice‖."""
+        if not (slices and distributed.sharded(slices[0][1])):
+            return sum(float(ops.channel_penalty_(p.grad, DReSS.effective(p, offset), channels, dim, lam, norm).sum())
+                       for _, p, dim, offset in slices)
+        parts, total = DReSS.sharded_slices(slices, channels, norm)
+        for (_, p, _, _), (_, dim, _, held, part, norms) in zip(slices, parts):
+            grad = distributed.local(p.grad)
+            step = grad.index_select(dim, held).float() + reference.penalty_gradient(part, norms, lam, norm)
+            grad.index_copy_(dim, held, step.to(grad.dtype))
+        return total
+
+    @staticmethod
+    @torch.no_grad()
+    def sharded_slices(slices, channels: Tensor, norm: str) -> Tuple[List[Tuple], float]:
+        """The slices of ``channels`` in the rows this rank holds of every penalised tensor sharded
+        by rows over the ranks (a ``DTensor``), and Σ‖slice‖ over them all. A reader's slice (a
+        column) runs through every rank's rows, a writer's or a norm's (a row, an entry) lies in one
+        rank's: either way each rank adds up its rows' part of every channel's norm — Σw² for ℓ2,
+        Σ|w| for ℓ1, in float64, 0 where it holds none of the slice — and one all-reduce of these
+        partials gives every rank the whole norms. Per tensor: (its local rows, dim, offset, the
+        local indices of the slices it holds, their fp32 values + offset, their norms in fp32
+        shaped to broadcast against them)."""
+        count, held_slices, partials = channels.numel(), [], []
+        for _, p, dim, offset in slices:
+            rows = distributed.local(p)
+            first, stop = distributed.rows_held(p)
+            at = ((channels >= first) & (channels < stop)).nonzero().reshape(-1) if dim == 0 else \
+                torch.arange(count, device=channels.device)
+            held = channels[at] - first if dim == 0 else channels
+            part = DReSS.effective(rows, offset).index_select(dim, held).float()
+            measure = part.double().abs() if norm == "l1" else part.double().square()
+            others = [d for d in range(part.dim()) if d != dim]
+            partial = torch.zeros(count, dtype=torch.float64, device=part.device)
+            partial[at] = measure.sum(others) if others else measure
+            held_slices.append((rows, dim, offset, held, part, at))
+            partials.append(partial)
+        sums = distributed.all_reduce_(torch.cat(partials))
+        norms = (sums if norm == "l1" else sums.sqrt()).split(count)
+        parts = [(rows, dim, offset, held, part,
+                  whole.float()[at].reshape([-1 if d == dim else 1 for d in range(part.dim())]))
+                 for (rows, dim, offset, held, part, at), whole in zip(held_slices, norms)]
+        return parts, float(sums.sum() if norm == "l1" else sum(whole.sum() for whole in norms))
 
     @torch.no_grad()
     def _rescale_norms(self, model, scales: Dict[str, float]) -> None:
@@ -322,22 +391,30 @@ class DReSS(Method):
                     checkpoint: Optional[TrainingCheckpoint], progress: bool) -> Dict:
         """Train every weight on LM loss + λ·penalty (Eq. 1) with fp32 master weights: the penalty's
         gradient added by :func:`pyprune.ops.channel_penalty_` after each backward, or (proximal)
-        :meth:`proximal_step` after each step; the log's ``penalty`` is λ·Σ‖slice‖ before the step."""
+        :meth:`proximal_step` after each step; the log's ``penalty`` is λ·Σ‖slice‖ before the step.
+        With ``shard_training`` a copy sharded over the ranks trains (each decoder block an FSDP
+        unit), its trained weights gathered back into ``model`` at the end."""
         index = channels.to(next(model.parameters()).device)
         proximal = self.regulariser == "proximal"
+        of = {id(model): slices}  # the penalised slices of the module that trains (model, or its sharded copy)
 
-        def penalty() -> Dict[str, float]:
-            total = sum(float(ops.channel_penalty_(p.grad, self.effective(p, offset), index, dim,
-                                                   0.0 if proximal else self.lam, self.norm).sum())
-                        for _, p, dim, offset in slices)
+        def trained_slices(trained: nn.Module):
+            if id(trained) not in of:  # the copy's parameters of the same names
+                names, copied = {id(p): name for name, p in model.named_parameters()}, dict(trained.named_parameters())
+                of[id(trained)] = [(name, copied[names[id(p)]], dim, offset) for name, p, dim, offset in slices]
+            return of[id(trained)]
+
+        def penalty(trained: nn.Module) -> Dict[str, float]:
+            total = self.penalise_(trained_slices(trained), index, 0.0 if proximal else self.lam, self.norm)
             return {"penalty": round(self.lam * total, 6)}
 
         start, lr = time.perf_counter(), self.learning_rate(model)
         with fp32_master_weights(model), torch.enable_grad():
             log = train(model, list(model.parameters()), windows, steps=self.steps, lr=lr,
                         batch_size=self.train_batch, seed=self.train_seed, after_backward=penalty,
-                        after_step=(lambda: self.proximal_step(slices, index, lr * self.lam, self.norm))
-                        if proximal else None,
-                        checkpoint=checkpoint, desc="dress regularise", progress=progress)
+                        after_step=(lambda trained: self.proximal_step(trained_slices(trained), index,
+                                                                       lr * self.lam, self.norm))
+                        if proximal else None, checkpoint=checkpoint, desc="dress regularise", progress=progress,
+                        shard=decoder_blocks(model) if self.shard_training else ())
         log["time_s"], log["lr"] = round(time.perf_counter() - start, 1), lr
         return log

@@ -94,8 +94,13 @@ def group_soft_threshold(x: Tensor, alpha: float, group_dim: int) -> Tensor:
     xf = x.float()
     other_dims = [d for d in range(x.dim()) if d != group_dim % x.dim()]
     norm = xf.square().sum(dim=other_dims, keepdim=True).sqrt() if other_dims else xf.abs()
-    scale = torch.where(norm > alpha, 1.0 - alpha / norm, torch.zeros_like(norm))
-    return (xf * scale).to(x.dtype)
+    return group_shrink(xf, norm, alpha).to(x.dtype)
+
+
+def group_shrink(x: Tensor, norms: Tensor, alpha: float) -> Tensor:
+    """x_g·max(0, 1 − α/‖x_g‖₂) given the groups' norms (broadcast against x): group
+    soft-thresholding once the norms are known, e.g. summed over the ranks that hold a group's parts."""
+    return x * torch.where(norms > alpha, 1.0 - alpha / norms, torch.zeros_like(norms))
 
 
 def nm_compress(w: Tensor, mask: Tensor, n: int, m: int) -> Tuple[Tensor, Tensor]:
@@ -234,13 +239,19 @@ def channel_penalty_(grad: Tensor, weight: Tensor, channels: Tensor, dim: int, l
     others = [d for d in range(weight.dim()) if d != dim]
     if norm == "l1":
         norms = slices.abs().sum(dim=others, keepdim=True) if others else slices.abs()
-        step = lam * slices.sign()
     else:
         norms = torch.linalg.vector_norm(slices, dim=others, keepdim=True) if others else slices.abs()
-        step = slices * torch.where(norms > 0, lam / norms, torch.zeros_like(norms))
-    updated = grad.index_select(dim, channels).float() + step
+    updated = grad.index_select(dim, channels).float() + penalty_gradient(slices, norms, lam, norm)
     grad.index_copy_(dim, channels, updated.to(grad.dtype))
     return norms.reshape(-1)
+
+
+def penalty_gradient(slices: Tensor, norms: Tensor, lam: float, norm: str) -> Tensor:
+    """lam·∂‖W_c‖/∂W on the fp32 ``slices`` given their norms (broadcast against them): lam·W/‖W‖₂
+    (none where the norm is 0) for "l2", lam·sign(W) for "l1"."""
+    if norm == "l1":
+        return lam * slices.sign()
+    return slices * torch.where(norms > 0, lam / norms, torch.zeros_like(norms))
 
 
 # ---- SAFE: ADMM dual update and the penalised SAM/Adam step (spec §1.4–1.8, K5–K6) --------------

@@ -13,9 +13,10 @@ unconditionally. In a process group of N ranks:
 * :func:`all_reduce_gradients_`: training (a block's reconstruction, DReSS's regularisation, LoRA
   recovery: :func:`pyprune.runtime.training.backward_shared`) steps on the sum of the ranks'
   gradients, each rank's loss over its rows of a global minibatch.
-* :func:`sharded` / :func:`local` / :func:`sum_shards_`: block training sharded by FSDP2
-  (:func:`pyprune.runtime.training.sharded_block`): each rank holds rows of every trained weight (a
-  ``DTensor``); the optimisers step on the local rows and sum their norms over the ranks.
+* :func:`sharded` / :func:`local` / :func:`rows_held` / :func:`sum_shards_`: training sharded by FSDP2
+  (:func:`pyprune.runtime.training.sharded_copy`): each rank holds rows of every trained weight (a
+  ``DTensor``); the optimisers step on the local rows and sum their norms over the ranks, DReSS's
+  penalty its channels' norms.
 * Evaluation: perplexity sums its NLL and token counts over the ranks, each rank scoring its shard
   of the windows (:func:`shard` with ``empty_ok``).
 * :func:`owners` / :func:`broadcast_`: a block's costly per-layer solves are spread over the ranks
@@ -41,7 +42,7 @@ from torch import Tensor
 
 __all__ = ["RankFailed", "active", "rank", "world_size", "is_main", "join_from_environment", "leave", "shard_bounds",
            "shard", "owners", "all_reduce_", "reduce_", "broadcast_", "all_reduce_gradients_", "all_gather_objects",
-           "sharded", "local", "sum_shards_", "failure_shared",
+           "sharded", "local", "rows_held", "sum_shards_", "failure_shared",
            "DEFAULT_TIMEOUT_S"]
 
 #: seconds a collective waits for a silent rank before the job fails (``--dist-timeout``)
@@ -219,6 +220,17 @@ def local(tensor: Tensor) -> Tensor:
     """This rank's shard of a :func:`sharded` tensor (sharing its storage: writing it writes the
     shard), or ``tensor`` itself."""
     return tensor.detach().to_local() if sharded(tensor) else tensor
+
+
+def rows_held(tensor: Tensor) -> Tuple[int, int]:
+    """(first, stop): the rows (dim 0) of a :func:`sharded` tensor this rank holds, as FSDP2 cuts
+    them (``torch.chunk``: ceil(rows / N) a rank, the last ranks fewer or none); all of them
+    otherwise."""
+    rows = tensor.shape[0]
+    if not sharded(tensor):
+        return 0, rows
+    first = min(rank() * -(-rows // world_size()), rows)
+    return first, first + tensor.to_local().shape[0]
 
 
 def sum_shards_(tensor: Tensor, over: Tensor) -> Tensor:

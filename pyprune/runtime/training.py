@@ -110,13 +110,14 @@ class TrainingCheckpoint:
 
 
 def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps: int, lr: float,
-          batch_size: int, seed: int, after_backward: Optional[Callable[[], Dict[str, float]]] = None,
-          after_step: Optional[Callable[[], None]] = None, checkpoint: Optional[TrainingCheckpoint] = None, desc: str = "train",
-          progress: bool = True, shard: Sequence[nn.Module] = ()) -> Dict[str, list]:
+          batch_size: int, seed: int, after_backward: Optional[Callable[[nn.Module], Dict[str, float]]] = None,
+          after_step: Optional[Callable[[nn.Module], None]] = None, checkpoint: Optional[TrainingCheckpoint] = None,
+          desc: str = "train", progress: bool = True, shard: Sequence[nn.Module] = ()) -> Dict[str, list]:
     """``steps`` AdamW steps (constant ``lr``, weight decay 0) of ``params`` on the mean next-token
-    loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids). ``after_backward()``
-    runs between backward and the step and returns values to log (e.g. a penalty); ``after_step()``
-    runs after each step (e.g. a proximal step on the updated weights). Returns the log:
+    loss of seeded shuffled minibatches of ``tokens`` ([nsamples, seqlen] ids).
+    ``after_backward(trained)`` runs between backward and the step and returns values to log (e.g. a
+    penalty); ``after_step(trained)`` runs after each step (e.g. a proximal step on the updated
+    weights); ``trained`` is the module that trains (``model``, or its sharded copy). Returns the log:
     ``loss`` per step and each logged value per step. A non-finite loss raises FloatingPointError.
     With ``checkpoint``, saved every ``checkpoint.every`` steps and at the end (by rank 0 in a
     process group), and resumed from.
@@ -125,14 +126,16 @@ def train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, steps
     part of every minibatch (:func:`backward_shared`: gradients summed over the ranks before
     ``after_backward`` and the step), so the ranks train one model as one process would, up to the
     rounding of the sums. With ``shard`` (submodules of ``model``, e.g. its decoder blocks; in a
-    process group only, without ``checkpoint``, ``after_backward`` or ``after_step``), a copy of
-    the model sharded over the ranks trains (:func:`sharded_copy`, each of ``shard`` a unit, in the
-    model's dtype), and the trained parameters come back into ``model`` at the end; a rank without
-    rows in a minibatch runs its first row of it, weighted 0."""
+    process group only, without ``checkpoint``), a copy of the model sharded over the ranks trains
+    (:func:`sharded_copy`, each of ``shard`` a unit, in the model's dtype), and the trained
+    parameters come back into ``model`` at the end; a rank without rows in a minibatch runs its
+    first row of it, weighted 0. The hooks then get the copy, whose parameters and gradients hold
+    this rank's rows (:func:`pyprune.runtime.distributed.local`): what they compute over whole
+    tensors they sum over the ranks, and every rank must call them alike (they may hold collectives)."""
     if shard and not distributed.active():
         raise ValueError("train: shard needs a process group of 2 or more ranks")
-    if shard and (checkpoint is not None or after_backward is not None or after_step is not None):
-        raise ValueError("train: a sharded run takes no checkpoint, after_backward or after_step")
+    if shard and checkpoint is not None:
+        raise ValueError("train: a sharded run takes no checkpoint")
     with sharded_copy(model, shard, fp32=False) if shard else contextlib.nullcontext(model) as training:
         names = {id(p): name for name, p in model.named_parameters()}
         copied = dict(training.named_parameters())
@@ -167,11 +170,11 @@ def _train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, step
             value = float(backward_shared(params, share if mine.numel() else None, device))
             if not math.isfinite(value):
                 raise FloatingPointError(f"{desc}: the training loss is {value} at step {step} (try a smaller lr)")
-            for key, extra in (after_backward() if after_backward is not None else {}).items():
+            for key, extra in (after_backward(model) if after_backward is not None else {}).items():
                 log.setdefault(key, []).append(extra)
             optimizer.step()
             if after_step is not None:
-                after_step()
+                after_step(model)
             log["loss"].append(value)
             if checkpoint is not None and distributed.is_main() and (
                     (step + 1) % checkpoint.every == 0 or step + 1 == steps):

@@ -145,6 +145,10 @@ CASES = [
                                              "--calib", "{text.txt}", "--shard-training"],
      r"option shard_training of method 'safe\+' shards a block's training over the ranks of a torch.distributed "
      r"group: run under torchrun --nproc-per-node N with N >= 2 .*; got one process$", {}),
+    ("prune-dress-shard-training-in-one-process", ["prune", "--model", "{tiny}", "--method", "dress", "--ratio",
+                                                   "0.25", "--calib", "{text.txt}", "--shard-training"],
+     r"option shard_training of method 'dress' shards its regularised training over the ranks of a "
+     r"torch.distributed group: .*; got one process$", {}),
     ("recover-shard-training-in-one-process", ["recover", "--model", "{tiny}", "--calib", "{text.txt}", "--steps", "1",
                                                "--output", "{new}", "--shard-training"],
      r"setting shard_training of LoRA recovery shards its training over the ranks .*; got one process$", {}),

@@ -63,12 +63,22 @@ def _model(family):
     return tiny_decoder(family, layers=2)
 
 
+def _linear_weights(model):
+    """{block.linear: a copy of its weight} of every decoder block."""
+    from pyprune.nn.anatomy import block_linears, decoder_blocks
+    from pyprune.nn.experts import expert_linears
+    weights = {}
+    for index, block in enumerate(decoder_blocks(model)):
+        with expert_linears(block):
+            weights.update({f"{index}.{name}": linear.weight.detach().clone()
+                            for name, linear in block_linears(block).items()})
+    return weights
+
+
 def _prune_all(cases, families=FAMILIES, only=None):
     """{family/case: {linear name: weight}} of every case on every family (or on the families ``only``
     names for it, default :data:`ONLY`), in this process."""
     import pyprune
-    from pyprune.nn.anatomy import block_linears, decoder_blocks
-    from pyprune.nn.experts import expert_linears
     calib = random_tokens(**CALIB)
     only = ONLY if only is None else only
     results = {}
@@ -78,12 +88,8 @@ def _prune_all(cases, families=FAMILIES, only=None):
                 continue
             model = _model(family)
             report = pyprune.prune(model, method, pattern, calib, batch_size=BATCH, progress=False, **options)
-            weights = {}
-            for index, block in enumerate(decoder_blocks(model)):
-                with expert_linears(block):
-                    weights.update({f"{index}.{name}": linear.weight.detach().clone()
-                                    for name, linear in block_linears(block).items()})
-            results[f"{family}/{case}"] = (weights, report.get("owl"), report.get("admm", {}).get("layers"),
+            results[f"{family}/{case}"] = (_linear_weights(model), report.get("owl"),
+                                           report.get("admm", {}).get("layers"),
                                            report.get("pruned_channels"))
     return results
 
@@ -524,9 +530,18 @@ def _state_numel(optimizer):
                if isinstance(value, torch.Tensor) and value.dim())
 
 
+#: DReSS's regularisation on 2 ranks, data-parallel and sharded: as :data:`TRAINING` runs it (its penalty inside
+#: AdamW), and with the proximal step after each step followed by LoRA recovery
+SHARDED_DRESS = [(f"dress-{regulariser}", dict(options, regulariser=regulariser, shard_training=sharded))
+                 for regulariser, options in [("penalty", {}), ("proximal", {"lora_steps": 2, "lora_rank": 4})]
+                 for sharded in (False, True)]
+
+
 def _sharded_worker(rank, world, rendezvous, out):
-    """Each case of :data:`SHARDED` on the tiny Llama, then LoRA recovery unsharded and sharded; the weights,
-    and the numel of the optimisers' state on this rank (every block's, or LoRA's one), per case."""
+    """Each case of :data:`SHARDED` on the tiny Llama, then LoRA recovery unsharded and sharded, then each of
+    :data:`SHARDED_DRESS`; the weights, and the numel of the optimisers' state on this rank (every block's, or
+    LoRA's one, or DReSS's regularisation's and its LoRA's), per case; DReSS's all parameters, logged penalties
+    and removed channels too."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
@@ -542,7 +557,10 @@ def _sharded_worker(rank, world, rendezvous, out):
         class Counting(adamw):
             def step(self, closure=None):
                 result = super().step(closure)
-                states[-1:] = [_state_numel(self)]  # after the last step: its state
+                if not hasattr(self, "slot"):  # each optimiser's entry, after its last step: its state
+                    self.slot = len(states)
+                    states.append(0)
+                states[self.slot] = _state_numel(self)
                 return result
         BlockTraining.train, torch.optim.AdamW = counting, Counting
         results = {}
@@ -557,13 +575,31 @@ def _sharded_worker(rank, world, rendezvous, out):
                                             progress=False, shard_training=sharded)
             results[f"lora-{sharded}"] = ({name: p.detach().clone() for name, p in model.named_parameters()},
                                           list(states), report["losses"])
+        import pyprune
+        for name, options in SHARDED_DRESS:
+            states.clear()
+            model = tiny_decoder("llama", layers=2)
+            report = pyprune.prune(model, "dress", Structured(0.25), random_tokens(**CALIB), batch_size=BATCH,
+                                   progress=False, steps=4, train_seed=0, **options)
+            results[f"{name}-{options['shard_training']}"] = (
+                _linear_weights(model), list(states), report["regularisation"]["penalty"], report["pruned_channels"],
+                {name: p.detach().clone() for name, p in model.named_parameters()})
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.optim.AdamW = adamw
         dist.destroy_process_group()
 
 
-def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on_each_rank(tmp_path, one_process):
+@pytest.fixture(scope="module")
+def sharded_ranks(tmp_path_factory):
+    """What each rank of :func:`_sharded_worker` saved."""
+    out = tmp_path_factory.mktemp("sharded")
+    mp.spawn(_sharded_worker, args=(2, str(out / "rendezvous"), str(out)), nprocs=2)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on_each_rank(sharded_ranks,
+                                                                                           one_process):
     """``shard_training`` trains each block (or the LoRA-wrapped model) through FSDP2: each rank keeps the
     optimiser state of its half of every weight's rows (exactly half the state tensors' elements of the
     data-parallel run: the tiny model's dimensions and the LoRA rank are even), and the weights are the
@@ -574,8 +610,7 @@ def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on
     normalised steps carry such differences into the next block's inputs, so its weights are held to the
     bound of the data-parallel test: closer to the data-parallel run's than a tenth of the distance
     between two training seeds."""
-    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = sharded_ranks
     seed0, seed1 = (one_process[f"llama/safe+-seed{seed}"][0] for seed in (0, 1))
     for rank, result in enumerate(ranks):
         for method in ("masked-recon", "safe+"):
@@ -597,8 +632,8 @@ def test_sharded_training_gives_the_data_parallel_weights_with_half_the_state_on
                for name in ranks[0][key][0])  # both ranks hold the gathered weights
 
 
-def test_shard_training_is_refused_in_one_process_before_anything_changes():
-    """By a training method and by LoRA recovery, before the model is touched."""
+def test_shard_training_is_refused_in_one_process_before_anything_changes(tmp_path):
+    """By a training method, DReSS (and with its checkpoint) and LoRA recovery, before the model is touched."""
     import pyprune
     model = tiny_decoder("llama", layers=2)
     before = [p.detach().clone() for p in model.parameters()]
@@ -610,6 +645,13 @@ def test_shard_training_is_refused_in_one_process_before_anything_changes():
     with pytest.raises(ValueError, match=r"^setting shard_training of LoRA recovery shards its training over the "
                                          r"ranks of a torch.distributed group: .*; got one process$"):
         recovery.lora_finetune(model, random_tokens(**CALIB), steps=1, shard_training=True)
+    with pytest.raises(ValueError, match=r"^option shard_training of method 'dress' shards its regularised training "
+                                         r"over the ranks of a torch.distributed group: .*; got one process$"):
+        pyprune.prune(model, "dress", Structured(0.25), random_tokens(**CALIB), batch_size=BATCH, shard_training=True)
+    with pytest.raises(ValueError, match=r"^option shard_training of method 'dress' takes no checkpoint .*; got "
+                                         r"checkpoint='.*'$"):
+        pyprune.prune(model, "dress", Structured(0.25), random_tokens(**CALIB), batch_size=BATCH, shard_training=True,
+                      checkpoint=str(tmp_path / "checkpoint"))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
@@ -653,3 +695,90 @@ def test_a_rank_that_fails_its_checks_ends_every_rank_at_once_in_one_line_before
     assert [(tmp_path / f"rank{rank}" / "status").read_text() for rank in (0, 1)] == ["2", "2"]
     assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["calib.txt", "status"]
     assert sorted(p.name for p in (tmp_path / "rank1").iterdir()) == ["status"]
+
+
+def test_dress_sharded_removes_the_data_parallel_channels_with_its_penalties_and_half_the_state(sharded_ranks,
+                                                                                               one_process):
+    """DReSS's regularisation (and its LoRA recovery) with ``shard_training``: each rank holds half the
+    optimiser state of the data-parallel run (the tiny Llama's dimensions are even); its group-lasso penalty
+    (gradient or proximal step) acts on each channel's norm summed from the two ranks' rows, so it logs the
+    data-parallel run's penalties (up to the rounding of those sums: within a relative 1e-7), removes the
+    same channels, and its weights stay closer to the data-parallel run's than a tenth of the distance
+    between two training seeds (the norms' float64 sums of two halves round unlike one float32 norm, and
+    AdamW's normalised steps carry that on)."""
+    seed0, seed1 = (one_process[f"llama/dress-seed{seed}"][0] for seed in (0, 1))
+    for rank, result in enumerate(sharded_ranks):
+        for name, _ in SHARDED_DRESS[::2]:
+            plain, sharded = result[f"{name}-False"], result[f"{name}-True"]
+            assert len(plain[1]) == len(sharded[1]) and min(plain[1]) > 0, (rank, name)
+            assert [2 * count for count in sharded[1]] == plain[1], (rank, name)
+            assert len(plain[2]) == len(sharded[2]) == 4, (rank, name)
+            assert all(abs(got - logged) <= 1e-7 * logged for got, logged in zip(sharded[2], plain[2])), rank
+            assert sharded[3] == plain[3] and len(plain[3]) == 16, (rank, name)
+            assert plain[0].keys() == sharded[0].keys() and len(plain[0]) == 2 * 7
+            assert _distance(sharded[0], plain[0]) < 0.1 * _distance(seed1, seed0), (rank, name)
+            assert _distance(sharded[4], plain[4]) < 0.1 * _distance(seed1, seed0), (rank, name)
+        assert len(result["dress-proximal-False"][1]) == 2  # the regularisation's AdamW and LoRA's
+    for name in ("dress-penalty-True", "dress-proximal-True"):  # both ranks hold the gathered weights
+        assert all(torch.equal(sharded_ranks[0][name][4][n], sharded_ranks[1][name][4][n])
+                   for n in sharded_ranks[0][name][4])
+
+
+#: (family, norm) of :func:`_dress_norms_worker`: Gemma's norms are shrunk on their effective scale 1 + w
+DRESS_NORMS = [("llama", "l1"), ("gemma3", "l2")]
+
+
+def _dress_norms_worker(rank, world, rendezvous, out):
+    """DReSS's penalty gradient and proximal step on each of :data:`DRESS_NORMS`' gradients, whole and on
+    the model's copy sharded by rows (each rank's loss half the same batch's, so FSDP's sum is the whole
+    gradient): the whole gradients, totals and weights of both, per family and norm."""
+    import contextlib
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        from pyprune.methods.dress import DReSS
+        from pyprune.nn.anatomy import decoder_blocks
+        from pyprune.runtime.training import sharded_copy
+        channels, batch = torch.tensor([1, 5, 30, 33, 40, 63]), random_tokens(**CALIB)
+        results = {}
+        for family, norm in DRESS_NORMS:
+            for sharded in (False, True):
+                model = tiny_decoder(family, layers=2).train()
+                slices = DReSS().penalised_slices(model)
+                names = {id(p): name for name, p in model.named_parameters()}
+                with sharded_copy(model, decoder_blocks(model), fp32=False) if sharded else \
+                        contextlib.nullcontext(model) as trained:
+                    (trained(input_ids=batch, labels=batch).loss * (0.5 if sharded else 1.0)).backward()
+                    copied = dict(trained.named_parameters())
+                    mine = [(name, copied[names[id(p)]], dim, offset) for name, p, dim, offset in slices]
+                    total = DReSS.penalise_(mine, channels, 0.3, norm)
+                    grads = {name: (p.grad.full_tensor() if sharded else p.grad).clone()
+                             for name, p, _, _ in mine}
+                    DReSS.proximal_step(mine, channels, 0.05, norm)
+                results[f"{family}-{norm}-{sharded}"] = (total, grads, {
+                    name: p.detach().clone() for name, p in model.named_parameters()})
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dress_penalty_and_proximal_step_on_rows_sharded_over_the_ranks_act_on_the_whole_channels(tmp_path):
+    """On rows sharded over 2 ranks, DReSS's penalty (ℓ1 on Llama, ℓ2 on Gemma 3) adds the whole model's
+    gradient and its proximal step gives the whole model's weights, with channels in both ranks' rows of the
+    writers and norms and in every rank's rows of the readers' columns (Gemma's norms shrunk on 1 + w): each
+    channel's norm is summed over the ranks. Without that sum (each rank its own rows' norms) the totals, and
+    ℓ2's gradients and shrinks, differ."""
+    mp.spawn(_dress_norms_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for family, norm in DRESS_NORMS:
+            (total, grads, weights), (got, sharded_grads, sharded_weights) = (
+                result[f"{family}-{norm}-{sharded}"] for sharded in (False, True))
+            assert abs(got - total) <= 1e-6 * total, (rank, family, norm)
+            assert grads.keys() == sharded_grads.keys() and len(grads) >= 2 * 7 + 2
+            assert all(torch.allclose(sharded_grads[n], grads[n], rtol=1e-5, atol=1e-7) for n in grads), \
+                (rank, family, norm)
+            assert all(torch.allclose(sharded_weights[n], weights[n], rtol=1e-5, atol=1e-7) for n in weights), \
+                (rank, family, norm)
+            dense = tiny_decoder(family, layers=2).state_dict()
+            assert any(not torch.equal(weights[n], dense[n]) for n in weights)  # the step moved weights
