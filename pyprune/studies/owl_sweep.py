@@ -149,7 +149,7 @@ class OwlSweep(_PruneAndEvaluate):
     results = "owl-sweep-<model>"
 
     eval_tokens: int = option(4096, "the first N tokens of Pride and Prejudice evaluated", at_least_one)
-    tuning_tokens: int = option(4096, f"the first N tokens of {TUNING_SOURCE} the setting is chosen on",
+    tuning_tokens: int = option(4096, "the first N tokens of Persuasion (the text the setting is chosen on)",
                                 at_least_one)
     sparsity: float = option(0.7, "the unstructured sparsity (the blocks' mean under OWL)", fraction)
     methods: Tuple[str, ...] = option(("wanda", "sparsegpt"), "the methods (each tuned on its own)",
