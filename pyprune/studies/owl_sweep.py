@@ -104,8 +104,9 @@ def markdown(result: dict) -> str:
         lines += [f"## {method}: tuning perplexity (seed {tuning_seed})", "",
                   "Uniform: " + (f"{tuning[None]['tuning_perplexity']:.2f}" if None in tuning else "–")
                   + ". Tuned: " + (f"M {best[0]:g}, λ {best[1]:g} ({chosen['tuning_perplexity']:.2f})"
-                                  if best else "not yet (the grid is not complete)") + ".", "",
-                  "| λ \\ M | " + " | ".join(f"{m:g}" for m in ms) + " |", "|---:|" + "---:|" * len(ms)]
+                                  if best else "not yet (the grid is not complete)") + ".", ""]
+        if ms:
+            lines += ["| λ \\ M | " + " | ".join(f"{m:g}" for m in ms) + " |", "|---:|" + "---:|" * len(ms)]
         for lam in lams:
             cells = []
             for m in ms:
@@ -113,7 +114,7 @@ def markdown(result: dict) -> str:
                 cell = f"{row['tuning_perplexity']:.2f}" if row else "–"
                 cells.append(f"**{cell}**" if (m, lam) == best else cell)
             lines.append(f"| {lam:g} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += [""] if ms else []
     lines += ["## Over calibration seeds: perplexity on the evaluation text", "",
               "| method | allocation | calibration (windows x tokens) | evaluation tokens | seeds | measured sparsity | "
               "block sparsity min–max | perplexity per seed | perplexity | tuning perplexity | OWL − uniform |",

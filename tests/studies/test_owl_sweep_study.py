@@ -3,13 +3,16 @@ tuning seed (made-up rows), the default grid spans the ranges it is meant to, th
 uniform pairs the seeds (made-up rows), and at tiny scale the seed arms run uniform, the paper's and
 the chosen setting, a rerun runs nothing, and a λ that leaves [0, 1) is refused before any arm runs."""
 import json
+import os
 
 import pytest
 
 from pyprune import studies
 from pyprune.patterns import Unstructured
 from pyprune.studies import baselines, owl_sweep
-from pyprune.studies.owl_sweep import PAPER, owl_verdict, select
+from pyprune.studies.owl_sweep import PAPER, owl_verdict, select, setting_of
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _row(method, setting, seed, tuning=100.0, evaluation=100.0):
@@ -31,14 +34,10 @@ def test_the_choice_is_the_grid_setting_of_lowest_tuning_perplexity_on_the_tunin
             _row("wanda", (3.0, 0.02), 1, tuning=20.0),  # another seed
             _row("sparsegpt", (5.0, 0.08), 0, tuning=30.0),  # another method
             _row("wanda", (7.0, 0.2), 0, tuning=25.0)]  # off the grid
-    assert setting_of_choice(select(rows, "wanda", 0, GRID)) == (5.0, 0.02)
+    assert setting_of(select(rows, "wanda", 0, GRID)) == (5.0, 0.02)
     assert select(rows[:-3], "wanda", 0, GRID + [(7.0, 0.02)]) is None  # the grid is not complete yet
     tie = [_row("wanda", setting, 0, tuning=40.0) for setting in GRID]
-    assert setting_of_choice(select(tie, "wanda", 0, GRID)) == GRID[0]  # a tie: the first in the grid's order
-
-
-def setting_of_choice(row):
-    return row["m"], row["lambda"]
+    assert setting_of(select(tie, "wanda", 0, GRID)) == GRID[0]  # a tie: the first in the grid's order
 
 
 def test_the_default_grid_spans_lambda_002_to_02_and_m_3_to_10_with_the_papers_setting():
@@ -110,3 +109,15 @@ def test_a_lambda_that_leaves_the_unit_interval_is_refused_before_any_arm(tiny_m
         studies.run("owl-sweep", str(output), model=str(tiny_model_dir[0]), owl_lambdas=[0.02, 0.4], nsamples=2,
                     seqlen=16, eval_tokens=64, tuning_tokens=64)
     assert calls == [] and not output.exists()
+
+
+@pytest.mark.parametrize("stem,settings", [("owl-sweep-smollm2-135m", {})])
+def test_the_committed_results_render_byte_for_byte_and_are_the_default_files(stem, settings, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    study = studies.get("owl-sweep", **settings)
+    path = study.output_path(None)
+    assert path == os.path.join("benchmarks", "results", f"{stem}.json")
+    with open(path, encoding="utf-8") as handle:
+        result = json.load(handle)
+    with open(os.path.splitext(path)[0] + ".md", encoding="utf-8") as handle:
+        assert study.markdown(result) == handle.read()
