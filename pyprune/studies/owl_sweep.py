@@ -94,6 +94,8 @@ def markdown(result: dict) -> str:
              f"{result['dense']['tuning']:.2f}, evaluation {result['dense']['evaluation']:.2f}. The tuned setting "
              f"is the grid's OWL (M, λ) with the lowest tuning perplexity on calibration seed {tuning_seed}; the "
              f"verdict on OWL − uniform (evaluation perplexity, paired by seed): {RULE}. "
+             f"Grid: λ ∈ {{{', '.join(f'{v:g}' for v in result['grid']['lambda'])}}} × "
+             f"M ∈ {{{', '.join(f'{v:g}' for v in result['grid']['m'])}}}. "
              f"{result['environment']['cpu_threads']} thread(s).", ""]
     for method, chosen in result["selection"].items():
         rows = [r for r in result["rows"] if r["method"] == method]
@@ -102,16 +104,19 @@ def markdown(result: dict) -> str:
         lams = sorted({r["lambda"] for r in rows if r["owl"] and r["seed"] == tuning_seed})
         best = (chosen["m"], chosen["lambda"]) if chosen else None
         lines += [f"## {method}: tuning perplexity (seed {tuning_seed})", "",
-                  "Uniform: " + (f"{tuning[None]['tuning_perplexity']:.2f}" if None in tuning else "–")
+                  "Uniform: " + (f"{tuning[None]['tuning_perplexity']:.2f} / {tuning[None]['perplexity']:.2f}"
+                                 if None in tuning else "–")
                   + ". Tuned: " + (f"M {best[0]:g}, λ {best[1]:g} ({chosen['tuning_perplexity']:.2f})"
-                                  if best else "not yet (the grid is not complete)") + ".", ""]
+                                  if best else "not yet (the grid is not complete)") + ". Each cell: tuning "
+                  "perplexity / evaluation perplexity of the same pruned model (the choice reads only the first).",
+                  ""]
         if ms:
             lines += ["| λ \\ M | " + " | ".join(f"{m:g}" for m in ms) + " |", "|---:|" + "---:|" * len(ms)]
         for lam in lams:
             cells = []
             for m in ms:
                 row = tuning.get((m, lam))
-                cell = f"{row['tuning_perplexity']:.2f}" if row else "–"
+                cell = f"{row['tuning_perplexity']:.2f} / {row['perplexity']:.2f}" if row else "–"
                 cells.append(f"**{cell}**" if (m, lam) == best else cell)
             lines.append(f"| {lam:g} | " + " | ".join(cells) + " |")
         lines += [""] if ms else []
@@ -242,12 +247,12 @@ class OwlSweep(_PruneAndEvaluate):
         """The environment, and per method the setting chosen so far (None until its grid is complete)."""
         result["environment"] = environment_record(torch.device("cpu"))
         result["tuning_seed"] = self.seeds[0]
+        result["grid"] = {"m": list(self.owl_ms), "lambda": list(self.owl_lambdas)}
         selection: Dict[str, Optional[dict]] = dict(result.get("selection", {}))
         for method in self.methods:
             chosen = select(result["rows"], method, self.seeds[0], self.grid())
             selection[method] = None if chosen is None else {
                 "m": chosen["m"], "lambda": chosen["lambda"], "tuning_perplexity": chosen["tuning_perplexity"],
-                "grid": {"m": list(self.owl_ms), "lambda": list(self.owl_lambdas)},
                 "rule": f"lowest tuning perplexity over the grid at calibration seed {self.seeds[0]}"}
         result["selection"] = selection
         result["rows"] = result.pop("rows")  # the rows last, as the file has them
