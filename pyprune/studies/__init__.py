@@ -6,7 +6,9 @@
   studies ``continual`` and ``continual-seeds``.
 * :mod:`pyprune.studies.robustness` — how a structured method's choice moves under 16-bit weights;
   study ``robustness``.
-* :mod:`pyprune.studies.baselines` — prune, then evaluate: studies ``baselines``, ``owl``, ``zeroshot``.
+* :mod:`pyprune.studies.baselines` — prune, then evaluate: studies ``baselines``, ``owl``, ``zeroshot``;
+  :mod:`pyprune.studies.owl_sweep` — study ``owl-sweep``: OWL's M and λ tuned on a held-out text, then
+  over calibration seeds.
 * :mod:`pyprune.studies.beside_dress` — SLEB and SliceGPT beside DReSS: studies ``sleb``, ``slicegpt``.
 * :mod:`pyprune.studies.safe`, :mod:`~pyprune.studies.safe_sweep`, :mod:`~pyprune.studies.safe_controls` —
   SAFE / SAFE⁺ on the whole model, its settings on single blocks, its controls; studies ``safe``,
@@ -41,6 +43,7 @@ from .crosscheck_wanda import CrosscheckWanda
 from .dress import Dress
 from .dress_channel_energy import DressChannelEnergy
 from .dress_lambda_sweep import DressLambdaSweep
+from .owl_sweep import OwlSweep
 from .robustness import Robustness
 from .safe import SafeTable
 from .safe_controls import SafeControls
@@ -50,7 +53,7 @@ from .study import Study, run as _run
 #: every declared study by name
 STUDIES: Dict[str, Type[Study]] = {cls.name: cls for cls in (Robustness, Continual, ContinualSeeds, CrosscheckWanda,
                                                               Dress, DressLambdaSweep, DressChannelEnergy,
-                                                              Baselines, Owl, ZeroShot, Sleb, SliceGpt,
+                                                              Baselines, Owl, OwlSweep, ZeroShot, Sleb, SliceGpt,
                                                               AlpsLayers, CrosscheckAlps, CrosscheckRia, CrosscheckDsnot,
                                                               SafeTable, SafeSweep,
                                                               SafeControls)}

@@ -14,7 +14,9 @@ one arm computes and how its table reads. :func:`run` does the rest, the same wa
    ``"settings"``): a file of other settings is refused, naming what differs, never overwritten;
 5. every arm of :meth:`Study.arms` not yet done runs (:meth:`Study.run_arm`) and, after each,
    the results are rewritten (:func:`pyprune.studies.results.write`, JSON and markdown, atomic),
-   merged under a lock with the rows a concurrent run of the same settings wrote meanwhile.
+   merged under a lock with the rows a concurrent run of the same settings wrote meanwhile. The
+   arms are asked for one at a time, each after the rows before it are recorded in
+   :attr:`Study.current`, so a later arm may depend on earlier rows (a setting tuned on them).
 
 A stopped study resumes by running the same command again.
 """
@@ -63,6 +65,9 @@ class Study:
     kind: ClassVar[str] = "study"
     #: the declared options, collected from the class body (as a method's)
     options: ClassVar[Tuple[Option, ...]] = ()
+    #: the result as it stands while :func:`run` runs the arms (None before): the rows of the arms
+    #: run or resumed so far, which :meth:`arms` may read to derive its later arms
+    current: Optional[dict] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -173,6 +178,7 @@ def run(study: Study, output: Optional[str] = None) -> dict:
     settings = study.protocol(context)
     stored = read_results(path, settings) if study.resumes else None
     result = stored if stored is not None else study.start(settings, context)
+    study.current = result
     written: list = []
 
     def write() -> None:
