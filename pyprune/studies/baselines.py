@@ -62,7 +62,7 @@ ARMS: Dict[str, Tuple[str, Pattern, dict]] = {
     "alps-0.7": ("alps", Unstructured(0.7), {}),  # ALPS's claim is strongest here
     **{f"ria-{name}": ("ria", pattern, {}) for name, pattern in (("0.5", Unstructured(0.5)), ("0.7", Unstructured(0.7)),
                                                                    ("2:4", NM(2, 4)))},
-    **{f"wanda-dsnot-{name}": ("wanda", pattern, {"dsnot": True})
+    **{f"{method}-dsnot-{name}": (method, pattern, {"dsnot": True}) for method in ("wanda", "sparsegpt")
        for name, pattern in (("0.5", Unstructured(0.5)), ("0.7", Unstructured(0.7)), ("2:4", NM(2, 4)))},
     # not in the default table: the shorter runs the Gemma table records in place of the defaults
     "safe+-2:4-lr0.001": ("safe+", NM(2, 4), {"lr": 0.001}),

@@ -9,7 +9,8 @@ the same way, never re-run here, and so are its dense scores.
 
 * ``sleb`` (:class:`Sleb`): SLEB (Song et al. 2024) removes ``ratio`` of the decoder blocks,
   searching on the first ``sleb_windows`` windows (every step runs the model once per candidate
-  block, so a CPU affords few); no recovery. ``results/sleb-<model>.{json,md}``, rebuilt by every run.
+  block, so a CPU affords few) drawn with each of ``seeds`` (seed 0: DReSS's); no recovery.
+  ``results/sleb-<model>.{json,md}``, one row per seed, resumed, with the seeds' stability.
 * ``slicegpt`` (:class:`SliceGpt`): SliceGPT (Ashkboos et al. 2024) slices ``ratio`` of the hidden
   size with PCAs on the first three quarters of the windows (or the first ``pca_windows`` of them),
   then LoRA on the last quarter with DReSS's recovery settings (unless ``recovery`` is false).
@@ -18,8 +19,10 @@ the same way, never re-run here, and so are its dense scores.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
+import re
 import time
 from typing import Optional, Tuple
 
@@ -29,12 +32,13 @@ from ..evaluation import zeroshot
 from ..evaluation.perplexity import perplexity
 from ..inputs import data
 from ..inputs.models import load_model
-from ..methods.options import at_least_one, fraction, option, positive
+from ..methods.options import at_least_one, fraction, nonnegative, option, positive
 from ..methods.pruning import prune
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
-from .baselines import DEFAULT_MODEL, MODELS, model_name, model_results
+from .baselines import CALIB_SOURCE, DEFAULT_MODEL, MODELS, PROTOCOL_HEADER, model_name, model_results
+from .results import mean_std
 from .study import RESULTS_DIR, Arm, Study
 
 EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
@@ -79,7 +83,7 @@ class _BesideDress(Study):
 
     def prepare(self, path):
         model, tokenizer = load_model(self.model)
-        calib = data.calibration_samples(tokenizer, "emma", nsamples=self.nsamples, seqlen=self.seqlen, seed=0)
+        calib = data.calibration_samples(tokenizer, CALIB_SOURCE, nsamples=self.nsamples, seqlen=self.seqlen, seed=0)
         tokens = {text: data.eval_tokens(tokenizer, text, max_tokens=self.eval_tokens) for text in EVAL_TEXTS}
         return {"model": model, "tokenizer": tokenizer, "bos": data.window_bos(tokenizer), "calib": calib,
                 "tokens": tokens, "tasks": zeroshot.load_tasks(self.tasks) if self.tasks is not None else None}
@@ -98,18 +102,34 @@ def _score(scores, task):
         else "–"
 
 
+def stability(rows) -> dict:
+    """How alike the calibration seeds' searches are: the seeds, the blocks every seed removed
+    (``common``), those any seed removed (``any``) and, per pair of seeds, how many blocks both removed
+    (``shared``) of the ``removed`` each removes."""
+    removed = {row["seed"]: set(row["removed_blocks"]) for row in rows}
+    seeds = sorted(removed)
+    return {"seeds": seeds, "removed": max((len(blocks) for blocks in removed.values()), default=0),
+            "common": sorted(set.intersection(*removed.values())) if removed else [],
+            "any": sorted(set().union(*removed.values())),
+            "pairs": [{"seeds": [a, b], "shared": len(removed[a] & removed[b])}
+                      for a, b in itertools.combinations(seeds, 2)]}
+
+
 class Sleb(_BesideDress):
-    """SLEB's block removal beside DReSS's rows (DReSS's after LoRA recovery; SLEB's without).
+    """SLEB's block removal beside DReSS's rows (DReSS's after LoRA recovery; SLEB's without), one
+    search per calibration seed (``seeds``; seed 0 searches on DReSS's own windows), with how stable
+    the chosen blocks are over the seeds (:func:`stability`) and the perplexities' mean ± std.
     Ratio 0.25 removes 7 of SmolLM2's 30 blocks (23 kept: 0.75 x 30 rounded half up)."""
 
     name = "sleb"
-    summary = "SLEB's block removal beside DReSS's rows, perplexity and zero-shot"
+    summary = "SLEB's block removal beside DReSS's rows, per calibration seed, perplexity and zero-shot"
     results = "sleb-<model>"
-    resumes = False  # one arm: the file is rebuilt by every run
 
     sleb_windows: int = option(16, "the first N calibration windows SLEB's search runs on (16 x 128 tokens: about "
                                "the authors' few thousand tokens; each candidate's loss rests on all of them)",
                                at_least_one)
+    seeds: Tuple[int, ...] = option((0,), "calibration seeds, one search and row each: the first sleb_windows of "
+                                    "the nsamples windows drawn with the seed (0: DReSS's windows)", nonnegative)
 
     def check_options(self):
         if self.sleb_windows > self.nsamples:
@@ -136,21 +156,27 @@ class Sleb(_BesideDress):
             dense_zero_shot = self.scores(context, context["model"])
         return {"model": MODELS.get(self.model, self.model), "settings": settings,
                 "environment": environment_record(torch.device("cpu")), "dense": dense,
-                "dense_zero_shot": dense_zero_shot, "row": None}
+                "dense_zero_shot": dense_zero_shot, "rows": []}
+
+    def windows(self, context, seed: int) -> torch.Tensor:
+        """The windows seed ``seed``'s search runs on: the first ``sleb_windows`` of the ``nsamples``
+        drawn with it."""
+        return data.calibration_samples(context["tokenizer"], CALIB_SOURCE, nsamples=self.nsamples,
+                                        seqlen=self.seqlen, seed=seed)[:self.sleb_windows]
 
     def arms(self, context):
-        return [Arm("sleb", f"sleb {self.ratio:g}")]
+        return [Arm(seed, f"sleb {self.ratio:g} seed {seed}") for seed in self.seeds]
 
-    def find(self, result, key):
-        return result["row"]
+    def row_key(self, row):
+        return row["seed"]
 
-    def record(self, result, arm, row):
-        result["row"] = row
+    def finished(self, row):
+        return set(self.tasks or ()) <= set(row["zero_shot"])  # else rerun (the search is deterministic)
 
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
-        report = prune(model, "sleb", Structured(self.ratio), context["calib"][:self.sleb_windows], batch_size=4)
-        row = {"blocks": len(report["removed_blocks"]) + len(report["kept_blocks"]),
+        report = prune(model, "sleb", Structured(self.ratio), self.windows(context, arm.key), batch_size=4)
+        row = {"seed": arm.key, "blocks": len(report["removed_blocks"]) + len(report["kept_blocks"]),
                "removed_blocks": report["removed_blocks"], "steps": report["steps"], "time_s": report["time_s"],
                "parameters": [report["parameters_before"], report["parameters_after"]], "options": report["options"],
                "ppl": self.perplexities(context, model), "zero_shot": {}}
@@ -162,41 +188,71 @@ class Sleb(_BesideDress):
     def describe(self, row):
         return f"removed {row['removed_blocks']}, ppl {row['ppl']}, {row['time_s']:.0f} s"
 
+    def complete(self, result, context):
+        result["rows"].sort(key=self.row_key)
+        result["stability"] = stability(result["rows"])
+        return result
+
     def markdown(self, result):
         dress = self.dress(result["settings"])
-        s, row = result["settings"], result["row"]
-        tasks = sorted(row["zero_shot"])  # none until they are scored
+        s, rows = result["settings"], result["rows"]
+        tasks = sorted({t for row in rows for t in row["zero_shot"]})  # none until they are scored
+        first = rows[0]
         lines = [f"# SLEB on {result['model']}" + (" beside DReSS" if dress else ""), "",
-                 f"Ratio {s['ratio']}: {len(row['removed_blocks'])} of {row['blocks']} blocks removed (in order "
-                 f"{row['removed_blocks']}); SLEB searched on {s['sleb_windows']} x {s['seqlen']} Emma windows (the "
-                 f"first of DReSS's {s['nsamples']} x {s['seqlen']}, seed 0); evaluation first {s['eval_tokens']} "
-                 f"tokens of {' and '.join(EVAL_TEXTS)}, {s['eval_seqlen']}-token windows; {s['threads']} thread(s). "
-                 f"Parameters {row['parameters'][0]:,} -> {row['parameters'][1]:,} "
-                 f"({1 - row['parameters'][1] / row['parameters'][0]:.1%} removed). Prune time "
-                 f"{row['time_s']:.0f} s.", ""]
+                 f"Ratio {s['ratio']}: {len(first['removed_blocks'])} of {first['blocks']} blocks removed; SLEB "
+                 f"searched on {s['sleb_windows']} x {s['seqlen']} Emma windows, the first of {s['nsamples']} x "
+                 f"{s['seqlen']} drawn with each calibration seed (seed 0: DReSS's windows); evaluation first "
+                 f"{s['eval_tokens']} tokens of {' and '.join(EVAL_TEXTS)}, {s['eval_seqlen']}-token windows; "
+                 f"{s['threads']} thread(s). Parameters {first['parameters'][0]:,} -> {first['parameters'][1]:,} "
+                 f"({_removed(first['parameters'])} removed). No recovery after SLEB.", ""]
 
         def line(cells):
             return "| " + " | ".join(cells) + " |"
 
-        def removed(parameters):
-            return f"{1 - parameters[1] / parameters[0]:.1%}"
-
-        lines += [line(["method", "setting", *(f"{t} ppl" for t in EVAL_TEXTS), *tasks, "parameters removed"]),
-                  "|---|---|" + "---:|" * (len(EVAL_TEXTS) + len(tasks) + 1)]
-        lines.append(line(["dense", "–", *(f"{result['dense'][t]:.2f}" for t in EVAL_TEXTS),
-                           *(_score(result["dense_zero_shot"], t) for t in tasks), "0"]))
-        lines.append(line(["SLEB", "no recovery", *(f"{row['ppl'][t]:.2f}" for t in EVAL_TEXTS),
-                           *(_score(row["zero_shot"], t) for t in tasks), removed(row["parameters"])]))
+        search = f"{s['sleb_windows']} x {s['seqlen']}"
+        lines += [line(["method", "setting", *PROTOCOL_HEADER, *(f"{t} ppl" for t in EVAL_TEXTS), *tasks,
+                        "parameters removed", "removed blocks (in order)", "prune time (s)"]),
+                  "|---|---|---|---:|---|" + "---:|" * (len(EVAL_TEXTS) + len(tasks) + 1) + "---|---:|"]
+        lines.append(line(["dense", "–", "–", str(s["eval_tokens"]), "–",
+                           *(f"{result['dense'][t]:.2f}" for t in EVAL_TEXTS),
+                           *(_score(result["dense_zero_shot"], t) for t in tasks), "0", "–", "–"]))
+        for row in rows:
+            lines.append(line(["SLEB", f"no recovery, seed {row['seed']}", search, str(s["eval_tokens"]),
+                               f"1 (seed {row['seed']})", *(f"{row['ppl'][t]:.2f}" for t in EVAL_TEXTS),
+                               *(_score(row["zero_shot"], t) for t in tasks), _removed(row["parameters"]),
+                               str(row["removed_blocks"]), f"{row['time_s']:.0f}"]))
+        if len(rows) > 1:
+            seeds = ", ".join(str(row["seed"]) for row in rows)
+            lines.append(line(["SLEB", "no recovery, mean ± std over the seeds", search, str(s["eval_tokens"]),
+                               f"{len(rows)} ({seeds})",
+                               *(mean_std((row["ppl"][t] for row in rows), ".2f") for t in EVAL_TEXTS),
+                               *(mean_std((row["zero_shot"].get(t, {}).get("acc") for row in rows), ".3f")
+                                 for t in tasks), "–", "–", "–"]))
+        calibration = re.search(r"(\d+) x (\d+)", (dress or {}).get("settings", {}).get("calibration", ""))
         for d in (dress or {}).get("rows", []):
             if d.get("ppl_lora") is None:
                 continue  # a DReSS row without recovery: nothing to quote beside the LoRA perplexities
             lines.append(line([f"DReSS ({d['channels']} channels)", f"{d['label']}, + LoRA",
-                               *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
+                               " x ".join(calibration.groups()) if calibration else "–", str(s["eval_tokens"]),
+                               "1 (seed 0)", *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
                                *(_score(d.get("zero_shot_lora") or {}, t) for t in tasks),
-                               removed(d["parameters"])]))
-        lines += ["", "Calibration perplexity after each removal: "
-                  + ", ".join(f"block {step['removed']}: {step['perplexity']:.2f}" for step in row["steps"]) + "."]
+                               _removed(d["parameters"]), "–", "–"]))
+        if len(rows) > 1:
+            found = result["stability"]
+            lines += ["", f"Stability over the {len(rows)} calibration seeds: blocks removed by every seed "
+                      f"{found['common']} ({len(found['common'])} of {found['removed']}); by any seed {found['any']}; "
+                      "shared by each pair of seeds: "
+                      + ", ".join(f"seeds {pair['seeds'][0]} and {pair['seeds'][1]} {pair['shared']} of "
+                                  f"{found['removed']}" for pair in found["pairs"]) + "."]
+        lines += ["", "Calibration perplexity after each removal (on the seed's own windows):"]
+        lines += [f"- seed {row['seed']}: " + ", ".join(f"block {step['removed']}: {step['perplexity']:.2f}"
+                                                        for step in row["steps"]) + "." for row in rows]
         return "\n".join(lines) + "\n"
+
+
+def _removed(parameters) -> str:
+    """The share of the parameters removed, from [before, after]."""
+    return f"{1 - parameters[1] / parameters[0]:.1%}"
 
 
 class SliceGpt(_BesideDress):

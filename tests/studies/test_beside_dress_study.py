@@ -1,5 +1,6 @@
 """The ``sleb`` and ``slicegpt`` studies at tiny scale: SLEB's row removed the number of blocks
-its ratio names, searched on the windows it says; SliceGPT's row sliced the hidden size by its
+its ratio names, searched on the windows it says, one row per calibration seed (resumed per seed),
+with the seeds' stability summarised; SliceGPT's row sliced the hidden size by its
 ratio with PCAs on the windows its label names, and a rerun resumes it (or reruns it to score
 tasks it lacks); DReSS's rows are quoted only from a file of the same settings."""
 import json
@@ -37,8 +38,8 @@ def test_sleb_removes_the_blocks_its_ratio_names(tmp_path, monkeypatch):
                          tasks=["austen_continuation"], limit=4, **TINY)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == studies.get("sleb").markdown(result)
-    row = result["row"]
-    assert row["blocks"] == 4 and len(row["removed_blocks"]) == 2  # ratio 0.5 of 4 blocks
+    [row] = result["rows"]
+    assert row["seed"] == 0 and row["blocks"] == 4 and len(row["removed_blocks"]) == 2  # ratio 0.5 of 4 blocks
     assert [step["removed"] for step in row["steps"]] == row["removed_blocks"]
     assert not {0, 3} & set(row["removed_blocks"]) and row["parameters"][1] < row["parameters"][0]
     _, tokenizer = load_model(model_dir)
@@ -51,6 +52,44 @@ def test_sleb_removes_the_blocks_its_ratio_names(tmp_path, monkeypatch):
     assert result["settings"]["sleb_windows"] == 2 and "beside DReSS" not in output.with_suffix(".md").read_text()
     with pytest.raises(ValueError, match="sleb_windows of study 'sleb' must be at most nsamples"):
         studies.get("sleb", nsamples=2, sleb_windows=4)
+
+
+def test_sleb_searches_each_seeds_own_windows_one_row_each_and_resumes_per_seed(tmp_path, monkeypatch):
+    model_dir = str(tmp_path / "tiny5")
+    tiny_llama(layers=5).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    output = tmp_path / "sleb.json"
+    calls = _calls(monkeypatch)
+    settings = dict(model=model_dir, ratio=0.4, sleb_windows=2, **TINY)
+    result = studies.run("sleb", str(output), seeds=[1, 0], **settings)
+    _, tokenizer = load_model(model_dir)
+    drawn = {seed: data.calibration_samples(tokenizer, "emma", nsamples=8, seqlen=16, seed=seed)[:2] for seed in (0, 1)}
+    assert not drawn[0].equal(drawn[1])  # the seeds draw different windows
+    assert [calib.equal(drawn[1]) for _, _, calib in calls] == [True, False]  # the seeds in the order given
+    assert calls[1][2].equal(drawn[0])
+    assert [row["seed"] for row in result["rows"]] == [0, 1]  # one row per seed, in seed order
+    assert all(len(row["removed_blocks"]) == 2 for row in result["rows"])
+    assert result["stability"] == beside_dress.stability(result["rows"])
+    markdown = output.with_suffix(".md").read_text()
+    assert "mean ± std over the seeds" in markdown and "| 2 (0, 1) |" in markdown
+    assert "| 2 x 16 | 64 | 1 (seed 1) |" in markdown  # every row states its protocol
+    assert beside_dress.mean_std([row["ppl"]["moby_dick"] for row in result["rows"]], ".2f") in markdown
+
+    calls.clear()
+    again = studies.run("sleb", str(output), seeds=[0, 1, 2], **settings)
+    assert len(calls) == 1 and calls[0][2].equal(
+        data.calibration_samples(tokenizer, "emma", nsamples=8, seqlen=16, seed=2)[:2])  # only seed 2 ran
+    assert again["rows"][:2] == result["rows"] and again["stability"]["seeds"] == [0, 1, 2]
+
+
+def test_sleb_stability_names_the_common_blocks_and_each_pairs_overlap():
+    rows = [{"seed": 0, "removed_blocks": [13, 12, 16, 14]}, {"seed": 1, "removed_blocks": [12, 13, 17, 15]},
+            {"seed": 2, "removed_blocks": [16, 12, 13, 9]}]
+    assert beside_dress.stability(rows) == {
+        "seeds": [0, 1, 2], "removed": 4, "common": [12, 13], "any": [9, 12, 13, 14, 15, 16, 17],
+        "pairs": [{"seeds": [0, 1], "shared": 2}, {"seeds": [0, 2], "shared": 3}, {"seeds": [1, 2], "shared": 2}]}
+    assert beside_dress.stability(rows[:1])["pairs"] == [] and beside_dress.stability(rows[:1])["common"] == [
+        12, 13, 14, 16]
 
 
 def test_slicegpt_slices_by_its_ratio_on_the_labelled_windows_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
