@@ -25,8 +25,9 @@ The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kep
 
 :func:`keep_hidden_channels_` (DReSS's slice step) removes the same hidden channels from every
 tensor of the residual stream: the token embedding, every RMSNorm, the inputs of the attention and
-MLP input linears, the outputs of their output linears and the input of lm_head. Heads,
-``head_dim`` and MLP channels stay.
+MLP input linears, the outputs of their output linears and the input of lm_head (with
+``slice_head=False``, SliceGPT's default, the LM head, the final norm and the last MLP output stay
+whole). Heads, ``head_dim`` and MLP channels stay.
 
 :func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
 
