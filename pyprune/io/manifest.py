@@ -25,8 +25,8 @@ from . import model_card
 
 #: Name of the file that records the pruned shapes inside a saved directory.
 MANIFEST = "pyprune.json"
-_FORMAT_VERSION = 4  # 2: sparse_layers; 3: residual_rotations; 4: sparse_experts
-_READABLE_VERSIONS = (1, 2, 3, 4)
+_FORMAT_VERSION = 5  # 2: sparse_layers; 3: residual_rotations; 4: sparse_experts; 5: residual_rotations.head_size
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 #: the ``model_type`` of a saved config.json that plain transformers must refuse (see the module docstring)
 MARKED_MODEL_TYPE = "pyprune-checkpoint: load it with pyprune.load(directory)"
 _REAL_MODEL_TYPE = "pyprune_model_type"
@@ -122,9 +122,16 @@ def shape_as_saved_(model, manifest: Dict[str, Any], directory: str, *, sparse_l
     from ..nn import anatomy, compact, rotation, sparse
     rotations = manifest.get("residual_rotations")
     if rotations:
-        compact.keep_hidden_channels_(model, torch.arange(rotations["hidden_size"]))
-        identity = [torch.eye(rotations["hidden_size"]) for _ in anatomy.decoder_blocks(model)]
-        rotation.add_residual_rotations_(model, identity, identity, rotations["dense_hidden_size"])
+        k, dense = rotations["hidden_size"], rotations["dense_hidden_size"]
+        head = rotations.get("head_size", k)  # before version 5 the head was always sliced
+        if head not in (k, dense):
+            raise ValueError(f"cannot load {directory}: {MANIFEST} records an LM head of width {head}, neither the "
+                             f"sliced {k} nor the dense {dense}")
+        compact.keep_hidden_channels_(model, torch.arange(k), slice_head=head == k)
+        blocks = anatomy.decoder_blocks(model)
+        identity = torch.eye(k)
+        rotation.add_residual_rotations_(model, [identity] * len(blocks),
+                                         [identity] * (len(blocks) - 1) + [torch.eye(k, head)], dense)
     layers = manifest.get("layers")
     if layers is not None:
         blocks = anatomy.decoder_blocks(model)

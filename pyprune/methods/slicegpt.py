@@ -18,9 +18,13 @@ the directions of least variance.
    entries, multiply by sqrt(d/k) so that they still divide by the RMS over d, as the authors'
    RMSN does (the norm's eps then counts d/k times less: exact up to eps).
 
-Differences from the authors' code, all stated in the report: the LM head and the last block's
-output are sliced too (their ``do_slice_head``; their default keeps them at d), and no damping is
-added to Σ XᵀX (it shifts the eigenvalues and leaves the eigenvectors).
+``slice_head`` (the authors' ``do_slice_head``, default False as theirs): when False the LM head,
+the final norm and the last block's output keep all d directions: the last block's MLP output is
+rotated by Q_L but not sliced, its shortcut is Q_mid[:, :k]ᵀ Q_L ([k, d], mapping the sliced
+residual to d), and the head is rotated by Q_L at full width. When True they are sliced to k too.
+
+One difference from the authors' code, stated in the report: no damping is added to Σ XᵀX (it
+shifts the eigenvalues and leaves the eigenvectors).
 
 Families: those whose attention and MLP outputs are added to the residual directly (Llama/SmolLM2,
 Mistral, Qwen2/3, Phi-3). Gemma (four norms, (1 + w) scales, a scaled embedding) is refused.
@@ -99,6 +103,8 @@ class SliceGPT(Method):
                            "besides a multiple of the head count", at_least_one)
     eigen_dtype: str = option("float64", "SliceGPT: dtype of Σ XᵀX and its eigen-decomposition (paper: float64)",
                               choices=tuple(_EIGEN_DTYPES))
+    slice_head: bool = option(False, "SliceGPT: slice the LM head and the last block's output to k too (the "
+                              "authors' do_slice_head; false, their default: they keep the full hidden size)")
 
     def kept_width(self, config, ratio: float) -> int:
         """k = d·(1 − ratio) rounded down to a multiple of ``multiple`` and of the head count
@@ -140,12 +146,14 @@ class SliceGPT(Method):
         only, the logits unchanged up to rounding); returns the report details."""
         stream = hidden_stream(model)
         d = model.config.hidden_size
+        head = k if self.slice_head else d  # the width the last block leaves and the LM head reads
         eigen_dtype = _EIGEN_DTYPES[self.eigen_dtype]
         embed, lm_head = stream["embed"], stream["lm_head"]
         if lm_head.weight is embed.weight:  # Q_0 and Q_L differ: the head gets its own copy
             lm_head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
             model.config.tie_word_embeddings = False
         blocks = decoder_blocks(model)
+        last = len(blocks) - 1
         families = [block_family(block) for block in blocks]
         for block, family in zip(blocks, families):
             attention_norm, mlp_norm = (block.get_submodule(n) for n in family.norms)
@@ -189,7 +197,8 @@ class SliceGPT(Method):
                 outputs.append(h + mlp(mlp_norm(h)))
             del middle
             values_out, q_out = pca(outputs)
-            ctx.next_inputs = torch.cat([(y.double() @ q_out[:, :k]).to(dtype) for y in outputs])
+            k_out = head if ctx.index == last else k
+            ctx.next_inputs = torch.cat([(y.double() @ q_out[:, :k_out]).to(dtype) for y in outputs])
             del outputs
             for name in family.attention_inputs:
                 _rotate_in(ctx.block.get_submodule(name), q_in)
@@ -198,21 +207,22 @@ class SliceGPT(Method):
                 _rotate_in(ctx.block.get_submodule(name), q_mid)
             _rotate_out(ctx.block.get_submodule(family.mlp_out), q_out)
             shortcuts[0].append(q_in[:, :k].T @ q_mid[:, :k])
-            shortcuts[1].append(q_mid[:, :k].T @ q_out[:, :k])
+            shortcuts[1].append(q_mid[:, :k].T @ q_out[:, :k_out])
             basis.append(q_out)
-            kept.append({"attention_output": _kept_share(values_mid, k), "block_output": _kept_share(values_out, k)})
+            kept.append({"attention_output": _kept_share(values_mid, k),
+                         "block_output": _kept_share(values_out, k_out)})
             return {}
 
         engine.run_blockwise(model, calib, process, batch_size=batch_size, progress=progress, desc="slicegpt")
         _rotate_in(lm_head, basis[-1])
-        keep_hidden_channels_(model, torch.arange(k))
-        for norm in hidden_stream(model)["norms"].values():
-            norm.weight.fill_(math.sqrt(d / k))  # divide by the RMS over d entries, as before slicing
+        keep_hidden_channels_(model, torch.arange(k), slice_head=self.slice_head)
+        for name, norm in stream["norms"].items():  # divide by the RMS over d entries, as before slicing
+            if self.slice_head or name != stream["final_norm"]:  # a whole final norm does already
+                norm.weight.fill_(math.sqrt(d / k))
         add_residual_rotations_(model, *shortcuts, dense_hidden_size=d)
-        return {"hidden_size": [d, k], "eigen_dtype": self.eigen_dtype,
-                "rotation_parameters": sum(2 * k * k for _ in blocks),
+        return {"hidden_size": [d, k], "head_size": head, "eigen_dtype": self.eigen_dtype,
+                "rotation_parameters": sum(a.numel() + m.numel() for a, m in zip(*shortcuts)),
                 "kept_variance": {"embedding": kept[0]["embedding"],
                                   "attention_output": [r["attention_output"] for r in kept[1:]],
                                   "block_output": [r["block_output"] for r in kept[1:]]},
-                "deviations": ["LM head and last block output sliced (authors' default keeps them at full width)",
-                               "no damping of the Gram matrix (it does not move the eigenvectors)"]}
+                "deviations": ["no damping of the Gram matrix (it does not move the eigenvectors)"]}

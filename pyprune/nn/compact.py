@@ -25,8 +25,9 @@ The ``nn.Linear`` modules are replaced by smaller ones holding copies of the kep
 
 :func:`keep_hidden_channels_` (DReSS's slice step) removes the same hidden channels from every
 tensor of the residual stream: the token embedding, every RMSNorm, the inputs of the attention and
-MLP input linears, the outputs of their output linears and the input of lm_head. Heads,
-``head_dim`` and MLP channels stay.
+MLP input linears, the outputs of their output linears and the input of lm_head (with
+``slice_head=False``, SliceGPT's default, the LM head, the final norm and the last MLP output stay
+whole). Heads, ``head_dim`` and MLP channels stay.
 
 :func:`keep_blocks_` (SLEB) removes whole decoder blocks and renumbers the rest in the config.
 
@@ -51,8 +52,9 @@ from torch import Tensor, nn
 from .anatomy import decoder_blocks
 from .experts import expert_layout, fused_experts, routers
 from .families import EXPERT_FIELDS, Family, channel_rows, head_rows
-from .layout import (Indices, block_layout, check_block, check_heads_removable, checked_index,
+from .layout import (Indices, block_family, block_layout, check_block, check_heads_removable, checked_index,
                      config_accepts, head_counts, head_dim, hidden_index, hidden_stream, rescaled_norm_weight)
+from .rotation import sublayers
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
@@ -228,7 +230,7 @@ def hidden_width_accepted(model: nn.Module, count: int) -> bool:
 
 
 @torch.no_grad()
-def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
+def keep_hidden_channels_(model: nn.Module, keep: Indices, *, slice_head: bool = True) -> None:
     """Keep only hidden (residual-stream) channels ``keep`` of a causal LM of an RMS-norm family
     (:func:`pyprune.nn.layout.hidden_stream`), the same channels in every layer: DReSS's slice
     step (Eqs. 8-9 of the paper, as physical removal).
@@ -251,6 +253,13 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     reloads the same; when the LM head shares that weight, the final norm's multiplier is divided
     by sqrt(d/d') so that the logits stay.
 
+    ``slice_head=False`` leaves the model's output path whole: the LM head, the final norm and the
+    last block's MLP output (the writer whose sum the final norm reads) keep all their channels, for
+    a model whose last residual a rotation widens back to them (SliceGPT's default,
+    :func:`pyprune.nn.rotation.add_residual_rotations_`); alone it leaves a model whose last
+    residual sum does not fit. It needs an LM head untied from the embedding and a Llama-style last
+    block (:func:`pyprune.nn.rotation.sublayers`).
+
     Raises ValueError/TypeError, with the model untouched, for a bad ``keep`` (empty, not 1-D,
     not integer, duplicate, unsorted or out-of-range indices, or a count the config class rejects:
     transformers' LlamaConfig needs hidden_size divisible by num_attention_heads), a model that is
@@ -262,6 +271,7 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
     config, embed, lm_head = model.config, stream["embed"], stream["lm_head"]
     index = hidden_index(keep, config.hidden_size)
     tied = lm_head.weight is embed.weight
+    whole = set() if slice_head else _output_path(stream, tied)
     if tied != bool(getattr(config, "tie_word_embeddings", False)):
         raise ValueError(f"model: config.tie_word_embeddings is {getattr(config, 'tie_word_embeddings', None)} "
                          f"but lm_head.weight {'is' if tied else 'is not'} embed_tokens.weight; cannot tell "
@@ -289,22 +299,37 @@ def keep_hidden_channels_(model: nn.Module, keep: Indices) -> None:
         if tied:
             final = stream["norms"][stream["final_norm"]]
             final.weight.copy_(rescaled_norm_weight(final.weight, 1 / ratio, stream["norm_offset"]))
-    for norm in stream["norms"].values():
+    for norm in (norm for name, norm in stream["norms"].items() if name not in whole):
         for name, param in list(norm.named_parameters(recurse=False)):
             setattr(norm, name, nn.Parameter(param.detach().index_select(0, index.to(param.device)),
                                              requires_grad=param.requires_grad))
     for names, side in ((stream["readers"], "cols"), (stream["writers"], "rows")):
         for name, linear in names.items():
-            _replace(model, name, _copied_linear(linear, **{side: index}))
+            if name not in whole:
+                _replace(model, name, _copied_linear(linear, **{side: index}))
     for block in stream["layers"]:
         for module in (block, getattr(block, "mlp", None)):
             if isinstance(getattr(module, "hidden_size", None), int):
                 module.hidden_size = index.numel()
-    _replace(model, stream["lm_head_name"], _copied_linear(lm_head, cols=index))
+    if stream["lm_head_name"] not in whole:
+        _replace(model, stream["lm_head_name"], _copied_linear(lm_head, cols=index))
     if tied:
         model.get_output_embeddings().weight = embed.weight
     for key, value in fields.items():
         setattr(config, key, value)
+
+
+def _output_path(stream: Dict, tied: bool) -> set:
+    """The names, in ``stream`` (:func:`~pyprune.nn.layout.hidden_stream`), of what
+    ``slice_head=False`` keeps whole: the LM head, the final norm and the last block's MLP output."""
+    if tied:
+        raise ValueError("keep_hidden_channels_ slice_head=False: the LM head shares the embedding's weight, "
+                         "which loses channels; untie them first")
+    last = stream["layers"][-1]
+    sublayers(last, "the last block")  # a Llama-style block: its MLP output is the residual's last writer
+    mlp_out = last.get_submodule(block_family(last).mlp_out)
+    writer = next(name for name, linear in stream["writers"].items() if linear is mlp_out)
+    return {stream["lm_head_name"], stream["final_norm"], writer}
 
 
 #: config fields listing the indices of some blocks (not one entry per block): Llama 4's MoE blocks

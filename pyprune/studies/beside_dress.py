@@ -13,7 +13,8 @@ the same way, never re-run here, and so are its dense scores.
   ``results/sleb-<model>.{json,md}``, one row per seed, resumed, with the seeds' stability.
 * ``slicegpt`` (:class:`SliceGpt`): SliceGPT (Ashkboos et al. 2024) slices ``ratio`` of the hidden
   size with PCAs on the first three quarters of the windows (or the first ``pca_windows`` of them),
-  then LoRA on the last quarter with DReSS's recovery settings (unless ``recovery`` is false).
+  the LM head and the last block's output too when ``slice_head``, then LoRA on the last quarter
+  with DReSS's recovery settings (unless ``recovery`` is false).
   ``results/dress-slicegpt-<model>.{json,md}``, one row per setting, resumed.
 """
 from __future__ import annotations
@@ -259,7 +260,8 @@ class SliceGpt(_BesideDress):
     """SliceGPT beside DReSS, perplexity and zero-shot sliced and after LoRA (the recovery DReSS's
     table uses: rank 32, alpha 10, ``lora_steps``, ``lora_lr``, ``train_batch`` on the last quarter
     of the windows). Prune time (PCA + rotation) and parameter counts recorded (SliceGPT's model
-    carries an untied LM head and two k x k shortcut matrices per block)."""
+    carries an untied LM head and two shortcut matrices per block, k x k, but k x d for the last
+    block's MLP unless ``slice_head``)."""
 
     name = "slicegpt"
     summary = "SliceGPT beside DReSS, sliced and after LoRA, perplexity and zero-shot"
@@ -272,6 +274,8 @@ class SliceGpt(_BesideDress):
     pca_windows: Optional[int] = option(None, "SliceGPT's PCAs on the first N of the calibration windows (default "
                                         "all; DReSS ranks its quiet channels on the first 64)", at_least_one)
     recovery: bool = option(True, "LoRA after slicing (false: the sliced model only, the row says so)")
+    slice_head: bool = option(False, "SliceGPT's slice_head: slice the LM head and the last block's output too "
+                              "(false, the authors' default: they keep the full hidden size)")
 
     def _split(self) -> int:
         return (3 * self.nsamples) // 4
@@ -311,7 +315,8 @@ class SliceGpt(_BesideDress):
         return context["calib"][:self._split()][:self.pca_windows]
 
     def arms(self, context):
-        label = (f"ratio {self.ratio:g}, PCA on {self._windows(context).shape[0]} of the {self._split()} windows"
+        label = (f"ratio {self.ratio:g}, slice_head {str(self.slice_head).lower()}, PCA on "
+                 f"{self._windows(context).shape[0]} of the {self._split()} windows"
                  + ("" if self.recovery else ", no LoRA run"))
         return [Arm(label, label)]
 
@@ -324,7 +329,7 @@ class SliceGpt(_BesideDress):
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
         report = prune(model, "slicegpt", Structured(self.ratio), self._windows(context), batch_size=self.batch_size,
-                       progress=True)
+                       progress=True, slice_head=self.slice_head)
         ppl_sliced = self.perplexities(context, model)
         sliced_scores = self.scores(context, model)
         ppl_lora, scores, lora_s = None, {}, None
@@ -335,7 +340,8 @@ class SliceGpt(_BesideDress):
             lora_s = time.perf_counter() - start
             ppl_lora = self.perplexities(context, model)
             scores = self.scores(context, model)
-        return {"label": arm.key, "ratio": self.ratio, "hidden_size": report["hidden_size"],
+        return {"label": arm.key, "ratio": self.ratio, "slice_head": self.slice_head, "options": report["options"],
+                "hidden_size": report["hidden_size"], "head_size": report["head_size"],
                 "parameters": [report["parameters_before"], report["parameters_after"]],
                 "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
                 "zero_shot_sliced": sliced_scores, "zero_shot_lora": scores,
@@ -393,10 +399,11 @@ class SliceGpt(_BesideDress):
             lines += ["", "Dense zero-shot: " + ", ".join(f"{t} {v['acc']:.3f} ± {v['stderr']:.3f}"
                                                         for t, v in sorted(dense.items())) + "."]
         for r in result["rows"]:
-            kept = r["kept_variance"]
+            kept, (d, k) = r["kept_variance"], r["hidden_size"]
+            outputs = kept["block_output"] if r["slice_head"] else kept["block_output"][:-1]  # the sliced ones
             lines += ["", f"SliceGPT {r['label']}: share of the residual signal's variance (Σ eigenvalues) in the "
-                      f"kept {r['hidden_size'][1]} of {r['hidden_size'][0]} directions: embedding "
-                      f"{kept['embedding']:.4f}, block outputs min {min(kept['block_output']):.4f} / max "
-                      f"{max(kept['block_output']):.4f}, attention outputs min {min(kept['attention_output']):.4f} "
-                      f"/ max {max(kept['attention_output']):.4f}."]
+                      f"kept {k} of {d} directions: embedding {kept['embedding']:.4f}, block outputs min "
+                      f"{min(outputs):.4f} / max {max(outputs):.4f}, attention outputs min "
+                      f"{min(kept['attention_output']):.4f} / max {max(kept['attention_output']):.4f}"
+                      + ("." if r["slice_head"] else f"; the last block's output and the LM head keep all {d}.")]
         return "\n".join(lines) + "\n"

@@ -352,7 +352,7 @@ def test_a_failing_evaluation_keeps_the_saved_prune(tiny_model_dir, tmp_path, mo
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2, 3, 4"),
+    ({"version": 99}, "has version 99; this pyprune reads versions 1, 2, 3, 4, 5"),
     ({"format": "other"}, "is not a pyprune manifest"),
 ])
 def test_load_refuses_an_unknown_format_or_version(files, tmp_path, change, message):

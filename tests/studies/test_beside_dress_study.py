@@ -104,7 +104,8 @@ def test_slicegpt_slices_by_its_ratio_on_the_labelled_windows_and_resumes(tiny_m
                                   "16-token windows", "lora": "2 steps, rank 32, alpha 10, lr 0.0001, batch 2",
                                   "threads": result["settings"]["threads"], "model": model_dir}
     [row] = result["rows"]
-    assert row["label"] == "ratio 0.25, PCA on 4 of the 6 windows" and row["hidden_size"] == [64, 48]
+    assert row["label"] == "ratio 0.25, slice_head false, PCA on 4 of the 6 windows" and row["hidden_size"] == [64, 48]
+    assert row["head_size"] == 64 and row["slice_head"] is False and row["options"]["slice_head"] is False
     _, tokenizer = load_model(model_dir)
     [(method, pattern, calib)] = calls
     assert (method, str(pattern)) == ("slicegpt", "structured 0.25")
@@ -119,8 +120,12 @@ def test_slicegpt_slices_by_its_ratio_on_the_labelled_windows_and_resumes(tiny_m
     [row] = again["rows"]
     assert row["zero_shot_sliced"]["austen_continuation"]["n"] == 4 and row["zero_shot_lora"]
     assert again["dense_zero_shot"]["austen_continuation"]["n"] == 4
-    sliced = studies.run("slicegpt", str(output), recovery=False, **settings)["rows"][1]
-    assert sliced["label"].endswith(", no LoRA run") and sliced["ppl_lora"] is None and sliced["lora_s"] is None
+    sliced = studies.run("slicegpt", str(output), recovery=False, slice_head=True, **settings)["rows"][1]
+    assert sliced["label"] == "ratio 0.25, slice_head true, PCA on 4 of the 6 windows, no LoRA run"
+    assert sliced["ppl_lora"] is None and sliced["lora_s"] is None
+    assert sliced["head_size"] == 48 and sliced["options"]["slice_head"] is True  # the head sliced too
+    assert output.with_suffix(".md").read_text().count("the LM head keep all 64") == 1  # the first row only
+    assert sliced["ppl_sliced"] != row["ppl_sliced"]
     with pytest.raises(ValueError, match="pca_windows of study 'slicegpt' must be at most the 6 windows"):
         studies.get("slicegpt", nsamples=8, pca_windows=7)
 
