@@ -106,13 +106,13 @@ def _score(scores, task):
 def stability(rows) -> dict:
     """How alike the calibration seeds' searches are: the seeds, the blocks every seed removed
     (``common``), those any seed removed (``any``) and, per pair of seeds, how many blocks both removed
-    (``shared``) of the ``removed`` each removes."""
+    (``both``) of the ``removed`` each removes."""
     removed = {row["seed"]: set(row["removed_blocks"]) for row in rows}
     seeds = sorted(removed)
     return {"seeds": seeds, "removed": max((len(blocks) for blocks in removed.values()), default=0),
             "common": sorted(set.intersection(*removed.values())) if removed else [],
             "any": sorted(set().union(*removed.values())),
-            "pairs": [{"seeds": [a, b], "shared": len(removed[a] & removed[b])}
+            "pairs": [{"seeds": [a, b], "both": len(removed[a] & removed[b])}
                       for a, b in itertools.combinations(seeds, 2)]}
 
 
@@ -243,7 +243,7 @@ class Sleb(_BesideDress):
             lines += ["", f"Stability over the {len(rows)} calibration seeds: blocks removed by every seed "
                       f"{found['common']} ({len(found['common'])} of {found['removed']}); by any seed {found['any']}; "
                       "shared by each pair of seeds: "
-                      + ", ".join(f"seeds {pair['seeds'][0]} and {pair['seeds'][1]} {pair['shared']} of "
+                      + ", ".join(f"seeds {pair['seeds'][0]} and {pair['seeds'][1]} {pair['both']} of "
                                   f"{found['removed']}" for pair in found["pairs"]) + "."]
         lines += ["", "Calibration perplexity after each removal (on the seed's own windows):"]
         lines += [f"- seed {row['seed']}: " + ", ".join(f"block {step['removed']}: {step['perplexity']:.2f}"

@@ -128,6 +128,7 @@ def test_zeroshot_rows_are_reports_of_their_arms_with_accuracy(tiny_model_dir, t
     ("baselines-gemma3-270m", ("baselines", {"model": "gemma3-270m", "eval_tokens": 4096})),
     ("owl-smollm2-135m", ("owl", {})),
     ("owl-gemma3-270m", ("owl", {"model": "gemma3-270m"})),
+    ("owl-sweep-smollm2-135m", ("owl-sweep", {})),
     ("zeroshot-smollm2-135m", ("zeroshot", {"items": 40})),
 ])
 def test_the_committed_results_render_byte_for_byte_and_are_the_default_files(stem, settings, monkeypatch):

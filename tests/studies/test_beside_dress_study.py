@@ -87,7 +87,7 @@ def test_sleb_stability_names_the_common_blocks_and_each_pairs_overlap():
             {"seed": 2, "removed_blocks": [16, 12, 13, 9]}]
     assert beside_dress.stability(rows) == {
         "seeds": [0, 1, 2], "removed": 4, "common": [12, 13], "any": [9, 12, 13, 14, 15, 16, 17],
-        "pairs": [{"seeds": [0, 1], "shared": 2}, {"seeds": [0, 2], "shared": 3}, {"seeds": [1, 2], "shared": 2}]}
+        "pairs": [{"seeds": [0, 1], "both": 2}, {"seeds": [0, 2], "both": 3}, {"seeds": [1, 2], "both": 2}]}
     assert beside_dress.stability(rows[:1])["pairs"] == [] and beside_dress.stability(rows[:1])["common"] == [
         12, 13, 14, 16]
 

@@ -3,7 +3,6 @@ tuning seed (made-up rows), the default grid spans the ranges it is meant to, th
 uniform pairs the seeds (made-up rows), and at tiny scale the seed arms run uniform, the paper's and
 the chosen setting, a rerun runs nothing, and a λ that leaves [0, 1) is refused before any arm runs."""
 import json
-import os
 
 import pytest
 
@@ -11,8 +10,6 @@ from pyprune import studies
 from pyprune.patterns import Unstructured
 from pyprune.studies import baselines, owl_sweep
 from pyprune.studies.owl_sweep import PAPER, owl_verdict, select, setting_of
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _row(method, setting, seed, tuning=100.0, evaluation=100.0):
@@ -109,15 +106,3 @@ def test_a_lambda_that_leaves_the_unit_interval_is_refused_before_any_arm(tiny_m
         studies.run("owl-sweep", str(output), model=str(tiny_model_dir[0]), owl_lambdas=[0.02, 0.4], nsamples=2,
                     seqlen=16, eval_tokens=64, tuning_tokens=64)
     assert calls == [] and not output.exists()
-
-
-@pytest.mark.parametrize("stem,settings", [("owl-sweep-smollm2-135m", {})])
-def test_the_committed_results_render_byte_for_byte_and_are_the_default_files(stem, settings, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    study = studies.get("owl-sweep", **settings)
-    path = study.output_path(None)
-    assert path == os.path.join("benchmarks", "results", f"{stem}.json")
-    with open(path, encoding="utf-8") as handle:
-        result = json.load(handle)
-    with open(os.path.splitext(path)[0] + ".md", encoding="utf-8") as handle:
-        assert study.markdown(result) == handle.read()
