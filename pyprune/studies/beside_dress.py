@@ -39,6 +39,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
 from .baselines import CALIB_SOURCE, DEFAULT_MODEL, MODELS, PROTOCOL_HEADER, model_name, model_results
+from .dress import row_setting, train_seed
 from .results import mean_std
 from .study import RESULTS_DIR, Arm, Study
 
@@ -233,9 +234,9 @@ class Sleb(_BesideDress):
         for d in (dress or {}).get("rows", []):
             if d.get("ppl_lora") is None:
                 continue  # a DReSS row without recovery: nothing to quote beside the LoRA perplexities
-            lines.append(line([f"DReSS ({d['channels']} channels)", f"{d['label']}, + LoRA",
+            lines.append(line([f"DReSS ({d['channels']} channels)", f"{row_setting(d)}, + LoRA",
                                " x ".join(calibration.groups()) if calibration else "–", str(s["eval_tokens"]),
-                               "1 (seed 0)", *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
+                               f"1 (seed {train_seed(d)})", *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
                                *(_score(d.get("zero_shot_lora") or {}, t) for t in tasks),
                                _removed(d["parameters"]), "–", "–"]))
         if len(rows) > 1:
@@ -368,7 +369,7 @@ class SliceGpt(_BesideDress):
                  f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
                  f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
                  + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and "
-                 "evaluation as benchmarks/dress_smollm2.py; its rows are quoted from dress-smollm2-135m.json. "
+                 "evaluation as `pyprune study dress`; its rows are quoted from dress-smollm2-135m.json. "
                  "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
                  "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
                  + "".join(f" | {t} sliced | {t} + LoRA" for t in tasks) + " | prune (s) | LoRA (s) |",
@@ -389,7 +390,7 @@ class SliceGpt(_BesideDress):
                          + (f"{r['lora_s']:.0f} |" if r["lora_s"] is not None else "– |"))
         for r in dress_rows:
             lora = r["ppl_lora"] or {}  # none for a row without recovery
-            lines.append(f"| DReSS ({r['channels']}) | {r['label']} | {r['parameters'][1]:,} | "
+            lines.append(f"| DReSS ({r['channels']}) | {row_setting(r)} | {r['parameters'][1]:,} | "
                          + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
                                       for t in texts)
                          + "".join(f" | {v}" for v in scores(r)) + f" | {r['train_s']:.0f} | "

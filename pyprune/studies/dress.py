@@ -100,6 +100,15 @@ def train_seed(row: dict) -> int:
     return row.get("train_seed", DReSS.train_seed.default)
 
 
+def row_setting(row: dict) -> str:
+    """A row's label with the training that tells it apart from rows of the same label (steps, λ,
+    lr, seed), for tables that quote DReSS's rows in one column."""
+    if row["train_steps"] == 0:
+        return row["label"]
+    lam = f", λ {row['lam']:g}" if row["steps"] > 0 else ""
+    return f"{row['label']}, {row['train_steps']} steps{lam}, lr {row['lr']:g}, seed {train_seed(row)}"
+
+
 def row_key(row: dict) -> tuple:
     """What identifies a row: its channels, label and norm rescale, and the training options of its
     arm (:data:`DEFINING`; slicing alone does not depend on the learning rate or seed)."""

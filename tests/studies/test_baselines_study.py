@@ -130,6 +130,9 @@ def test_zeroshot_rows_are_reports_of_their_arms_with_accuracy(tiny_model_dir, t
     ("owl-gemma3-270m", ("owl", {"model": "gemma3-270m"})),
     ("owl-sweep-smollm2-135m", ("owl-sweep", {})),
     ("zeroshot-smollm2-135m", ("zeroshot", {"items": 40})),
+    ("sleb-smollm2-135m", ("sleb", {})),
+    ("sleb-gemma3-270m", ("sleb", {"model": "gemma3-270m"})),
+    ("dress-slicegpt-smollm2-135m", ("slicegpt", {})),
 ])
 def test_the_committed_results_render_byte_for_byte_and_are_the_default_files(stem, settings, monkeypatch):
     monkeypatch.chdir(ROOT)
