@@ -342,6 +342,7 @@ class SliceGpt(_BesideDress):
             ppl_lora = self.perplexities(context, model)
             scores = self.scores(context, model)
         return {"label": arm.key, "ratio": self.ratio, "slice_head": self.slice_head, "options": report["options"],
+                "pca_windows": self._windows(context).shape[0], "lora_windows": self.nsamples - self._split(),
                 "hidden_size": report["hidden_size"], "head_size": report["head_size"],
                 "parameters": [report["parameters_before"], report["parameters_after"]],
                 "ppl_sliced": ppl_sliced, "ppl_lora": ppl_lora,
@@ -371,9 +372,19 @@ class SliceGpt(_BesideDress):
                  + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and "
                  "evaluation as `pyprune study dress`; its rows are quoted from dress-smollm2-135m.json. "
                  "'prune (s)' is SliceGPT's PCA + rotation, DReSS's regularisation + slicing.", "",
-                 "| method | setting | parameters | " + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
+                 "| method | setting | " + " | ".join(PROTOCOL_HEADER) + " | parameters | "
+                 + " | ".join(f"{t} sliced | {t} + LoRA" for t in texts)
                  + "".join(f" | {t} sliced | {t} + LoRA" for t in tasks) + " | prune (s) | LoRA (s) |",
-                 "|---|---|---:|" + "---:|---:|" * (len(texts) + len(tasks)) + "---:|---:|"]
+                 "|---|---|---|---:|---|---:|" + "---:|---:|" * (len(texts) + len(tasks)) + "---:|---:|"]
+        split, seqlen, lora_windows = re.match(r"(\d+) x (\d+) Emma windows train, (\d+) train LoRA",
+                                               s["calibration"]).groups()
+        eval_tokens = re.search(r"first (\d+) tokens", s["evaluation"]).group(1)
+
+        def protocol(windows, lora_windows: Optional[str]) -> str:
+            """The calibration (PCA or regularisation windows, then LoRA's), evaluation tokens and seed cells
+            (every row draws its windows with seed 0; DReSS's training seeds are in its setting)."""
+            lora = f" + {lora_windows} x {seqlen} LoRA" if lora_windows else ""
+            return f"{windows} x {seqlen}{lora} | {eval_tokens} | 1 (seed 0)"
 
         def scores(row):
             """Each task's accuracy sliced, then after LoRA ('–' where not scored)."""
@@ -383,14 +394,18 @@ class SliceGpt(_BesideDress):
 
         for r in result["rows"]:
             lora = r["ppl_lora"] or {}
-            lines.append(f"| SliceGPT | {r['label']} | {r['parameters'][1]:,} | "
+            lines.append(f"| SliceGPT | {r['label']} | "
+                         f"{protocol(r['pca_windows'], r['lora_windows'] if r['ppl_lora'] else None)} | "
+                         f"{r['parameters'][1]:,} | "
                          + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
                                       for t in texts)
                          + "".join(f" | {v}" for v in scores(r)) + f" | {r['prune_s']:.0f} | "
                          + (f"{r['lora_s']:.0f} |" if r["lora_s"] is not None else "– |"))
         for r in dress_rows:
             lora = r["ppl_lora"] or {}  # none for a row without recovery
-            lines.append(f"| DReSS ({r['channels']}) | {row_setting(r)} | {r['parameters'][1]:,} | "
+            lines.append(f"| DReSS ({r['channels']}) | {row_setting(r)} | "
+                         f"{protocol(split, lora_windows if r['ppl_lora'] else None)} | "
+                         f"{r['parameters'][1]:,} | "
                          + " | ".join(f"{r['ppl_sliced'][t]:.2f} | " + (f"{lora[t]:.2f}" if t in lora else "–")
                                       for t in texts)
                          + "".join(f" | {v}" for v in scores(r)) + f" | {r['train_s']:.0f} | "

@@ -106,7 +106,7 @@ def row_setting(row: dict) -> str:
     if row["train_steps"] == 0:
         return row["label"]
     lam = f", λ {row['lam']:g}" if row["steps"] > 0 else ""
-    return f"{row['label']}, {row['train_steps']} steps{lam}, lr {row['lr']:g}, seed {train_seed(row)}"
+    return f"{row['label']}, {row['train_steps']} steps{lam}, lr {row['lr']:g}, training seed {train_seed(row)}"
 
 
 def row_key(row: dict) -> tuple:

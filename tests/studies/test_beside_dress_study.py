@@ -106,6 +106,8 @@ def test_slicegpt_slices_by_its_ratio_on_the_labelled_windows_and_resumes(tiny_m
     [row] = result["rows"]
     assert row["label"] == "ratio 0.25, slice_head false, PCA on 4 of the 6 windows" and row["hidden_size"] == [64, 48]
     assert row["head_size"] == 64 and row["slice_head"] is False and row["options"]["slice_head"] is False
+    assert (row["pca_windows"], row["lora_windows"]) == (4, 2)
+    assert "| 4 x 16 + 2 x 16 LoRA | 64 | 1 (seed 0) |" in output.with_suffix(".md").read_text()  # its protocol
     _, tokenizer = load_model(model_dir)
     [(method, pattern, calib)] = calls
     assert (method, str(pattern)) == ("slicegpt", "structured 0.25")
