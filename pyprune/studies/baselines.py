@@ -234,7 +234,7 @@ class Owl(_PruneAndEvaluate):
     sparsities: Tuple[float, ...] = option((0.5, 0.6, 0.7), "the unstructured sparsities (the mean under OWL)",
                                            fraction)
     owl_m: float = option(5.0, "OWL's M: a weight is an outlier above M x its block's mean score", positive)
-    owl_lambda: float = option(0.08, "OWL's λ: block sparsities within the target ± λ", positive)
+    owl_lambda: float = option(0.08, "OWL's λ: the block sparsities span 2λ around the target, their mean", positive)
 
     def calibration_seed(self):
         return self.seed

@@ -163,8 +163,8 @@ class OwlSweep(_PruneAndEvaluate):
                                       choices=OWL_METHODS)
     owl_ms: Tuple[float, ...] = option(GRID_M, "the grid's OWL M values (outlier above M x the block's mean score)",
                                        positive)
-    owl_lambdas: Tuple[float, ...] = option(GRID_LAMBDA, "the grid's OWL λ values (block sparsities within the "
-                                            "target ± λ)", positive)
+    owl_lambdas: Tuple[float, ...] = option(GRID_LAMBDA, "the grid's OWL λ values (the block sparsities span "
+                                            "2λ around the target, their mean)", positive)
     seeds: Tuple[int, ...] = option((0, 1, 2), "the calibration seeds; the first is the one the grid is tuned on",
                                     nonnegative)
 
