@@ -129,6 +129,7 @@ def test_zeroshot_rows_are_reports_of_their_arms_with_accuracy(tiny_model_dir, t
     ("owl-smollm2-135m", ("owl", {})),
     ("owl-gemma3-270m", ("owl", {"model": "gemma3-270m"})),
     ("owl-sweep-smollm2-135m", ("owl-sweep", {})),
+    ("owl-sweep-gemma3-270m", ("owl-sweep", {"model": "gemma3-270m"})),
     ("zeroshot-smollm2-135m", ("zeroshot", {"items": 40})),
     ("sleb-smollm2-135m", ("sleb", {})),
     ("sleb-gemma3-270m", ("sleb", {"model": "gemma3-270m"})),
