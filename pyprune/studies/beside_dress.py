@@ -39,7 +39,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
 from .baselines import CALIB_SOURCE, DEFAULT_MODEL, MODELS, PROTOCOL_HEADER, model_name, model_results
-from .dress import row_setting, train_seed
+from .dress import row_setting
 from .results import mean_std
 from .study import RESULTS_DIR, Arm, Study
 
@@ -236,7 +236,7 @@ class Sleb(_BesideDress):
                 continue  # a DReSS row without recovery: nothing to quote beside the LoRA perplexities
             lines.append(line([f"DReSS ({d['channels']} channels)", f"{row_setting(d)}, + LoRA",
                                " x ".join(calibration.groups()) if calibration else "–", str(s["eval_tokens"]),
-                               f"1 (seed {train_seed(d)})", *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
+                               "1 (seed 0)", *(f"{d['ppl_lora'][t]:.2f}" for t in EVAL_TEXTS),
                                *(_score(d.get("zero_shot_lora") or {}, t) for t in tasks),
                                _removed(d["parameters"]), "–", "–"]))
         if len(rows) > 1:
