@@ -6,7 +6,7 @@ seed) prunes the model in bf16 and in fp16 and, for a method with noise, once mo
 is the sum of those prunes and evaluations. This script measures the CPU time (the process's, all
 threads; ``time.process_time``, which a shared machine's load does not inflate as it does the wall
 time, also recorded) of each prune and of one evaluation at a small setting, through the study's
-own code (``robustness._prune_copy``, ``robustness._perplexity_in``):
+own code (``robustness.prune_copy``, ``robustness.perplexity_in``):
 ``--nsamples`` x ``--seqlen`` calibration tokens and one gradient pass per prune (Taylor; MoreauPruner
 with one step; SmoothGrad with one pass), ``--eval-tokens`` evaluation tokens. It then scales them
 to the full setting: a prune runs ``passes`` gradient passes (Taylor 1, MoreauPruner T = 10,
@@ -63,14 +63,14 @@ def measure(model, tokenizer, args):
                 options = {**options, "structure": args.structure, "loss_scaling": arithmetic != "rounding",
                            **({option: 1} if option else {})}
                 with timed() as seconds:
-                    pruned, _, _ = robustness._prune_copy(model, name, arithmetic, method, Structured(args.ratio),
+                    pruned, _, _ = robustness.prune_copy(model, name, arithmetic, method, Structured(args.ratio),
                                                           calib, 8, False, options)
                 prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, **seconds,
                                "passes": count, "full_s": seconds["measured_s"] * count * token_scale})
                 print(f"{arithmetic} {name} {variant}: {seconds['measured_s']:.1f} CPU s "
                       f"({seconds['wall_s']:.1f} s wall) for one pass", flush=True)
         with timed() as seconds:
-            robustness._perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
+            robustness.perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
         evals.append({"arithmetic": arithmetic, **seconds, "full_s": seconds["measured_s"] * eval_scale})
     return prunes, evals, token_scale, eval_scale
 

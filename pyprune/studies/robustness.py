@@ -213,7 +213,7 @@ class ScoreStore:
         states.save(file, tensors, {"details": runner.scoring_details(), "time_s": time_s})
 
 
-def _prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, pattern: Structured, calib: Tensor,
+def prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, pattern: Structured, calib: Tensor,
                 batch_size: int, progress: bool, options: Dict, store: Optional[ScoreStore] = None
                 ) -> Tuple[nn.Module, Dict, Dict]:
     """A copy of ``model`` in format ``name`` pruned by ``method``: (the pruned copy, the pruning
@@ -236,7 +236,7 @@ def _prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, patte
     return pruned, report, scores
 
 
-def _perplexity_in(model: nn.Module, name: str, arithmetic: str, tokens: Tensor, seqlen: int, batch_size: int,
+def perplexity_in(model: nn.Module, name: str, arithmetic: str, tokens: Tensor, seqlen: int, batch_size: int,
                    progress: bool) -> float:
     """Perplexity of a copy of ``model`` in format ``name`` computed in ``arithmetic``."""
     evaluated = to_format(copy.deepcopy(model), name, arithmetic)
@@ -272,7 +272,7 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
     store = ScoreStore(scores_dir, model, calib, arithmetic, batch_size) if scores_dir is not None else None
     runs, groups, scores = {}, {}, {}
     for name in FORMATS:
-        pruned, report, scores[name] = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
+        pruned, report, scores[name] = prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
                                                    progress, options, store)
         groups[name] = pruned_groups(report)
         ppl = {}
@@ -280,7 +280,7 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
             if arithmetic == "rounding" and fmt == name and eval_format == "float32":
                 ppl[fmt] = ppl[eval_format]  # its weights are already exactly the rounded ones: the same run
             else:
-                ppl[fmt] = _perplexity_in(pruned, fmt, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
+                ppl[fmt] = perplexity_in(pruned, fmt, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
         del pruned
         runs[name] = {"perplexity": ppl[eval_format], "perplexity_in": ppl, "sparsity": report["sparsity"],
                       "time_s": report["time_s"], "pruned_groups": len(groups[name]),
@@ -306,9 +306,9 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
         seeds = [options_used["noise_seed"], options_used["noise_seed"] + 1]
         per_format = {}
         for name in dict.fromkeys(noise_formats):
-            pruned, report, other = _prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
+            pruned, report, other = prune_copy(model, name, arithmetic, method, pattern, calib, batch_size,
                                                 progress, {**options, "noise_seed": seeds[1]}, store)
-            ppl = _perplexity_in(pruned, eval_format, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
+            ppl = perplexity_in(pruned, eval_format, arithmetic, eval_tokens, eval_seqlen, batch_size, progress)
             del pruned
             per_format[name] = {"agreement": agreement(groups[name], pruned_groups(report)),
                                 "spearman": rank_correlation(scores[name], other), "perplexity": ppl,
@@ -332,12 +332,12 @@ def eta_sweep(model: nn.Module, etas, ratio: float, calib: Tensor, *, name: str 
     _check_arithmetic(arithmetic)
     options = {"loss_scaling": arithmetic != "rounding", **options}
     pattern = Structured(ratio)
-    _, report, base_scores = _prune_copy(model, name, arithmetic, "moreau-gs", pattern, calib, batch_size, progress,
+    _, report, base_scores = prune_copy(model, name, arithmetic, "moreau-gs", pattern, calib, batch_size, progress,
                                          {**options, "eta": 0.0})
     base = pruned_groups(report)
     rows = []
     for eta in etas:
-        _, report, scores = _prune_copy(model, name, arithmetic, "moreau-gs", pattern, calib, batch_size, progress,
+        _, report, scores = prune_copy(model, name, arithmetic, "moreau-gs", pattern, calib, batch_size, progress,
                                         {**options, "eta": eta})
         rows.append({"eta": eta, "threshold": eta * report["options"]["gamma"],
                      "agreement": agreement(base, pruned_groups(report)),
