@@ -539,7 +539,7 @@ class StructuredMethod(Method):
             scored = self._scored(model, params, calib, batch_size, progress,
                                   lambda element: {STREAM: {"hidden": hidden_channel_scores(model, element)}})
             channel_scores = scored[STREAM]["hidden"]
-            count = allowed_kept_count(hidden, ratio, lambda n: compact.hidden_width_accepted(model, n))
+            count = allowed_kept_count(hidden, ratio, compact.hidden_width_check(model))
             keep = _top(channel_scores, count).sort().values
             compact.keep_hidden_channels_(model, keep)
             details = {"hidden_size": [hidden, count], "pruned_hidden_channels": _complement(keep, hidden)}

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -58,7 +58,7 @@ from .rotation import sublayers
 from .sparse import SparseLinear
 
 __all__ = ["grouped_query_heads", "keep_mlp_channels_", "keep_attention_heads_", "resize_block_",
-           "keep_hidden_channels_", "hidden_width_accepted", "keep_blocks_",
+           "keep_hidden_channels_", "hidden_width_check", "keep_blocks_",
            "keep_experts_", "keep_expert_channels_", "keep_gated_mlp_channels_"]
 
 
@@ -222,11 +222,13 @@ def _hidden_fields(stream: Dict, count: int) -> Dict[str, int]:
     return {"hidden_size": count, "head_dim": head_dims.pop()}
 
 
-def hidden_width_accepted(model: nn.Module, count: int) -> bool:
-    """Whether :func:`keep_hidden_channels_` can keep ``count`` hidden channels of ``model``: its
-    config class accepts that hidden_size with the head size unchanged (LlamaConfig: a multiple of
-    num_attention_heads)."""
-    return config_accepts(model.config, _hidden_fields(hidden_stream(model), count))
+def hidden_width_check(model: nn.Module) -> Callable[[int], bool]:
+    """Whether :func:`keep_hidden_channels_` can keep a count of hidden channels of ``model``, as a
+    function of the count: its config class accepts that hidden_size with the head size unchanged
+    (LlamaConfig: a multiple of num_attention_heads). The hidden stream is found once, here, so a
+    caller may try every width."""
+    stream = hidden_stream(model)
+    return lambda count: config_accepts(model.config, _hidden_fields(stream, count))
 
 
 @torch.no_grad()
