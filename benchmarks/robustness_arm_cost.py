@@ -6,12 +6,14 @@ seed) prunes the model in bf16 and in fp16 and, for a method with noise, once mo
 is the sum of those prunes and evaluations. This script measures the CPU time (the process's, all
 threads; ``time.process_time``, which a shared machine's load does not inflate as it does the wall
 time, also recorded) of each prune and of one evaluation at a small setting, through the study's
-own code (``robustness.prune_copy``, ``robustness.perplexity_in``):
-``--nsamples`` x ``--seqlen`` calibration tokens and one gradient pass per prune (Taylor; MoreauPruner
-with one step; SmoothGrad with one pass), ``--eval-tokens`` evaluation tokens. It then scales them
-to the full setting: a prune runs ``passes`` gradient passes (Taylor 1, MoreauPruner T = 10,
-SmoothGrad K = ``--smoothgrad-passes``), each linear in the calibration tokens, and an evaluation
-is linear in its tokens. The cut and the copy are scaled with the passes, so the estimate errs long.
+own code (``robustness.prune_copy``, ``robustness.perplexity_in``): one gradient pass per prune
+(Taylor; MoreauPruner with one step; SmoothGrad with one pass) at ``--nsamples`` and at twice
+``--nsamples`` windows of ``--seqlen`` tokens, and ``--eval-tokens`` evaluation tokens. The two
+prunes split a prune's time into a part that grows with the calibration tokens (their difference:
+the gradient pass) and a fixed part (copy, format, cut). It then scales them to the full setting: a
+prune is its fixed part plus ``passes`` gradient passes (Taylor 1, MoreauPruner T = 10, SmoothGrad
+K = ``--smoothgrad-passes``), each linear in the calibration tokens; an evaluation is linear in
+its tokens. A pass's own fixed cost is counted as the prune's, once, so a many-pass estimate errs short by it.
 An arm at a further ratio of the same seed cuts the scores its first ratio kept
 (``robustness.ScoreStore``) and costs its evaluations alone.
 
@@ -49,7 +51,8 @@ def passes(method, smoothgrad_passes):
 
 def measure(model, tokenizer, args):
     """The small setting's prune and evaluation times, each scaled to the full setting."""
-    calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=0)
+    calibs = [data.calibration_samples(tokenizer, "emma", nsamples=n, seqlen=args.seqlen, seed=0)
+              for n in (args.nsamples, 2 * args.nsamples)]
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=args.eval_tokens)
     token_scale = (args.full_nsamples * args.full_seqlen) / (args.nsamples * args.seqlen)
     eval_scale = args.full_eval_tokens / tokens.numel()
@@ -62,13 +65,20 @@ def measure(model, tokenizer, args):
                 option, count = passes(method, args.smoothgrad_passes)
                 options = {**options, "structure": args.structure, "loss_scaling": arithmetic != "rounding",
                            **({option: 1} if option else {})}
-                with timed() as seconds:
-                    pruned, _, _ = robustness.prune_copy(model, name, arithmetic, method, Structured(args.ratio),
-                                                          calib, 8, False, options)
-                prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, **seconds,
-                               "passes": count, "full_s": seconds["measured_s"] * count * token_scale})
-                print(f"{arithmetic} {name} {variant}: {seconds['measured_s']:.1f} CPU s "
-                      f"({seconds['wall_s']:.1f} s wall) for one pass", flush=True)
+                measured = []
+                for calib in calibs:
+                    with timed() as seconds:
+                        pruned, _, _ = robustness.prune_copy(model, name, arithmetic, method, Structured(args.ratio),
+                                                              calib, 8, False, options)
+                    measured.append(seconds)
+                one, two = (m["measured_s"] for m in measured)
+                per_pass = max(two - one, 0.0)
+                fixed = max(one - per_pass, 0.0)
+                prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, "measured_s": one,
+                               "measured_2x_s": two, "wall_s": [m["wall_s"] for m in measured], "fixed_s": fixed,
+                               "pass_s": per_pass, "passes": count, "full_s": fixed + per_pass * count * token_scale})
+                print(f"{arithmetic} {name} {variant}: {one:.1f} / {two:.1f} CPU s for one pass at "
+                      f"{args.nsamples} / {2 * args.nsamples} windows", flush=True)
         with timed() as seconds:
             robustness.perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
         evals.append({"arithmetic": arithmetic, **seconds, "full_s": seconds["measured_s"] * eval_scale})
@@ -108,14 +118,16 @@ def markdown(result):
     lines = [f"{s['model']}, structure {s['structure']}; {result['environment']['device']}, {threads} threads, "
              f"torch {result['environment']['torch']}, load average "
              f"{', '.join(map(str, result['load_average']))} at the start. CPU time (all threads of the process; "
-             f"wall time in the JSON). Measured: one gradient pass per prune at {s['nsamples']} x {s['seqlen']} "
-             f"calibration tokens, one evaluation of {s['eval_tokens']} tokens; scaled to {s['full_nsamples']} x "
-             f"{s['full_seqlen']} calibration tokens (x{result['token_scale']:g}) times the method's passes, and to "
-             f"{s['full_eval_tokens']} evaluation tokens (x{result['eval_scale']:g}).", "",
-             "| arithmetic | format | method | one pass, measured (CPU s) | passes | full prune (CPU s) |",
-             "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {p['arithmetic']} | {p['format']} | {p['method']} | {p['measured_s']:.1f} | {p['passes']} | "
-              f"{p['full_s']:.0f} |" for p in result["prunes"]]
+             f"wall time in the JSON). Measured: one gradient pass per prune at {s['nsamples']} and at "
+             f"{2 * s['nsamples']} x {s['seqlen']} calibration tokens (their difference: the pass; the rest: the "
+             f"prune's fixed part), one evaluation of {s['eval_tokens']} tokens; scaled to {s['full_nsamples']} x "
+             f"{s['full_seqlen']} calibration tokens (the pass x{result['token_scale']:g}) times the method's "
+             f"passes, and to {s['full_eval_tokens']} evaluation tokens (x{result['eval_scale']:g}).", "",
+             f"| arithmetic | format | method | prune at {s['nsamples']} / {2 * s['nsamples']} windows (CPU s) | "
+             "fixed (CPU s) | passes | full prune (CPU s) |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {p['arithmetic']} | {p['format']} | {p['method']} | {p['measured_s']:.1f} / {p['measured_2x_s']:.1f} | "
+              f"{p['fixed_s']:.1f} | {p['passes']} | {p['full_s']:.0f} |" for p in result["prunes"]]
     lines += ["", "| arithmetic | evaluation, measured (CPU s) | full evaluation (CPU s) |", "|---|---:|---:|"]
     lines += [f"| {e['arithmetic']} | {e['measured_s']:.1f} | {e['full_s']:.0f} |" for e in result["evaluations"]]
     lines += ["", f"Per arm at the full setting (noise formats {', '.join(s['noise_formats'])}; a further ratio "

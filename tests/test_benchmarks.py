@@ -338,8 +338,8 @@ def test_time_model_costs_a_training_step_as_its_passes_of_forward_and_backward(
 
 
 def test_robustness_arm_cost_scales_each_measured_prune_by_its_passes_and_tokens(tiny_model_dir, tmp_path):
-    """Each prune is timed with one gradient pass and scaled by the method's passes and the calibration
-    tokens; an arm at its first ratio is its prunes (noise floor included) and evaluations, a further
+    """Each prune is timed with one gradient pass at two calibration sizes, split into a fixed part and
+    a pass (their difference), and the pass scaled by the method's passes and the calibration tokens; an arm at its first ratio is its prunes (noise floor included) and evaluations, a further
     ratio its evaluations alone; the command sums them over seeds and ratios."""
     output = tmp_path / "cost.json"
     assert robustness_arm_cost.main(["--model", str(tiny_model_dir[0]), "--methods", "taylor", "moreau",
@@ -351,8 +351,10 @@ def test_robustness_arm_cost_scales_each_measured_prune_by_its_passes_and_tokens
     prunes = {(p["format"], p["method"]): p for p in result["prunes"]}
     assert {key: p["passes"] for key, p in prunes.items()} == {
         ("bfloat16", "taylor"): 1, ("float16", "taylor"): 1, ("bfloat16", "moreau"): 10, ("float16", "moreau"): 10}
-    assert all(p["full_s"] == pytest.approx(p["measured_s"] * p["passes"] * 2) and p["measured_s"] > 0
-               for p in prunes.values())
+    for p in prunes.values():
+        assert p["measured_s"] > 0 and p["pass_s"] == pytest.approx(max(p["measured_2x_s"] - p["measured_s"], 0.0))
+        assert p["fixed_s"] == pytest.approx(max(p["measured_s"] - p["pass_s"], 0.0))
+        assert p["full_s"] == pytest.approx(p["fixed_s"] + p["pass_s"] * p["passes"] * 2)
     [evaluation] = result["evaluations"]
     taylor, moreau = result["arms"]
     assert (taylor["prunes"], moreau["prunes"]) == (2, 4)  # the noise floor: a second draw in bf16 and in fp16
