@@ -138,16 +138,17 @@ def _rows(name: str, key: str = "rows") -> list[dict]:
     return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))[key]
 
 
-def _safe_controls(pattern: str, arm: str, against: str) -> str:
-    rows = [r for r in _rows("safe-controls-smollm2-135m") if r["pattern"] == pattern]
+def _safe_controls(pattern: str, arm: str, against: str, name: str = "safe-controls-smollm2-135m") -> str:
+    rows = [r for r in _rows(name) if r["pattern"] == pattern]
     side = lambda name: {r["seed"]: r["perplexity"] for r in rows if r["arm"] == name}  # noqa: E731
     return paired_verdict(side(arm), side(against)).word
 
 
-def _robustness(arithmetic: str, against: str, metric: str) -> str:
-    """MoreauPruner against ``against``, 20% of every layer; agreement: higher is better."""
-    runs = [r for r in _rows("robustness-smollm2-135m", "runs")
-            if r["arithmetic"] == arithmetic and r["layers"] == "all" and r["overall_ratio"] == 0.2]
+def _robustness(arithmetic: str, against: str, metric: str, ratio: float = 0.2,
+                name: str = "robustness-smollm2-135m") -> str:
+    """MoreauPruner against ``against`` at ``ratio`` of every layer; agreement: higher is better."""
+    runs = [r for r in _rows(name, "runs")
+            if r["arithmetic"] == arithmetic and r["layers"] == "all" and r["overall_ratio"] == ratio]
     side = lambda name: {r["seed"]: r[metric] for r in runs if r["method"] == name}  # noqa: E731
     return paired_verdict(side("moreau"), side(against), lower_is_better=metric != "agreement").word
 
@@ -184,10 +185,16 @@ README_VERDICTS = [
      lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "ppl_diff")),
     ("against SmoothGrad's agreement (0.9887 ± 0.0027) it is unsettled", "unsettled",
      lambda: _robustness("fp32-accumulate", "smoothgrad-gradients", "agreement")),
-    ("With rounded weights both metrics are unsettled", "unsettled",
-     lambda: _robustness("rounding", "taylor", "agreement")),
-    ("With rounded weights both metrics are unsettled", "unsettled",
-     lambda: _robustness("rounding", "taylor", "ppl_diff")),
+    ("Rounded weights: both metrics unsettled", "unsettled", lambda: _robustness("rounding", "taylor", "agreement")),
+    ("Rounded weights: both metrics unsettled", "unsettled", lambda: _robustness("rounding", "taylor", "ppl_diff")),
+    *[(words, "unsettled", lambda against=against, metric=metric, ratio=ratio: _robustness(
+        "fp32-accumulate", against, metric, ratio, "robustness-smollm2-135m-channels"))
+      for words, metric in (("14.37 ± 4.63: unsettled", "ppl_diff"), ("its agreement is unsettled against both", "agreement"))
+      for against in ("taylor", "smoothgrad-gradients") for ratio in (0.1, 0.2)],
+    ("SAFE⁺ 2:4 is behind it on both", "behind",
+     lambda: _safe_controls("2:4", "safe+", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
+    ("not 0.11%, is behind too", "behind",
+     lambda: _safe_controls("2:4", "safe+ lam_schedule=cosine", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
     ("COPAL behind on every seed", "behind", lambda: _copal("a_ppl")),
     ("more on seed 1, unsettled", "unsettled", lambda: _copal("a_bwt")),
     ("the two are unsettled on Pride and Prejudice", "unsettled",
