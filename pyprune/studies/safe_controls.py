@@ -284,6 +284,18 @@ class SafeControls(Study):
         return {"model": model, "tokenizer": tokenizer, "tokens": tokens, "bos": data.window_bos(tokenizer),
                 "flat_windows": data.windows(tokens, self.eval_seqlen)[:4], "calib": {}}
 
+    def _protocol_cut(self, steps: int, batch: int) -> str:
+        """How this run's calibration and training budget stands against the table's 64 x 256 windows and 96
+        steps of 2 x 256 tokens: cut when it has fewer calibration tokens, otherwise none."""
+        if self.nsamples * self.seqlen < 64 * 256:
+            return (f"{self.nsamples} x {self.seqlen} calibration windows instead of the table's 64 x 256, {steps} "
+                    f"steps per block of {batch} x {self.seqlen} tokens (the table: 96 steps of 2 x 256), "
+                    f"{self.eval_tokens} evaluation tokens, for the CPU time a core shared by ~10 jobs allows; "
+                    "identical for every arm")
+        return (f"none: {self.nsamples} x {self.seqlen} calibration windows (the table's 64 x 256), {steps} steps per "
+                f"block of {batch} x {self.seqlen} tokens (the table: 96 steps of 2 x 256), {self.eval_tokens} "
+                "evaluation tokens; identical for every arm")
+
     def protocol(self, context):
         probe = methods.get("masked-recon", **self.training)
         steps, batch = probe.schedule(self.nsamples)[0], probe.train_batch
@@ -293,10 +305,7 @@ class SafeControls(Study):
                           "token windows (never tuned on, disjoint from calibration)",
             "tuning": TUNING,
             "training": self.training,
-            "protocol_cut": f"{self.nsamples} x {self.seqlen} calibration windows instead of the table's 64 x 256, "
-                            f"{steps} steps per block of {batch} x {self.seqlen} tokens (the table: 96 steps of 2 x "
-                            f"256), {self.eval_tokens} evaluation tokens, for the CPU time a core shared by ~10 jobs "
-                            "allows; identical for every arm",
+            "protocol_cut": self._protocol_cut(steps, batch),
             "flat_blocks": [str(b) for b in self.flat_blocks],
             "flat": {"relative_norms": list(RELATIVE_NORMS), "pairs": self.flat_pairs,
                      "iterations": self.flat_iterations, "windows": "first 4 evaluation windows"},

@@ -4,6 +4,7 @@ is its own calibration draw, a rerun resumes; the paired table's verdict follows
 made-up rows (ahead, behind, unsettled)."""
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from pyprune.inputs.models import load_model
 from pyprune.studies import safe_controls
 from pyprune.studies.verdict import paired_verdict
 
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 TINY = dict(patterns=["0.5"], variants=["sparsegpt", "masked-recon sparsegpt", "safe+ rho=0"], seeds=[0, 1],
             nsamples=2, seqlen=16, eval_tokens=64, eval_seqlen=16, flat_blocks=[1], flat_pairs=1,
             flat_iterations=1, epochs=1, lr=1e-3)
@@ -109,3 +111,14 @@ def test_vary_train_seed_and_the_arms_that_give_admm_room_to_move_the_mask():
     assert studies.get("safe-controls", epochs=1).arm_options("safe+", 2) == ("safe+", {"epochs": 1})
     with pytest.raises(ValueError, match="options train_seed and vary_train_seed of study 'safe-controls': give one"):
         studies.get("safe-controls", vary_train_seed=True, train_seed=3)
+
+
+def test_the_protocol_is_called_cut_only_below_the_table_s_calibration_tokens():
+    """A run at the table's 64 x 256 windows says its protocol is not cut; the cut protocol's sentence
+    (part of its results file's resume key) is the one the committed file holds."""
+    full = studies.get("safe-controls", nsamples=64, seqlen=256).protocol(None)["protocol_cut"]
+    assert full.startswith("none: 64 x 256 calibration windows (the table's 64 x 256), 96 steps per block")
+    assert "~10 jobs" not in full
+    with open(os.path.join(RESULTS, "safe-controls-smollm2-135m.json")) as handle:
+        committed = json.load(handle)["settings"]["protocol_cut"]
+    assert studies.get("safe-controls").protocol(None)["protocol_cut"] == committed
