@@ -193,6 +193,8 @@ README_VERDICTS = [
       for against in ("taylor", "smoothgrad-gradients") for ratio in (0.1, 0.2)],
     ("SAFE⁺ 2:4 is behind it on both", "behind",
      lambda: _safe_controls("2:4", "safe+", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
+    ("unsettled turns behind", "behind",
+     lambda: _safe_controls("unstructured 0.5", "safe+", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
     ("not 0.11%, is behind too", "behind",
      lambda: _safe_controls("2:4", "safe+ lam_schedule=cosine", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
     ("COPAL behind on every seed", "behind", lambda: _copal("a_ppl")),
