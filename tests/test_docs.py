@@ -161,9 +161,11 @@ def _copal(metric: str) -> str:
     return paired_verdict(side("copal"), side("wanda")).word
 
 
-def _dress(name: str, arm: str, text: str) -> str:
-    """A DReSS arm against slice-then-train (N&P&R), quiet channels, lr 1e-3, over training seeds."""
-    rows = [r for r in _rows(name) if r.get("channels", "quiet") == "quiet" and r["lr"] == 0.001]
+def _dress(name: str, arm: str, text: str, steps: int = 150) -> str:
+    """A DReSS arm against slice-then-train (N&P&R), quiet channels, lr 1e-3, ``steps`` training steps,
+    over training seeds."""
+    rows = [r for r in _rows(name) if r.get("channels", "quiet") == "quiet" and r["lr"] == 0.001
+            and r["train_steps"] == steps]
     side = lambda label: {r.get("train_seed") or 0: r["ppl_sliced"][text] for r in rows  # noqa: E731
                           if r["label"] == label}
     return paired_verdict(side(arm), side("slice, then train (N&P&R)")).word

@@ -209,10 +209,10 @@ def markdown(result: dict) -> str:
                   "seed's value in seed order; 'vs N&P&R' is the verdict on the sliced perplexity against slice, "
                   "then train (N&P&R) of the same channels, lr and steps over the seeds both ran "
                   f"(pyprune.studies.verdict: ahead or behind only with {RULE}, else unsettled):", "",
-                  "| channels | setting | λ | lr | seeds | slice mass after/before | "
+                  "| channels | setting | train steps | λ | lr | seeds | slice mass after/before | "
                   + " | ".join(f"{t} before the cut | {t} sliced | {t} sliced per seed | {t} vs N&P&R"
                                for t in texts) + " |",
-                  "|---|---|---:|---:|---|---:|" + "---:|---:|---|---|" * len(texts)]
+                  "|---|---|---:|---:|---:|---|---:|" + "---:|---:|---|---|" * len(texts)]
         for first, group in groups:
             cells = []
             for t in texts:
@@ -222,7 +222,8 @@ def markdown(result: dict) -> str:
                           " / ".join(f"{v:.2f}" for v in sliced), control_verdict(group, result["rows"], t)]
             lam = "–" if first["lam"] is None else f"{first['lam']:g}"
             seeds = ", ".join(str(train_seed(r)) for r in group)
-            lines.append(f"| {first['channels']} | {first['label']} | {lam} | {first['lr']:g} | {seeds} | "
+            lines.append(f"| {first['channels']} | {first['label']} | {first['train_steps']} | {lam} | "
+                         f"{first['lr']:g} | {seeds} | "
                          f"{mean_std([r['slice_mass_ratio'] for r in group], '.2g')} | " + " | ".join(cells) + " |")
     tasks = sorted({t for r in result["rows"] for t in r.get("zero_shot_lora", {})})
     if tasks:

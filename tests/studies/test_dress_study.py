@@ -55,9 +55,9 @@ def test_dress_settings_are_typed():
         dress_lambda_sweep.DressLambdaSweep(channels="middle")
 
 
-def _row(label, seed, ppl, lam=250.0, lr=1e-3):
+def _row(label, seed, ppl, lam=250.0, lr=1e-3, steps=150):
     return {"channels": "quiet", "label": label, "lam": None if label == dress.CONTROL else lam, "lr": lr,
-            "norm": "l2", "train_batch": 4, "steps": 0 if label == dress.CONTROL else 150, "train_steps": 150,
+            "norm": "l2", "train_batch": 4, "steps": 0 if label == dress.CONTROL else steps, "train_steps": steps,
             "rescale_norms": True, "slice_mass_ratio": 0.5, "ppl_sliced": {"pride_and_prejudice": ppl},
             **({} if seed == 0 else {"train_seed": seed})}
 
@@ -78,6 +78,12 @@ def test_seed_groups_and_their_verdict_against_slice_then_train():
     assert dress.control_verdict(dress.seed_groups(ahead)[0][1], ahead, "pride_and_prejudice") == "ahead"
     other_lr = [_row(prox, 0, 60.0, lr=3e-3), _row(prox, 1, 62.0, lr=3e-3)] + rows[3:]
     assert dress.control_verdict(dress.seed_groups(other_lr)[0][1], other_lr, "pride_and_prejudice") == "–"
+    # a longer budget is its own group, held against the control trained as long
+    longer = rows + [_row(prox, 0, 50.0, steps=450), _row(prox, 1, 51.0, steps=450),
+                     _row(dress.CONTROL, 0, 49.0, steps=450), _row(dress.CONTROL, 1, 52.0, steps=450)]
+    long_groups = [(first["train_steps"], group) for first, group in dress.seed_groups(longer)]
+    assert [(steps, len(group)) for steps, group in long_groups] == [(150, 2), (150, 3), (450, 2), (450, 2)]
+    assert dress.control_verdict(long_groups[2][1], longer, "pride_and_prejudice") == "unsettled"  # +1.0 and −1.0
     # the table's cells
     assert mean_std([60.0, 62.0], ".2f") == "61.00 ± 1.41"
     assert mean_std([60.0, None], ".2f") == "60.00" and mean_std([None]) == "–"
@@ -149,13 +155,13 @@ def test_dress_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir
     # the seed table: the proximal arm over seeds 0 and 1, its verdict against slice then train by the rule
     lines = output.with_suffix(".md").read_text().splitlines()
     cells = [c.strip() for c in next(line for line in lines if line.startswith(
-        "| quiet | DReSS-l2 proximal | 50 | 0.01 | 0, 1 |")).strip("|").split("|")]
-    assert [cells[9], cells[13]] == [paired_verdict({0: rows[2]["ppl_sliced"][t], 1: rows[3]["ppl_sliced"][t]},
+        "| quiet | DReSS-l2 proximal | 2 | 50 | 0.01 | 0, 1 |")).strip("|").split("|")]
+    assert [cells[10], cells[14]] == [paired_verdict({0: rows[2]["ppl_sliced"][t], 1: rows[3]["ppl_sliced"][t]},
                                                     {0: rows[4]["ppl_sliced"][t], 1: rows[5]["ppl_sliced"][t]}).word
                                      for t in TEXTS]
     control = [c.strip() for c in next(line for line in lines if line.startswith(
-        f"| quiet | {dress.CONTROL} | – | 0.01 | 0, 1 |")).strip("|").split("|")]
-    assert [control[9], control[13]] == ["–", "–"]
+        f"| quiet | {dress.CONTROL} | 2 | – | 0.01 | 0, 1 |")).strip("|").split("|")]
+    assert [control[10], control[14]] == ["–", "–"]
     before = output.read_text()
     with pytest.raises(StateError, match="other settings: calibration '6 x 16 Emma windows train, 2 train LoRA'"):
         studies.run("dress", str(output), model=model_dir, **{**TINY, "nsamples": 12})
