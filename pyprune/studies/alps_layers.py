@@ -70,7 +70,7 @@ def hessians(model, calib, block, names):
 
 def markdown(result) -> str:
     s, env = result["settings"], result["environment"]
-    lines = ["# ALPS and SparseGPT on the layer objective, SmolLM2-135M", "",
+    lines = [f"# ALPS and SparseGPT on the layer objective, {s.get('model', 'SmolLM2-135M')}", "",
              f"Block {s['block']} of the dense model; calibration {s['calibration']}; relative layer error "
              "E(Ŵ)/E(0) with a 1% ridge (lower is better); per tensor at unstructured patterns; "
              f"{env['device']}, {env['cpu_threads']} threads, torch {env['torch']}.", "",

@@ -371,14 +371,14 @@ class ZeroShot(_PruneAndEvaluate):
         result["environment"] = environment_record(torch.device("cpu"))
         result["context"] = context["context"]
         compare.plot(compare.rows(result["rows"]), os.path.splitext(context["path"])[0],
-                     title="SmolLM2-135M: perplexity and zero-shot accuracy vs sparsity")
+                     title=f"{model_name(self.model)}: perplexity and zero-shot accuracy vs sparsity")
         return result
 
     def markdown(self, result):
         settings = result["settings"]
         context = "; ".join(f"{name} {c['context_tokens']:.0f} + {c['choice_tokens']:.0f}"
                             for name, c in result["context"].items())
-        header = (f"SmolLM2-135M, zero-shot, lm-eval {lm_eval_version()}: the first {settings['items']} items of "
+        header = (f"{MODELS.get(settings['model'], model_name(settings['model']))}, zero-shot, lm-eval {lm_eval_version()}: the first {settings['items']} items of "
                   f"each local task ({settings['context_lines']} lines of context, {settings['choices']} candidate "
                   f"continuations of {settings['continuation_lines']} line; mean context + candidate tokens: "
                   f"{context}); `acc` ranks candidates by summed log-likelihood, `acc_norm` by log-likelihood per "

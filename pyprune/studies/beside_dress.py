@@ -366,7 +366,7 @@ class SliceGpt(_BesideDress):
         texts = list(result["dense"])
         tasks = sorted({t for r in result["rows"] + dress_rows
                         for t in {**r.get("zero_shot_sliced", {}), **(r.get("zero_shot_lora") or {})}})
-        lines = ["# SliceGPT beside DReSS on SmolLM2-135M", "",
+        lines = [f"# SliceGPT beside DReSS on {s.get('model', 'SmolLM2-135M')}", "",
                  f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
                  f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
                  + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and "

@@ -89,7 +89,8 @@ def layer_inputs(model, calib, block, names):
 
 def markdown(result) -> str:
     block, rows = result["settings"]["block"], result["rows"]
-    lines = ["# ALPS: pyprune against the authors' code (mazumder-lab/ALPS), SmolLM2-135M layers", "",
+    lines = ["# ALPS: pyprune against the authors' code (mazumder-lab/ALPS), "
+             f"{result['settings'].get('model', 'SmolLM2-135M')} layers", "",
              f"Block {block} of the dense model, 16 x 256 Emma tokens; relative layer error E(Ŵ)/E(0) with the "
              "1% ridge (lower is better); per tensor at 70%.", "",
              "| layer | pattern | error, authors | error, pyprune | masks agree | sparsity authors / pyprune |",

@@ -168,7 +168,7 @@ class CrosscheckRia(_OneLayerCrosscheck):
         return result
 
     def markdown(self, result):
-        lines = ["# RIA: pyprune against the authors' code, SmolLM2-135M layers", "",
+        lines = [f"# RIA: pyprune against the authors' code, {result['settings'].get('model', 'SmolLM2-135M')} layers", "",
                  f"Block {result['settings']['block']} of the dense model, {result['settings']['calibration']}; "
                  "unstructured per layer (the authors' default), a = 0.5; \"permuted\": their channel "
                  "permutation (--reallocation --lsa). Kept score: the RIA score the mask keeps, a fraction of the "
@@ -233,7 +233,8 @@ class CrosscheckDsnot(_OneLayerCrosscheck):
         return result
 
     def markdown(self, result):
-        lines = ["# DSnoT on Wanda: pyprune against the authors' code (zyxxmu/DSnoT), SmolLM2-135M layers", "",
+        lines = ["# DSnoT on Wanda: pyprune against the authors' code (zyxxmu/DSnoT), "
+                 f"{result['settings'].get('model', 'SmolLM2-135M')} layers", "",
                  f"Block {result['settings']['block']} of the dense model, {result['settings']['calibration']}; "
                  "per output row; 50 cycles, threshold 0.1, variance power 1, every layer refined (their "
                  "--skip_layer no_skip). Expected error: Σ_i |ε_i| of Eq. 3 (per sequence), Wanda's initial mask "

@@ -542,7 +542,7 @@ def format_against_noise_lines(runs):
 
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
-    lines = [f"SmolLM2-135M; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
+    lines = [f"{settings.get('model', 'SmolLM2-135M')}; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
              f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
              "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1 (noise floor ppl_diff: "

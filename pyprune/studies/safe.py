@@ -98,7 +98,7 @@ def markdown(result) -> str:
     nsamples, seqlen, eval_tokens = TABLE_PROTOCOL
     cut = not (s["calibration"].startswith(f"{nsamples} x {seqlen} ")
                and s["evaluation"].startswith(f"first {eval_tokens} "))
-    lines = ["# SAFE / SAFE⁺ and ALPS on SmolLM2-135M (SAFE's Table 1, small" + (", cut protocol)" if cut else ")"), "",
+    lines = [f"# SAFE / SAFE⁺ and ALPS on {s.get('model', 'SmolLM2-135M')} (SAFE's Table 1, small" + (", cut protocol)" if cut else ")"), "",
              *([f"Cut protocol: fewer calibration or evaluation tokens than the table's {nsamples} x {seqlen} and "
                 f"{eval_tokens}, for the CPU time a shared core allows; the same for every row.", ""] if cut else []),
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "

@@ -144,7 +144,7 @@ def _mean_std(values):
 
 def markdown(result) -> str:
     s, env = result["settings"], result["environment"]
-    lines = ["# SAFE / SAFE⁺ controls on SmolLM2-135M", "",
+    lines = [f"# SAFE / SAFE⁺ controls on {s.get('model', 'SmolLM2-135M')}", "",
              f"Calibration: {s['calibration']}. Reported: {s['evaluation']}. Tuning: {s['tuning']}. "
              f"Training arms: {s['training']}. Protocol cut: {s['protocol_cut']}. "
              f"{env['device']}, {env['cpu_threads']} threads, torch {env['torch']}.", "",

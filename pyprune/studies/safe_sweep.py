@@ -100,7 +100,7 @@ def _largest_rise(residuals) -> float:
 
 def markdown(result) -> str:
     s = result["settings"]
-    lines = ["# SAFE sweep on single SmolLM2-135M blocks", "",
+    lines = [f"# SAFE sweep on single {s.get('model', 'SmolLM2-135M')} blocks", "",
              f"{s['method']} at {s['pattern']}, blocks {s['blocks']} each alone on the dense model's inputs; "
              f"calibration {s['calibration']}; held-out {s['heldout']}. Relative error = ‖B(X) − Y‖²/‖Y‖² "
              "of the block against the dense block; \"÷ one-shot\" divides it by the one-shot projection's "

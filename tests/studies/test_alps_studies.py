@@ -63,6 +63,7 @@ def test_alps_layers_columns_are_the_methods_they_name_and_a_rerun_resumes(tiny_
                          patterns=["0.5", "2:4"])
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == alps_layers.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["settings"] == {"calibration": "64 x 256 tokens of emma (seed 0)", "block": 0, "model": model_dir}
     assert [(r["layer"], r["pattern"]) for r in result["rows"]] == [
         (Q, "unstructured 0.5"), (Q, "2:4"), ("mlp.up_proj", "unstructured 0.5"), ("mlp.up_proj", "2:4")]
@@ -142,6 +143,7 @@ def test_crosscheck_alps_compares_the_checkouts_alps_py_with_pyprunes(tiny_model
     result = studies.run("crosscheck-alps", str(output), alps_repo=str(repo), model=model_dir, block=0)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == crosscheck_alps.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["command"] == f"pyprune study crosscheck-alps --alps-repo {repo} --model {model_dir} --block 0"
     assert result["authors_code"] == {"repository": "mazumder-lab/ALPS", "commit": None, "files_sha256": {
         "alps.py": hashlib.sha256(FAKE_ALPS.encode()).hexdigest()}}

@@ -110,6 +110,7 @@ def test_zeroshot_rows_are_reports_of_their_arms_with_accuracy(tiny_model_dir, t
     output = tmp_path / "zeroshot.json"
     result = studies.run("zeroshot", str(output), model=str(tiny_model_dir[0]), rows=["wanda-0.5"], items=4, **TINY)
     assert output.with_suffix(".md").read_text() == studies.get("zeroshot").markdown(result)
+    assert output.with_suffix(".md").read_text().startswith(f"{tiny_model_dir[0].name}, zero-shot")
     assert result["settings"]["runs"] == [["wanda", "unstructured 0.5", {}]] and result["settings"]["items"] == 4
     dense, wanda = result["rows"]
     assert (dense["method"], dense["pattern"], wanda["method"], wanda["pattern"]) == (

@@ -24,6 +24,7 @@ def test_continual_rows_are_what_their_labels_say(tiny_model_dir, tmp_path):
     result = studies.run("continual", str(output), model=model_dir, rows=["wanda:global", "wanda:sequential"], **TINY)
     assert result == json.loads(output.read_text()) and output.with_suffix(".md").read_text() == \
         continual.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert [(r["pattern"], r["method"], r["init"]) for r in result["rows"]] == [
         ("unstructured 0.5 per row", "wanda", "global"), ("unstructured 0.5 per row", "wanda", "sequential")]
     model, tokenizer = load_model(model_dir)

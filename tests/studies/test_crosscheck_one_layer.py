@@ -83,6 +83,7 @@ def test_the_authors_function_runs_on_the_layers_recorded_inputs_and_is_compared
     assert torch.Tensor.cuda is cuda and torch.Tensor.to is to  # the mapping ended with their code
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == studies.get(study, **{option: str(repo)}).markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["authors_code"]["commit"] is None and set(result["authors_code"]["files_sha256"]) == {
         "lib/prune.py", "lib/layerwrapper.py"}
     authors = __import__(f"authors_{option[:-5]}.prune", fromlist=["CALLS"])

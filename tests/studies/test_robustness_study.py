@@ -57,7 +57,7 @@ def test_robustness_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_mode
         floor = result["calibration_floor"][f"{method}|rounding|all|0.25"]
         assert floor["pairs"] == [[0, 1]] and floor["agreement"] == robustness.agreement(*groups)
     text = output.with_suffix(".md").read_text()
-    assert text == robustness.markdown(result)
+    assert text == robustness.markdown(result) and text.startswith(f"{model_dir}; calibration")
     assert "| taylor | rounding | groups | all | 0.25 | 2 |" in text
     assert "| moreau-gs-released | rounding | groups | all | 0.25 | 2 |" in text
 

@@ -37,6 +37,7 @@ def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_m
     result = studies.run("safe-controls", str(output), **settings)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == safe_controls.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["settings"]["training"] == {"epochs": 1, "lr": 1e-3}
     rows = result["rows"]
     assert [(r["arm"], r["seed"]) for r in rows] == [

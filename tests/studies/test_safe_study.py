@@ -31,6 +31,7 @@ def test_safe_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir,
     result = studies.run("safe", str(output), model=model_dir, **TINY)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == safe.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["settings"] == {"calibration": "2 x 16 tokens of emma:first_half (seed 0)",
                                   "evaluation": "first 64 tokens of pride_and_prejudice:second_half, 16-token windows",
                                   "tuning": safe.TUNING, "safe_options": {"epochs": 1, "lam": 25.0, "dual_interval": 1},

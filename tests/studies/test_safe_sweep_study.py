@@ -22,6 +22,7 @@ def test_safe_sweep_runs_are_their_settings_and_a_rerun_resumes(tiny_model_dir, 
     result = studies.run("safe-sweep", str(output), model=model_dir, **TINY)
     assert result == json.loads(output.read_text())
     assert output.with_suffix(".md").read_text() == safe_sweep.markdown(result)
+    assert model_dir in output.with_suffix(".md").read_text().splitlines()[0]  # the model run, not the default
     assert result["settings"] == {"method": "safe+", "pattern": "2:4", "blocks": [0],
                                   "calibration": "the first n of 16 x 32 windows of emma:first_half (seed 0)",
                                   "heldout": "2 x 32 tokens of emma:second_half (validation: no reported table uses "
