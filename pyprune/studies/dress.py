@@ -63,6 +63,8 @@ CHANNELS = ("quiet", "last", "first", "spread")
 CALIBRATION = {"emma": "Emma", "mixed": "mixed (Emma, Pride and Prejudice 2nd half, Moby Dick 2nd half)"}
 #: the label of the slice-then-train control every seed group is compared against
 CONTROL = "slice, then train (N&P&R)"
+#: the steps at each end of a training run whose mean loss the table prints (:func:`loss_ends`)
+LOSS_SPAN = 50
 #: the label of every arm but DReSS's (whose label names its norm)
 LABELS = {"slice": "slice only (w/o R)", "lam0": "fine-tune λ=0, then slice", "npr": CONTROL}
 #: what tells a row apart, besides its channels, label and norm rescale: the training its arm did
@@ -176,6 +178,16 @@ def control_verdict(group: List[dict], rows: List[dict], text: str) -> str:
     return paired_verdict(ours, control).word
 
 
+def loss_ends(row: dict) -> str:
+    """The mean training loss of a row's first and last :data:`LOSS_SPAN` steps ("–" untrained):
+    a falling loss that the evaluation does not follow is the model fitting its training windows."""
+    loss = row.get("loss") or []
+    if not loss:
+        return "–"
+    span = min(LOSS_SPAN, len(loss))
+    return f"{sum(loss[:span]) / span:.2f} → {sum(loss[-span:]) / span:.2f}"
+
+
 def _ppl(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -188,10 +200,11 @@ def markdown(result: dict) -> str:
              f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
              + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". Every row of a channel choice "
              "slices the same channels; 'train steps' are AdamW steps on the same windows, before slicing "
-             "(DReSS, λ=0) or after (N&P&R).", "",
-             "| channels | setting | train steps | λ | lr | seed | slice mass after/before | "
+             "(DReSS, λ=0) or after (N&P&R); 'train loss' is the mean next-token loss on the training minibatches "
+             f"of the first and of the last {LOSS_SPAN} steps.", "",
+             "| channels | setting | train steps | λ | lr | seed | slice mass after/before | train loss first → last | "
              + " | ".join(f"{t} before the cut | {t} sliced | {t} + LoRA" for t in texts) + " | train (s) | LoRA (s) |",
-             "|---|---|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * len(texts) + "---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * len(texts) + "---:|---:|"]
     for r in result["rows"]:
         trained = r["train_steps"] > 0
         lam = f"{r['lam']:g}" if r["steps"] > 0 else "–"
@@ -199,7 +212,7 @@ def markdown(result: dict) -> str:
         before, lora = r.get("ppl_before_slice") or {}, r.get("ppl_lora") or {}
         lines.append(f"| {r['channels']} | {r['label']} | {r['train_steps']} | {lam} | {lr} | "
                      f"{train_seed(r) if trained else '–'} | "
-                     f"{r['slice_mass_ratio']:.3f} | "
+                     f"{r['slice_mass_ratio']:.3f} | {loss_ends(r)} | "
                      + " | ".join(f"{_ppl(before.get(t))} | {r['ppl_sliced'][t]:.2f} | {_ppl(lora.get(t))}"
                                   for t in texts)
                      + f" | {r['train_s']:.0f} | {_ppl(r.get('lora_s'), 0)} |")

@@ -89,6 +89,13 @@ def test_seed_groups_and_their_verdict_against_slice_then_train():
     assert mean_std([60.0, None], ".2f") == "60.00" and mean_std([None]) == "–"
 
 
+def test_the_loss_column_averages_the_first_and_last_steps():
+    steps = [float(v) for v in range(120)]  # 0 .. 119: first 50 average 24.5, last 50 average 94.5
+    assert dress.LOSS_SPAN == 50 and dress.loss_ends({"loss": steps}) == "24.50 → 94.50"
+    assert dress.loss_ends({"loss": [4.0, 2.0]}) == "3.00 → 3.00"  # shorter than the span: all of it, twice
+    assert dress.loss_ends({"loss": None}) == dress.loss_ends({}) == "–"
+
+
 def test_the_svg_line_plot_rejects_empty_input():
     with pytest.raises(ValueError, match="at least one point"):
         line_plot({}, "t", "x", "y")
