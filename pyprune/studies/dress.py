@@ -23,7 +23,7 @@ LoRA. Evaluation: the first ``eval_tokens`` tokens of Pride and Prejudice and of
 Austen). Hidden size 576 -> 432 at ratio 0.25. Each row: perplexity after slicing and after LoRA
 on both texts, the weight mass of the removed slices after training relative to before (Fig. 5's
 measure), overall, per layer and per kind of matrix (also plotted beside the results,
-NAME-mass-<channels>.svg, for the penalty rows), the norm rescale measured against sqrt(d/d'), and
+NAME-mass-<channels>-<steps>-steps-lr-<lr>-seed-<seed>.svg, for the penalty rows), the norm rescale measured against sqrt(d/d'), and
 the wall time of each phase. ``tasks`` adds zero-shot accuracy after LoRA; ``skip_lora`` leaves
 LoRA out of the rows a run adds (their LoRA cells stay empty).
 """
@@ -137,6 +137,12 @@ def calibration(tokenizer, source: str, nsamples: int, seqlen: int) -> Tensor:
     return torch.stack([part[k] for k in range(parts[0].shape[0]) for part in parts if k < part.shape[0]])
 
 
+def mass_plot_path(stem: str, row: dict) -> str:
+    """Where a penalty row's :func:`mass_plot` goes: one file per channel choice and training, so a
+    rerun with other steps, rate or seed adds a plot instead of replacing one."""
+    return f"{stem}-mass-{row['channels']}-{row['train_steps']}-steps-lr-{row['lr']:g}-seed-{train_seed(row)}.svg"
+
+
 def mass_plot(row: dict) -> str:
     """SVG: the slice-mass ratio of every decoder layer, one line per kind of matrix."""
     series: Dict[str, list] = {}
@@ -144,7 +150,7 @@ def mass_plot(row: dict) -> str:
         parts = name.split(".")
         if parts[:2] == ["model", "layers"]:
             series.setdefault(parts[-1], []).append((int(parts[2]), ratio))
-    return line_plot(series, f"DReSS slice mass after/before per layer ({row['channels']}, {row['label']})",
+    return line_plot(series, f"DReSS slice mass after/before per layer ({row['channels']}, {row_setting(row)})",
                      "decoder layer", "slice mass after / before", log2_x=False, reference_y=1.0)
 
 
@@ -435,7 +441,7 @@ class Dress(Study):
                "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
                "loss": log.get("loss"), "penalty": log.get("penalty")}
         if options["steps"] > 0 and options["lam"] > 0 and options.get("regulariser") != "proximal":
-            write_text(f"{context['stem']}-mass-{options['channels']}.svg", mass_plot(row))
+            write_text(mass_plot_path(context["stem"], row), mass_plot(row))
         return row
 
     def describe(self, row):

@@ -146,7 +146,10 @@ def test_dress_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir
     assert call["hidden"] == 48 and torch.equal(call["windows"], windows[:6])
     assert (call["steps"], call["lr"], call["batch_size"], call["seed"]) == (2, 1e-2, 2, 0)
     # the penalty row's slice mass per layer, plotted beside the results
-    assert (tmp_path / "dress-mass-quiet.svg").read_text() == dress.mass_plot(penalty[0])
+    plot = tmp_path / "dress-mass-quiet-2-steps-lr-0.01-seed-0.svg"
+    assert dress.mass_plot_path(str(tmp_path / "dress"), penalty[0]) == str(plot)
+    assert plot.read_text() == dress.mass_plot(penalty[0]) and "DReSS-l2, 2 steps, λ 50, lr 0.01, training seed 0" \
+        in plot.read_text()
 
     pruned.clear()
     trained.clear()
