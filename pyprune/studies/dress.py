@@ -258,11 +258,12 @@ def markdown(result: dict) -> str:
                     f"{scores[t]['acc']:.3f} ± {scores[t]['stderr']:.3f} (n {scores[t]['n']})" if t in scores
                     else "–" for t in tasks) + " |")
     lines += ["", "Slice mass after/before per kind of matrix (Fig. 5; rows that trained before slicing):", "",
-              "| channels | setting | " + " | ".join(KINDS) + " |", "|---|---|" + "---:|" * len(KINDS)]
+              "| channels | setting | train steps | lr | seed | " + " | ".join(KINDS) + " |",
+              "|---|---|---:|---:|---:|" + "---:|" * len(KINDS)]
     for r in result["rows"]:
         if r["steps"] > 0:
             kinds = r["slice_mass_ratio_per_kind"]
-            lines.append(f"| {r['channels']} | {r['label']} | "
+            lines.append(f"| {r['channels']} | {r['label']} | {r['train_steps']} | {r['lr']:g} | {train_seed(r)} | "
                          + " | ".join(f"{kinds[k]:.3f}" if k in kinds else "–" for k in KINDS) + " |")
     lines += ["", "Norm rescale: the measured factor sqrt(s·d/d') (s = kept channels' share of each norm's input "
               "energy on the calibration windows) against sqrt(d/d'), which assumes empty removed channels:", "",
