@@ -214,6 +214,8 @@ README_VERDICTS = [
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "pride_and_prejudice")),
     ("is behind slice-then-train on both texts", "behind",
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "moby_dick")),
+    *[("on one seed: unsettled by the rule", "unsettled", lambda text=text: _dress(
+        "dress-smollm2-135m-1800-windows", "DReSS-l2", text, steps=450)) for text in ("pride_and_prejudice", "moby_dick")],
 ]
 
 
