@@ -25,7 +25,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import Unstructured, parse
 from ..runtime import engine
 from ..runtime.layer_solver import admm_support, normalise, pcg_on_support, reconstruction_error
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 DEFAULT_MODEL = "smollm2-135m"
 NSAMPLES, SEQLEN, BATCH = 64, 256, 8
@@ -70,7 +70,7 @@ def hessians(model, calib, block, names):
 
 def markdown(result) -> str:
     s, env = result["settings"], result["environment"]
-    lines = [f"# ALPS and SparseGPT on the layer objective, {s.get('model', 'SmolLM2-135M')}", "",
+    lines = [f"# ALPS and SparseGPT on the layer objective, {model_label(s)}", "",
              f"Block {s['block']} of the dense model; calibration {s['calibration']}; relative layer error "
              "E(Ŵ)/E(0) with a 1% ridge (lower is better); per tensor at unstructured patterns; "
              f"{env['device']}, {env['cpu_threads']} threads, torch {env['torch']}.", "",

@@ -41,7 +41,7 @@ from ..runtime.recovery import lora_finetune
 from .baselines import CALIB_SOURCE, DEFAULT_MODEL, MODELS, PROTOCOL_HEADER, model_name, model_results
 from .dress import row_setting
 from .results import mean_std
-from .study import RESULTS_DIR, Arm, Study
+from .study import Arm, RESULTS_DIR, Study, model_label
 
 EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
 
@@ -366,7 +366,7 @@ class SliceGpt(_BesideDress):
         texts = list(result["dense"])
         tasks = sorted({t for r in result["rows"] + dress_rows
                         for t in {**r.get("zero_shot_sliced", {}), **(r.get("zero_shot_lora") or {})}})
-        lines = [f"# SliceGPT beside DReSS on {s.get('model', 'SmolLM2-135M')}", "",
+        lines = [f"# SliceGPT beside DReSS on {model_label(s)}", "",
                  f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
                  f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
                  + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". The same windows and "

@@ -48,7 +48,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import Unstructured, parse
 from ..methods.pruning import prune
 from .results import verdict_cell
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 from .verdict import RULE, paired_verdict
 
 INITS = ("global", "sequential", "cumulative")
@@ -227,7 +227,7 @@ def _spread(mean, std):
 def markdown(result) -> str:
     s = result["settings"]
     lines = [
-        f"# Continual pruning on {s.get('model', 'SmolLM2-135M')} (COPAL Tables 2-3)", "",
+        f"# Continual pruning on {model_label(s)} (COPAL Tables 2-3)", "",
         f"Datasets {', '.join(s['datasets'])} in {s['permutations']} order(s); calibration {s['calibration']}; "
         f"evaluation {s['evaluation']}. BWT = P[after the last dataset][j] − P[right after j][j], over every "
         "dataset j not last in its order (positive = forgetting); A- = mean over datasets of the per-dataset "
@@ -545,7 +545,7 @@ def seeds_markdown(summary) -> str:
     s = summary["settings"]
     seeds = s["calibration_seeds"]
     names = [" → ".join(order) for order in summary["orders"]]
-    lines = [f"# Continual pruning on {s.get('model', 'SmolLM2-135M')} over calibration seeds", "",
+    lines = [f"# Continual pruning on {model_label(s)} over calibration seeds", "",
              f"Datasets {', '.join(s['datasets'])}; calibration {s['calibration']}, drawn with seeds "
              f"{', '.join(map(str, seeds))}; evaluation {s['evaluation']}. Orders: {len(names)} "
              f"({'; '.join(names)}), the ones every row below finished for every seed. A-BWT, A-PPL: means over "

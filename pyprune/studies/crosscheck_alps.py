@@ -31,7 +31,7 @@ from ..runtime import engine
 from ..runtime.layer_solver import normalise, reconstruction_error
 from .alps_layers import check_block_layers
 from .authors_code import check_checkout, cpu_for_cuda, record
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 DEFAULT_MODEL = "smollm2-135m"
 AUTHORS_FILES = ("alps.py",)
@@ -90,7 +90,7 @@ def layer_inputs(model, calib, block, names):
 def markdown(result) -> str:
     block, rows = result["settings"]["block"], result["rows"]
     lines = ["# ALPS: pyprune against the authors' code (mazumder-lab/ALPS), "
-             f"{result['settings'].get('model', 'SmolLM2-135M')} layers", "",
+             f"{model_label(result['settings'])} layers", "",
              f"Block {block} of the dense model, 16 x 256 Emma tokens; relative layer error E(Ŵ)/E(0) with the "
              "1% ridge (lower is better); per tensor at 70%.", "",
              "| layer | pattern | error, authors | error, pyprune | masks agree | sparsity authors / pyprune |",

@@ -41,7 +41,7 @@ from ..patterns import NM, Unstructured
 from .alps_layers import check_block_layers
 from .authors_code import OneLayerModel, check_checkout, cpu_for_cuda, import_package_module, record
 from .crosscheck_alps import DEFAULT_MODEL, NSAMPLES, SEQLEN, layer_inputs, one_block_protocol
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 AUTHORS_FILES = ("lib/prune.py", "lib/layerwrapper.py")
 
@@ -168,7 +168,7 @@ class CrosscheckRia(_OneLayerCrosscheck):
         return result
 
     def markdown(self, result):
-        lines = [f"# RIA: pyprune against the authors' code, {result['settings'].get('model', 'SmolLM2-135M')} layers", "",
+        lines = [f"# RIA: pyprune against the authors' code, {model_label(result['settings'])} layers", "",
                  f"Block {result['settings']['block']} of the dense model, {result['settings']['calibration']}; "
                  "unstructured per layer (the authors' default), a = 0.5; \"permuted\": their channel "
                  "permutation (--reallocation --lsa). Kept score: the RIA score the mask keeps, a fraction of the "
@@ -234,7 +234,7 @@ class CrosscheckDsnot(_OneLayerCrosscheck):
 
     def markdown(self, result):
         lines = ["# DSnoT on Wanda: pyprune against the authors' code (zyxxmu/DSnoT), "
-                 f"{result['settings'].get('model', 'SmolLM2-135M')} layers", "",
+                 f"{model_label(result['settings'])} layers", "",
                  f"Block {result['settings']['block']} of the dense model, {result['settings']['calibration']}; "
                  "per output row; 50 cycles, threshold 0.1, variance power 1, every layer refined (their "
                  "--skip_layer no_skip). Expected error: Σ_i |ε_i| of Eq. 3 (per sequence), Wanda's initial mask "

@@ -50,7 +50,7 @@ from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
 from ..runtime.training import fp32_master_weights, train
 from .results import mean_std
-from .study import RESULTS_DIR, Arm, Study
+from .study import Arm, RESULTS_DIR, Study, model_label
 from .svg import line_plot
 from .verdict import RULE, paired_verdict
 
@@ -201,7 +201,7 @@ def _ppl(value, digits=2):
 def markdown(result: dict) -> str:
     s = result["settings"]
     texts = list(result["dense"])
-    lines = [f"# DReSS on {s.get('model', 'SmolLM2-135M')}", "",
+    lines = [f"# DReSS on {model_label(s)}", "",
              f"Hidden size {s['hidden']}; calibration {s['calibration']}; evaluation {s['evaluation']}; "
              f"LoRA {s['lora']}; {s['threads']} threads. Dense perplexity "
              + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ". Every row of a channel choice "

@@ -18,7 +18,7 @@ from ..methods.dress import DReSS
 from ..methods.options import at_least_one, fraction, option
 from ..nn.dispatch import environment_record
 from .dress import CHANNELS, DEFAULT_MODEL
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 #: the channels the measurement lists, by share
 TOP = 8
@@ -57,7 +57,7 @@ def measure(model: nn.Module, windows: Tensor, ratio: float) -> dict:
 
 def markdown(result: dict) -> str:
     settings, top = result["settings"], result["top"]
-    lines = [f"# Residual-stream energy per hidden channel, {settings.get('model', 'SmolLM2-135M')}", "",
+    lines = [f"# Residual-stream energy per hidden channel, {model_label(settings)}", "",
              f"{settings['windows']}; share of Σx², averaged over the {len(result['top_channel_share_per_state'])} "
              "hidden states of output_hidden_states (each weighs the same).", "",
              "| channel | share |", "|---:|---:|"] + [f"| {t['channel']} | {t['share']:.4f} |" for t in top]

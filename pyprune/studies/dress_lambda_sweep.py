@@ -24,12 +24,12 @@ from ..methods.pruning import prune
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from .dress import CHANNELS, DEFAULT_MODEL, EVAL_TEXTS, dress_option
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 
 def markdown(result: dict) -> str:
     s = result["settings"]
-    lines = [f"# DReSS λ sweep on {s.get('model', 'SmolLM2-135M')}", "",
+    lines = [f"# DReSS λ sweep on {model_label(s)}", "",
              f"{s['method']}; calibration {s['calibration']}; evaluation {s['evaluation']}. Dense perplexity "
              + ", ".join(f"{t} {v:.2f}" for t, v in result["dense"].items()) + ".", "",
              "| λ | slice mass after/before | LM loss first → last | λ·penalty first → last | "

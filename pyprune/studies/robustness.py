@@ -64,7 +64,7 @@ from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.checkpoint import Checkpoint, model_fingerprint, tokens_digest
 from .results import mean_std, verdict_cell
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 from .verdict import RULE, paired_verdict
 
 FORMATS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -542,7 +542,7 @@ def format_against_noise_lines(runs):
 
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
-    lines = [f"{settings.get('model', 'SmolLM2-135M')}; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
+    lines = [f"{model_label(settings)}; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
              f"{result['environment']['device']}, {result['environment']['cpu_threads']} threads, torch "
              f"{result['environment']['torch']}. Perplexities of both pruned models in fp32 (the common format). "
              "Mean ± std over the calibration seeds; noise floor: bf16 runs of noise seeds 0 and 1 (noise floor ppl_diff: "

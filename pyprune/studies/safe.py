@@ -36,7 +36,7 @@ from ..methods.options import Option, at_least_one, nonnegative, option, written
 from ..methods.pruning import prune
 from ..methods.safe import Safe
 from ..nn.dispatch import environment_record
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 DEFAULT_MODEL = "smollm2-135m"
 METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
@@ -98,7 +98,7 @@ def markdown(result) -> str:
     nsamples, seqlen, eval_tokens = TABLE_PROTOCOL
     cut = not (s["calibration"].startswith(f"{nsamples} x {seqlen} ")
                and s["evaluation"].startswith(f"first {eval_tokens} "))
-    lines = [f"# SAFE / SAFE⁺ and ALPS on {s.get('model', 'SmolLM2-135M')} (SAFE's Table 1, small" + (", cut protocol)" if cut else ")"), "",
+    lines = [f"# SAFE / SAFE⁺ and ALPS on {model_label(s)} (SAFE's Table 1, small" + (", cut protocol)" if cut else ")"), "",
              *([f"Cut protocol: fewer calibration or evaluation tokens than the table's {nsamples} x {seqlen} and "
                 f"{eval_tokens}, for the CPU time a shared core allows; the same for every row.", ""] if cut else []),
              f"Calibration {s['calibration']}; evaluation {s['evaluation']}; tuning: "

@@ -57,7 +57,7 @@ from ..nn.dispatch import environment_record
 from ..runtime import engine
 from ..runtime.flatness import perturbed_loss_increase, top_hessian_eigenvalue
 from .safe import CALIBRATION_TEXT, DEFAULT_MODEL, REPORT_TEXT, given, method_setting
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 from .verdict import paired_verdict
 
 #: arm name → (method, options beyond the shared training options)
@@ -144,7 +144,7 @@ def _mean_std(values):
 
 def markdown(result) -> str:
     s, env = result["settings"], result["environment"]
-    lines = [f"# SAFE / SAFE⁺ controls on {s.get('model', 'SmolLM2-135M')}", "",
+    lines = [f"# SAFE / SAFE⁺ controls on {model_label(s)}", "",
              f"Calibration: {s['calibration']}. Reported: {s['evaluation']}. Tuning: {s['tuning']}. "
              f"Training arms: {s['training']}. Protocol cut: {s['protocol_cut']}. "
              f"{env['device']}, {env['cpu_threads']} threads, torch {env['torch']}.", "",

@@ -36,7 +36,7 @@ from ..methods.options import at_least_one, nonnegative, option
 from ..nn.dispatch import environment_record
 from ..runtime import engine
 from .safe import DEFAULT_MODEL
-from .study import Arm, Study
+from .study import Arm, Study, model_label
 
 #: the sweep calibrates on the first half of Emma and chooses on the first tokens of its second
 #: half, a text no reported table uses (the tables calibrate on Emma's first half or whole Emma and
@@ -100,7 +100,7 @@ def _largest_rise(residuals) -> float:
 
 def markdown(result) -> str:
     s = result["settings"]
-    lines = [f"# SAFE sweep on single {s.get('model', 'SmolLM2-135M')} blocks", "",
+    lines = [f"# SAFE sweep on single {model_label(s)} blocks", "",
              f"{s['method']} at {s['pattern']}, blocks {s['blocks']} each alone on the dense model's inputs; "
              f"calibration {s['calibration']}; held-out {s['heldout']}. Relative error = ‖B(X) − Y‖²/‖Y‖² "
              "of the block against the dense block; \"÷ one-shot\" divides it by the one-shot projection's "

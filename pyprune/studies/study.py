@@ -34,6 +34,14 @@ from .results import write as write_results
 
 #: where the results files of the studies live, relative to the repository root
 RESULTS_DIR = os.path.join("benchmarks", "results")
+#: how a results file names the model when its settings name none (the studies' default model)
+DEFAULT_MODEL_NAME = "SmolLM2-135M"
+
+
+def model_label(settings: dict) -> str:
+    """The model a results file's ``settings`` were run on, for its title: the ``model`` they
+    record (studies record it when it is not the default), else :data:`DEFAULT_MODEL_NAME`."""
+    return settings.get("model", DEFAULT_MODEL_NAME)
 
 
 @dataclass(frozen=True)
