@@ -107,8 +107,8 @@ def test_a_number_not_in_its_file_fails():
                                  "README.md")
     # the Gemma paragraph now continues the citation of the paragraph before it, whose files lack its numbers
     assert {m.number for m in uncited} == {"38744160.95", "265.24", "106.49", "100.52", "983.58"}
-    assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m", "safe-controls-smollm2-135m-full")
-               for m in uncited)
+    assert all(m.files == ("safe-smollm2-135m-tuning-text", "safe-smollm2-135m", "safe-controls-smollm2-135m-full",
+                           "safe-controls-smollm2-135m-full-epochs6") for m in uncited)
 
 
 def test_what_counts_as_a_cited_number():
