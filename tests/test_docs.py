@@ -161,10 +161,9 @@ def _copal(metric: str) -> str:
     return paired_verdict(side("copal"), side("wanda")).word
 
 
-def _dress(name: str, arm: str, text: str, steps: int = 150) -> str:
-    """A DReSS arm against slice-then-train (N&P&R), quiet channels, lr 1e-3, ``steps`` training steps,
-    over training seeds."""
-    rows = [r for r in _rows(name) if r.get("channels", "quiet") == "quiet" and r["lr"] == 0.001
+def _dress(name: str, arm: str, text: str, steps: int = 150, channels: str = "quiet") -> str:
+    """A DReSS arm against slice-then-train (N&P&R), lr 1e-3, ``steps`` training steps, over training seeds."""
+    rows = [r for r in _rows(name) if r.get("channels", "quiet") == channels and r["lr"] == 0.001
             and r["train_steps"] == steps]
     side = lambda label: {r.get("train_seed") or 0: r["ppl_sliced"][text] for r in rows  # noqa: E731
                           if r["label"] == label}
@@ -214,6 +213,8 @@ README_VERDICTS = [
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "pride_and_prejudice")),
     ("is behind slice-then-train on both texts", "behind",
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "moby_dick")),
+    *[("still unsettled by the rule", "unsettled", lambda text=text: _dress(
+        "dress-smollm2-135m", "DReSS-l2 proximal", text, channels="last")) for text in ("pride_and_prejudice", "moby_dick")],
     *[("on one seed: unsettled by the rule", "unsettled", lambda text=text: _dress(
         "dress-smollm2-135m-1800-windows", "DReSS-l2", text, steps=450)) for text in ("pride_and_prejudice", "moby_dick")],
 ]
