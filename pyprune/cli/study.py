@@ -34,7 +34,7 @@ def run(args) -> int:
     given = {option.name: getattr(args, f"setting_{option.name}") for option in cls.options
              if getattr(args, f"setting_{option.name}") is not None}
     study = studies.get(args.study, **given)  # every setting checked before anything loads
-    run_study(study, args.output)
+    run_study(study, args.output, progress=not args.quiet)
     path = study.output_path(args.output)
     print(f"{args.study}: results in {path} and {markdown_path(path)}")
     return 0

@@ -66,10 +66,11 @@ def get(name: str, **settings: Any) -> Study:
     return STUDIES[name](**settings)
 
 
-def run(name: str, output: Optional[str] = None, **settings: Any) -> dict:
+def run(name: str, output: Optional[str] = None, *, progress: bool = True, **settings: Any) -> dict:
     """Run study ``name`` with ``settings`` into ``output`` (default: its results file in
-    ``benchmarks/results``), resuming a stopped run of the same settings; returns the result."""
-    return _run(get(name, **settings), output)
+    ``benchmarks/results``), resuming a stopped run of the same settings, with progress bars when
+    ``progress``; returns the result."""
+    return _run(get(name, **settings), output, progress)
 
 
 __all__ = ["STUDIES", "Study", "get", "run"]

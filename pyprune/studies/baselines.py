@@ -131,12 +131,12 @@ class _PruneAndEvaluate(Study):
                 "tokens": tokens, "path": path}
 
     def perplexity(self, context, model) -> float:
-        return perplexity(model, context["tokens"], self.seqlen, bos_token_id=context["bos"])
+        return perplexity(model, context["tokens"], self.seqlen, bos_token_id=context["bos"], progress=self.progress)
 
     def pruned(self, context, method: str, pattern: Pattern, **options):
         """A pruned copy of the dense model, and the report of :func:`pyprune.prune`."""
         model = copy.deepcopy(context["model"])
-        report = prune(model, method, pattern, context["calib"], **options)
+        report = prune(model, method, pattern, context["calib"], **{"progress": self.progress, **options})
         return model, report
 
 
@@ -359,7 +359,7 @@ class ZeroShot(_PruneAndEvaluate):
                            "tokens": tokens.numel() // self.seqlen * self.seqlen, "seqlen": self.seqlen}]
         start = time.perf_counter()
         report["tasks"] = zeroshot.evaluate(model, context["tokenizer"], context["tasks"], limit=self.items,
-                                            batch_size=self.batch_size)
+                                            batch_size=self.batch_size, progress=self.progress)
         report["zeroshot_time_s"] = round(time.perf_counter() - start, 1)
         return report
 

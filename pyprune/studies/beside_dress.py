@@ -39,17 +39,11 @@ from ..nn.dispatch import environment_record
 from ..patterns import Structured
 from ..runtime.recovery import lora_finetune
 from .baselines import CALIB_SOURCE, DEFAULT_MODEL, MODELS, PROTOCOL_HEADER, model_name, model_results
-from .dress import row_setting
+from .dress import row_setting, zero_shot
 from .results import mean_std
 from .study import Arm, RESULTS_DIR, Study, model_label
 
 EVAL_TEXTS = ("pride_and_prejudice", "moby_dick")
-
-
-def zero_shot(model, tokenizer, tasks, limit: int) -> dict:
-    """{task: {acc, stderr, n, chance}} of ``model`` on the first ``limit`` items of each task."""
-    return {name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
-            for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=limit).items()}
 
 
 def read_dress(model: str) -> Optional[dict]:
@@ -96,7 +90,8 @@ class _BesideDress(Study):
                 for text, ids in context["tokens"].items()}
 
     def scores(self, context, model) -> dict:
-        return {} if context["tasks"] is None else zero_shot(model, context["tokenizer"], context["tasks"], self.limit)
+        return {} if context["tasks"] is None else zero_shot(model, context["tokenizer"], context["tasks"], self.limit,
+                                                                 self.progress)
 
 
 def _score(scores, task):
@@ -177,7 +172,8 @@ class Sleb(_BesideDress):
 
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
-        report = prune(model, "sleb", Structured(self.ratio), self.windows(context, arm.key), batch_size=4)
+        report = prune(model, "sleb", Structured(self.ratio), self.windows(context, arm.key), batch_size=4,
+                       progress=self.progress)
         row = {"seed": arm.key, "blocks": len(report["removed_blocks"]) + len(report["kept_blocks"]),
                "removed_blocks": report["removed_blocks"], "steps": report["steps"], "time_s": report["time_s"],
                "parameters": [report["parameters_before"], report["parameters_after"]], "options": report["options"],
@@ -330,14 +326,14 @@ class SliceGpt(_BesideDress):
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
         report = prune(model, "slicegpt", Structured(self.ratio), self._windows(context), batch_size=self.batch_size,
-                       progress=True, slice_head=self.slice_head)
+                       progress=self.progress, slice_head=self.slice_head)
         ppl_sliced = self.perplexities(context, model)
         sliced_scores = self.scores(context, model)
         ppl_lora, scores, lora_s = None, {}, None
         if self.recovery:
             start = time.perf_counter()
             lora_finetune(model, context["calib"][self._split():], steps=self.lora_steps, rank=32, alpha=10.0,
-                          lr=self.lora_lr, batch_size=self.train_batch, progress=True)
+                          lr=self.lora_lr, batch_size=self.train_batch, progress=self.progress)
             lora_s = time.perf_counter() - start
             ppl_lora = self.perplexities(context, model)
             scores = self.scores(context, model)

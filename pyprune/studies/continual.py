@@ -431,14 +431,14 @@ class Continual(Study):
         start = time.perf_counter()
         if selected == protocol:
             report = run(context["model"], method, pattern, context["tasks"], init=init,
-                         permutations=self.permutations, eval_seqlen=self.eval_seqlen, progress=True, done=done,
+                         permutations=self.permutations, eval_seqlen=self.eval_seqlen, progress=self.progress, done=done,
                          on_order=on_order, method_options=options)
         else:  # the chosen orders one at a time; the row is complete once every order has run
             by_name = {task.name: task for task in context["tasks"]}
             for order in selected:
                 if order not in done:
                     run(context["model"], method, pattern, [by_name[name] for name in order], init=init,
-                        eval_seqlen=self.eval_seqlen, progress=True, on_order=on_order, method_options=options)
+                        eval_seqlen=self.eval_seqlen, progress=self.progress, on_order=on_order, method_options=options)
             matrix = {tuple(r["order"]): r["steps"] for r in partial["matrix"]}
             if set(matrix) != set(protocol):
                 return None

@@ -119,10 +119,10 @@ def row_key(row: dict) -> tuple:
         (name, train_seed(row) if name == "train_seed" else row.get(name)) for name in fields)
 
 
-def zero_shot(model, tokenizer, tasks, limit: int) -> Dict[str, dict]:
+def zero_shot(model, tokenizer, tasks, limit: int, progress: bool = True) -> Dict[str, dict]:
     """{task: {acc, stderr, n, chance}} of ``model`` on the first ``limit`` items of each task."""
     return {name: {"acc": r["acc"], "stderr": r["stderr"]["acc"], "n": r["n"], "chance": r.get("chance")}
-            for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=limit).items()}
+            for name, r in zeroshot.evaluate(model, tokenizer, tasks, limit=limit, progress=progress).items()}
 
 
 def calibration(tokenizer, source: str, nsamples: int, seqlen: int) -> Tensor:
@@ -409,29 +409,30 @@ class Dress(Study):
     def run_arm(self, context, arm, row, checkpoint):
         model, tokenizer, tasks = context["model"], context["tokenizer"], context["tasks"]
         if arm.key == DENSE_ZERO_SHOT:
-            return zero_shot(model, tokenizer, tasks, self.limit)
+            return zero_shot(model, tokenizer, tasks, self.limit, self.progress)
         options, train_after, head = arm.spec
         model = copy.deepcopy(model)
         start = time.perf_counter()
         method = DReSS(**options)
         if options["steps"] > 0:
             method.before_slice = lambda regularised: self._evaluate(context, regularised)
-        report = prune(model, method, Structured(self.ratio), context["regularise"], progress=True)
+        report = prune(model, method, Structured(self.ratio), context["regularise"], progress=self.progress)
         log = report["regularisation"]
         if train_after:  # N&P&R: the sliced model, the same steps, windows, optimiser and seed
             with fp32_master_weights(model), torch.enable_grad():
                 log = train(model, list(model.parameters()), context["regularise"], steps=self.steps, lr=self.lr,
-                            batch_size=self.train_batch, seed=self.train_seed, desc="train sliced")
+                            batch_size=self.train_batch, seed=self.train_seed, desc="train sliced",
+                            progress=self.progress)
         train_s = time.perf_counter() - start
         ppl_sliced = self._evaluate(context, model)
         ppl_lora, lora_s, scores = None, None, {}
         if not self.skip_lora:
             start = time.perf_counter()
             lora_finetune(model, context["recover"], steps=self.lora_steps, rank=32, alpha=10.0, lr=self.lora_lr,
-                          batch_size=self.train_batch, progress=True)
+                          batch_size=self.train_batch, progress=self.progress)
             lora_s = time.perf_counter() - start
             ppl_lora = self._evaluate(context, model)
-            scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, self.limit)
+            scores = {} if tasks is None else zero_shot(model, tokenizer, tasks, self.limit, self.progress)
         row = {**head, "slice_mass_ratio": report["slice_mass_ratio"],
                **{f"slice_mass_ratio_per_{k}": report[f"slice_mass_ratio_per_{k}"]
                   for k in ("tensor", "layer", "kind")},

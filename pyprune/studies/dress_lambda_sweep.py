@@ -101,7 +101,7 @@ class DressLambdaSweep(Study):
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
         start = time.perf_counter()
-        report = prune(model, "dress", Structured(self.ratio), context["regularise"], progress=True, lam=arm.key,
+        report = prune(model, "dress", Structured(self.ratio), context["regularise"], progress=self.progress, lam=arm.key,
                        steps=self.steps, lr=self.lr, channels=self.channels)
         log = report["regularisation"]
         return {"lam": arm.key, "slice_mass_ratio": report["slice_mass_ratio"],

@@ -76,6 +76,8 @@ class Study:
     #: the result as it stands while :func:`run` runs the arms (None before): the rows of the arms
     #: run or resumed so far, which :meth:`arms` may read to derive its later arms
     current: Optional[dict] = None
+    #: whether the arms draw progress bars (set by :func:`run`; ``pyprune study --quiet`` turns them off)
+    progress: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -177,9 +179,11 @@ class Study:
         return shlex.join(words)
 
 
-def run(study: Study, output: Optional[str] = None) -> dict:
+def run(study: Study, output: Optional[str] = None, progress: bool = True) -> dict:
     """Run ``study`` into ``output`` (its default results file if None), resuming what a stopped
-    run of the same settings left; returns the result as written. See the module docstring."""
+    run of the same settings left, its arms' progress bars shown when ``progress``; returns the
+    result as written. See the module docstring."""
+    study.progress = progress
     path = study.output_path(output)
     check_destination(path, "the results file")
     context = study.prepare(path)

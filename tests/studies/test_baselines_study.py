@@ -25,7 +25,7 @@ def _calls(monkeypatch):
     """Every pyprune.prune call of the studies, recorded: (method, pattern, options)."""
     calls, prune = [], baselines.prune
 
-    def recorded(model, method, pattern, calib, **options):
+    def recorded(model, method, pattern, calib, progress=True, **options):  # options: the method's
         calls.append((method, pattern, options))
         return prune(model, method, pattern, calib, **options)
 

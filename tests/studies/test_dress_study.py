@@ -233,7 +233,7 @@ def test_zero_shot_scores_the_dense_model_once_and_each_row_after_lora(tiny_mode
     output = tmp_path / "dress.json"
     scored = []
 
-    def zero_shot(model, tokenizer, tasks, limit):
+    def zero_shot(model, tokenizer, tasks, limit, progress):
         scored.append(model.config.hidden_size)
         return {t: {"acc": 0.5 + 0.1 * len(scored), "stderr": 0.1, "n": limit, "chance": 0.25} for t in tasks}
 
@@ -253,3 +253,17 @@ def test_zero_shot_scores_the_dense_model_once_and_each_row_after_lora(tiny_mode
     dress.Dress().merge(result, on_disk)
     assert set(result["dense_zero_shot"]) == {"austen_continuation", "moby_dick_continuation"}
     assert [r["channels"] for r in result["rows"]] == ["quiet", "last"]
+
+
+def test_quiet_takes_the_study_progress_bars_away(tiny_model_dir, tmp_path, capsys):
+    """``pyprune study ... --quiet`` reaches the bars the study's arms draw (training, pruning)."""
+    from pyprune import cli
+    argv = ["study", "dress", "--model", str(tiny_model_dir[0]), "--rows", "npr", "--skip-lora", "true",
+            "--channels", "quiet", "--nsamples", "8", "--seqlen", "16", "--steps", "2", "--train-batch", "2",
+            "--eval-tokens", "64", "--eval-seqlen", "16"]
+    assert cli.main(argv + ["--output", str(tmp_path / "loud.json")]) == 0
+    assert "train sliced" in capsys.readouterr().err
+    assert cli.main(argv + ["--output", str(tmp_path / "quiet.json"), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "dress: quiet slice, then train (N&P&R): mass 1.000" in captured.out  # the results still print

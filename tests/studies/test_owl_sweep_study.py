@@ -64,7 +64,7 @@ def test_the_verdict_pairs_owl_and_uniform_by_seed():
 def _calls(monkeypatch):
     calls, prune = [], baselines.prune
 
-    def recorded(model, method, pattern, calib, **options):
+    def recorded(model, method, pattern, calib, progress=True, **options):  # options: the method's
         calls.append((method, pattern, options, calib.clone()))
         return prune(model, method, pattern, calib, **options)
 
