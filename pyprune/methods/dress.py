@@ -174,17 +174,17 @@ class DReSS(Method):
                              "the ranks of a torch.distributed group: run under torchrun --nproc-per-node N with N "
                              ">= 2 (or in a process group of 2 or more ranks); got one process")
         if self.checkpoint:  # another run's checkpoint is refused from its metadata, before the model loads
-            self._checkpoint(None, pattern).check(parts=["settings"])
+            self.training_checkpoint(None, pattern).check(parts=["settings"])
 
     def check(self, model, pattern):
         super().check(model, pattern)
         hidden_stream(model)  # a LLaMA-style model whose hidden channels can all be sliced
         self.check_config(model.config, pattern)
-        checkpoint = self._checkpoint(model, pattern)
+        checkpoint = self.training_checkpoint(model, pattern)
         if checkpoint is not None:
             checkpoint.check()
 
-    def _checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[TrainingCheckpoint]:
+    def training_checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[TrainingCheckpoint]:
         """Where the regularisation saves, keyed by its settings and the dense model (not yet
         loaded: None) (None without ``checkpoint``)."""
         if not self.checkpoint:
@@ -274,7 +274,7 @@ class DReSS(Method):
         return {name: float(total) / windows.numel() for name, total in zip(sums, totals)}
 
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        checkpoint = self._checkpoint(model, pattern)
+        checkpoint = self.training_checkpoint(model, pattern)
         energy = self.channel_energy(model, calib[:self.energy_windows], batch_size) \
             if self.channels == "quiet" else None
         channels = self.pruned_channels(model.config, pattern.ratio, energy)

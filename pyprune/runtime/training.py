@@ -78,6 +78,11 @@ class TrainingCheckpoint:
         of the key if given: e.g. the settings alone, before the model is loaded)."""
         self.states.meta(self.name, parts)
 
+    def saved_step(self) -> int:
+        """The steps a saved run of this key has done (0 when none is saved): where :func:`train` goes on."""
+        meta = self.states.meta(self.name)
+        return 0 if meta is None else meta["step"]
+
     def save(self, model: nn.Module, optimizer, step: int, log: Dict) -> None:
         tensors = {f"model.{name}": value for name, value in model.state_dict().items()}
         saved = optimizer.state_dict()

@@ -25,12 +25,17 @@ on both texts, the weight mass of the removed slices after training relative to 
 measure), overall, per layer and per kind of matrix (also plotted beside the results,
 NAME-mass-<channels>-<steps>-steps-lr-<lr>-seed-<seed>.svg, for the penalty rows), the norm rescale measured against sqrt(d/d'), and
 the wall time of each phase. ``tasks`` adds zero-shot accuracy after LoRA; ``skip_lora`` leaves
-LoRA out of the rows a run adds (their LoRA cells stay empty).
+LoRA out of the rows a run adds (their LoRA cells stay empty). A row's training saves every
+``checkpoint_every`` steps (NAME.checkpoints/, removed once the row is written); a stopped row
+resumes at its last save and records ``resumed_at_step`` (its ``train_s`` then counts only the
+steps its last process ran).
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
+import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -47,8 +52,9 @@ from ..methods.options import at_least_one, fraction, option
 from ..methods.pruning import prune
 from ..nn.dispatch import environment_record
 from ..patterns import Structured
+from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..runtime.recovery import lora_finetune
-from ..runtime.training import fp32_master_weights, train
+from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .results import mean_std
 from .study import Arm, RESULTS_DIR, Study, model_label
 from .svg import line_plot
@@ -194,6 +200,12 @@ def loss_ends(row: dict) -> str:
     return f"{sum(loss[:span]) / span:.2f} → {sum(loss[-span:]) / span:.2f}"
 
 
+def train_time(row: dict) -> str:
+    """A row's training seconds; a row resumed mid-training counts only the steps of its last run."""
+    resumed = row.get("resumed_at_step")
+    return f"{row['train_s']:.0f}" + (f" (steps {resumed}–{row['train_steps']})" if resumed else "")
+
+
 def _ppl(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -221,7 +233,7 @@ def markdown(result: dict) -> str:
                      f"{r['slice_mass_ratio']:.3f} | {loss_ends(r)} | "
                      + " | ".join(f"{_ppl(before.get(t))} | {r['ppl_sliced'][t]:.2f} | {_ppl(lora.get(t))}"
                                   for t in texts)
-                     + f" | {r['train_s']:.0f} | {_ppl(r.get('lora_s'), 0)} |")
+                     + f" | {train_time(r)} | {_ppl(r.get('lora_s'), 0)} |")
     groups = seed_groups(result["rows"])
     if groups:
         lines += ["", "Over training seeds (minibatch orders, ``--train-seed``): perplexity mean ± std, then each "
@@ -318,6 +330,9 @@ class Dress(Study):
                                               "moby_dick_continuation")
     limit: int = option(200, "items per zero-shot task", at_least_one)
     skip_lora: bool = option(False, "no LoRA recovery for the rows this run adds (their LoRA cells stay empty)")
+    checkpoint_every: int = option(25, "steps between the saves of a row's training (model and optimiser, in "
+                                   "NAME.checkpoints/ beside the results file, removed once the row is written): a "
+                                   "stopped run resumes its row from the last save", at_least_one)
 
     def check_options(self) -> None:
         if self.tasks is not None and self.skip_lora:
@@ -413,16 +428,24 @@ class Dress(Study):
         options, train_after, head = arm.spec
         model = copy.deepcopy(model)
         start = time.perf_counter()
+        saves = self.saves(context, arm)
         method = DReSS(**options)
+        resumed_at = 0
         if options["steps"] > 0:
+            method = DReSS(**options, checkpoint=saves, checkpoint_every=self.checkpoint_every)
             method.before_slice = lambda regularised: self._evaluate(context, regularised)
+            resumed_at = method.training_checkpoint(model, Structured(self.ratio)).saved_step()
         report = prune(model, method, Structured(self.ratio), context["regularise"], progress=self.progress)
         log = report["regularisation"]
         if train_after:  # N&P&R: the sliced model, the same steps, windows, optimiser and seed
+            resume = TrainingCheckpoint(saves, self.checkpoint_every, {
+                "row": head, "model": model_fingerprint(model), "tokens": tokens_digest(context["regularise"])},
+                "train-sliced.safetensors")
+            resumed_at = resume.saved_step()
             with fp32_master_weights(model), torch.enable_grad():
                 log = train(model, list(model.parameters()), context["regularise"], steps=self.steps, lr=self.lr,
-                            batch_size=self.train_batch, seed=self.train_seed, desc="train sliced",
-                            progress=self.progress)
+                            batch_size=self.train_batch, seed=self.train_seed, checkpoint=resume,
+                            desc="train sliced", progress=self.progress)
         train_s = time.perf_counter() - start
         ppl_sliced = self._evaluate(context, model)
         ppl_lora, lora_s, scores = None, None, {}
@@ -442,9 +465,18 @@ class Dress(Study):
                "hidden_size": report["hidden_size"], "pruned_channels": report["pruned_channels"],
                "parameters": [report["cost_before"]["parameters"], report["cost_after"]["parameters"]],
                "loss": log.get("loss"), "penalty": log.get("penalty")}
+        if resumed_at:
+            row["resumed_at_step"] = resumed_at  # train_s then counts this process's steps alone
         if options["steps"] > 0 and options["lam"] > 0 and options.get("regulariser") != "proximal":
             write_text(mass_plot_path(context["stem"], row), mass_plot(row))
+        shutil.rmtree(saves, ignore_errors=True)
         return row
+
+    def saves(self, context, arm) -> str:
+        """Where ``arm``'s training saves while it runs: a directory of its own (named by its key) in
+        NAME.checkpoints/ beside the results file."""
+        digest = hashlib.sha256(repr(arm.key).encode()).hexdigest()[:12]
+        return os.path.join(f"{context['stem']}.checkpoints", f"{arm.spec[0]['channels']}-{digest}")
 
     def describe(self, row):
         if "label" not in row:  # the dense zero-shot scores

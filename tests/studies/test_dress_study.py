@@ -267,3 +267,43 @@ def test_quiet_takes_the_study_progress_bars_away(tiny_model_dir, tmp_path, caps
     captured = capsys.readouterr()
     assert captured.err == ""
     assert "dress: quiet slice, then train (N&P&R): mass 1.000" in captured.out  # the results still print
+
+
+class _Stopped(Exception):
+    """What stops a run mid-row in the resume test (as a killed process would)."""
+
+
+def test_a_row_stopped_mid_training_resumes_from_its_last_save(tiny_model_dir, tmp_path, monkeypatch):
+    """Both kinds of training a row runs (DReSS's regularisation, N&P&R's training after the cut)
+    save every ``checkpoint_every`` steps; a rerun goes on from the save and ends where an
+    unbroken run ends, to the bit, and the saves are removed once the row is written."""
+    from pyprune.runtime import training
+    settings = dict(model=str(tiny_model_dir[0]), rows=["dress", "npr"], skip_lora=True, **{**TINY, "steps": 4},
+                    checkpoint_every=2)
+    unbroken = studies.run("dress", str(tmp_path / "unbroken.json"), progress=False, **settings)["rows"]
+    save = training.TrainingCheckpoint.save
+
+    def save_then_stop(self, model, optimizer, step, log):
+        save(self, model, optimizer, step, log)
+        if step == 2:
+            raise _Stopped
+
+    output = tmp_path / "stopped.json"
+    saves = tmp_path / "stopped.checkpoints"
+    for done in (0, 1):  # the first stop is in DReSS's regularisation, the second in N&P&R's training
+        monkeypatch.setattr(training.TrainingCheckpoint, "save", save_then_stop)
+        with pytest.raises(_Stopped):
+            studies.run("dress", str(output), progress=False, **settings)
+        assert len(list(saves.iterdir())) == 1  # the stopped row's save, the finished rows' removed
+        monkeypatch.setattr(training.TrainingCheckpoint, "save", save)
+        if done == 0:
+            studies.run("dress", str(output), progress=False, **dict(settings, rows=["dress"]))
+    resumed = studies.run("dress", str(output), progress=False, **settings)["rows"]
+    assert [r["label"] for r in resumed] == [r["label"] for r in unbroken] == ["DReSS-l2", dress.CONTROL]
+    for ours, theirs in zip(resumed, unbroken):
+        assert ours["loss"] == theirs["loss"] and ours["ppl_sliced"] == theirs["ppl_sliced"]
+        assert ours["slice_mass_ratio"] == theirs["slice_mass_ratio"]
+    assert resumed[0]["resumed_at_step"] == resumed[1]["resumed_at_step"] == 2
+    assert "resumed_at_step" not in unbroken[0] and list(saves.iterdir()) == []
+    assert "| 4 | – | 0.01 | 0 |" in output.with_suffix(".md").read_text()  # N&P&R's row
+    assert dress.train_time(resumed[1]).endswith(" (steps 2–4)")
