@@ -33,7 +33,6 @@ steps its last process ran).
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import shutil
 import time
@@ -56,7 +55,7 @@ from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..runtime.recovery import lora_finetune
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .results import mean_std
-from .study import Arm, RESULTS_DIR, Study, model_label
+from .study import Arm, RESULTS_DIR, Study, arm_saves, model_label
 from .svg import line_plot
 from .verdict import RULE, paired_verdict
 
@@ -428,7 +427,7 @@ class Dress(Study):
         options, train_after, head = arm.spec
         model = copy.deepcopy(model)
         start = time.perf_counter()
-        saves = self.saves(context, arm)
+        saves = arm_saves(context["stem"], arm)
         method = DReSS(**options)
         resumed_at = 0
         if options["steps"] > 0:
@@ -471,12 +470,6 @@ class Dress(Study):
             write_text(mass_plot_path(context["stem"], row), mass_plot(row))
         shutil.rmtree(saves, ignore_errors=True)
         return row
-
-    def saves(self, context, arm) -> str:
-        """Where ``arm``'s training saves while it runs: a directory of its own (named by its key) in
-        NAME.checkpoints/ beside the results file."""
-        digest = hashlib.sha256(repr(arm.key).encode()).hexdigest()[:12]
-        return os.path.join(f"{context['stem']}.checkpoints", f"{arm.spec[0]['channels']}-{digest}")
 
     def describe(self, row):
         if "label" not in row:  # the dense zero-shot scores

@@ -34,13 +34,17 @@ Perplexity is reported as mean ± std over the calibration seeds run, and as pai
 between arms on the seeds both ran (:data:`PAIRED`) with the verdict of
 :func:`pyprune.studies.verdict.paired_verdict`; ``skip_flatness`` spares extra seeds the flatness
 measure; with ``vary_train_seed`` each seed also draws the training arms' minibatches (their
-``train_seed`` is the calibration seed). The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
+``train_seed`` is the calibration seed). Each arm saves every finished block in
+NAME.checkpoints/ beside the results file (removed once its row is written): a stopped run goes on
+from the block after the last save, its row marked ``resumed`` (its ``time_s`` then counts the
+blocks of the last process alone). The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
 """
 from __future__ import annotations
 
 import copy
 import math
 import os
+import shutil
 from typing import Optional, Tuple
 
 import torch
@@ -57,7 +61,7 @@ from ..nn.dispatch import environment_record
 from ..runtime import engine
 from ..runtime.flatness import perturbed_loss_increase, top_hessian_eigenvalue
 from .safe import CALIBRATION_TEXT, DEFAULT_MODEL, REPORT_TEXT, given, method_setting
-from .study import Arm, Study, model_label
+from .study import Arm, Study, arm_saves, model_label
 from .verdict import paired_verdict
 
 #: arm name → (method, options beyond the shared training options)
@@ -282,7 +286,8 @@ class SafeControls(Study):
         model, tokenizer = load_model(self.model)
         tokens = data.eval_tokens(tokenizer, REPORT_TEXT, max_tokens=self.eval_tokens)
         return {"model": model, "tokenizer": tokenizer, "tokens": tokens, "bos": data.window_bos(tokenizer),
-                "flat_windows": data.windows(tokens, self.eval_seqlen)[:4], "calib": {}}
+                "flat_windows": data.windows(tokens, self.eval_seqlen)[:4], "calib": {},
+                "stem": os.path.splitext(path)[0]}
 
     def _protocol_cut(self, steps: int, batch: int) -> str:
         """How this run's calibration and training budget stands against the table's 64 x 256 windows and 96
@@ -340,9 +345,13 @@ class SafeControls(Study):
     def run_arm(self, context, arm, row, checkpoint):
         _, name, seed = arm.key
         method, options = self.arm_options(name, seed)
+        saves = arm_saves(context["stem"], arm)  # every finished block, for a stopped run to go on from
+        resumed = os.path.isdir(saves) and bool(os.listdir(saves))
         model = copy.deepcopy(context["model"])
-        report = prune(model, method, arm.spec, self._calibration(context, seed), progress=False, **options)
-        row = {"pattern": str(arm.spec), "arm": name, "seed": seed, "options": report["options"],
+        report = prune(model, method, arm.spec, self._calibration(context, seed), progress=self.progress,
+                       checkpoint=saves, **options)
+        options = {key: value for key, value in report["options"].items() if key != "checkpoint"}
+        row = {"pattern": str(arm.spec), "arm": name, "seed": seed, "options": options,
                "perplexity": perplexity(model, context["tokens"], self.eval_seqlen, progress=False,
                                         bos_token_id=context["bos"]),
                "sparsity": report["sparsity"], "time_s": report["time_s"],
@@ -350,6 +359,9 @@ class SafeControls(Study):
         row["flatness"] = {} if self.skip_flatness else flatness(
             model, context["model"], context["flat_windows"], self.flat_blocks, self.flat_pairs, self.flat_iterations)
         row["blocks"] = report.get("blocks")
+        if resumed:
+            row["resumed"] = True  # time_s then counts the blocks after the last save alone
+        shutil.rmtree(saves, ignore_errors=True)
         return row
 
     def describe(self, row):

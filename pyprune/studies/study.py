@@ -22,6 +22,7 @@ A stopped study resumes by running the same command again.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ class Arm:
     key: Hashable
     label: str
     spec: Any = None
+
+
+def arm_saves(stem: str, arm: Arm) -> str:
+    """Where ``arm`` keeps what a stopped run of it resumes from (training or block checkpoints):
+    a directory of its own, named by its key, in STEM.checkpoints/ beside the results file
+    STEM.json; the arm removes it once its row is written."""
+    return os.path.join(f"{stem}.checkpoints", hashlib.sha256(repr(arm.key).encode()).hexdigest()[:12])
 
 
 class Study:

@@ -50,7 +50,9 @@ def test_safe_controls_arms_are_what_their_labels_say_and_a_rerun_resumes(tiny_m
                 "masked-recon sparsegpt": ("masked-recon", {"start": "sparsegpt", "epochs": 1, "lr": 1e-3}),
                 "safe+ rho=0": ("safe+", {"rho": 0.0, "epochs": 1, "lr": 1e-3})}
     for (method, pattern, calib, options), row in zip(calls, sorted(rows, key=lambda r: r["seed"])):
-        assert (method, {k: v for k, v in options.items() if k != "progress"}) == expected[row["arm"]]
+        assert (method, {k: v for k, v in options.items() if k not in ("progress", "checkpoint")}) == \
+            expected[row["arm"]]
+        assert options["checkpoint"].startswith(str(tmp_path / "controls.checkpoints"))
         assert pattern == row["pattern"] == "unstructured 0.5" and torch.equal(calib, draws[row["seed"]])
         assert list(row["flatness"]) == ["1"] and row["flatness"]["1"]["top_eigenvalue"] is not None
     control = next(r for r in rows if r["arm"] == "masked-recon sparsegpt" and r["seed"] == 1)
@@ -123,3 +125,35 @@ def test_the_protocol_is_called_cut_only_below_the_table_s_calibration_tokens():
     with open(os.path.join(RESULTS, "safe-controls-smollm2-135m.json")) as handle:
         committed = json.load(handle)["settings"]["protocol_cut"]
     assert studies.get("safe-controls").protocol(None)["protocol_cut"] == committed
+
+
+class _Stopped(Exception):
+    """What stops a run mid-row in the resume test (as a killed process would)."""
+
+
+def test_a_row_stopped_mid_model_resumes_after_its_last_finished_block(tiny_model_dir, tmp_path, monkeypatch):
+    """Every finished block is saved beside the results file; a rerun after a stop goes on from
+    the next block and ends where an unbroken run ends; the saves go once the row is written."""
+    from pyprune.runtime import engine
+    settings = dict(model=str(tiny_model_dir[0]), **dict(TINY, variants=["safe+ rho=0"], seeds=[0]),
+                    skip_flatness=True)
+    unbroken = studies.run("safe-controls", str(tmp_path / "unbroken.json"), progress=False, **settings)["rows"]
+    save = engine.BlockCheckpoint.save
+
+    def save_then_stop(self, index, block, details):
+        save(self, index, block, details)
+        raise _Stopped
+
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save_then_stop)
+    output = tmp_path / "stopped.json"
+    with pytest.raises(_Stopped):
+        studies.run("safe-controls", str(output), progress=False, **settings)
+    [saves] = (tmp_path / "stopped.checkpoints").iterdir()
+    assert json.loads((saves / "blockwise.json").read_text())["finished"] == 1
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save)
+    [resumed] = studies.run("safe-controls", str(output), progress=False, **settings)["rows"]
+    [theirs] = unbroken
+    assert resumed["perplexity"] == theirs["perplexity"] and resumed["summary"] == theirs["summary"]
+    assert resumed["options"] == theirs["options"] and "checkpoint" not in resumed["options"]
+    assert resumed["resumed"] is True and "resumed" not in theirs
+    assert list((tmp_path / "stopped.checkpoints").iterdir()) == []
