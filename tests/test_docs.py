@@ -213,9 +213,10 @@ README_VERDICTS = [
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "pride_and_prejudice")),
     ("is behind slice-then-train on both texts", "behind",
      lambda: _dress("dress-smollm2-135m", "DReSS-l2", "moby_dick")),
-    *[("still unsettled by the rule", "unsettled", lambda text=text: _dress(
+    *[("the proximal arm is ahead of slice-then-train by the rule on both texts over three seeds", "ahead",
+       lambda text=text: _dress(
         "dress-smollm2-135m", "DReSS-l2 proximal", text, channels="last")) for text in ("pride_and_prejudice", "moby_dick")],
-    *[("on one seed: unsettled by the rule", "unsettled", lambda text=text: _dress(
+    *[("the two are unsettled by the rule over three seeds", "unsettled", lambda text=text: _dress(
         "dress-smollm2-135m-1800-windows", "DReSS-l2", text, steps=450)) for text in ("pride_and_prejudice", "moby_dick")],
 ]
 
