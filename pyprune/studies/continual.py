@@ -431,8 +431,8 @@ class Continual(Study):
         start = time.perf_counter()
         if selected == protocol:
             report = run(context["model"], method, pattern, context["tasks"], init=init,
-                         permutations=self.permutations, eval_seqlen=self.eval_seqlen, progress=self.progress, done=done,
-                         on_order=on_order, method_options=options)
+                         permutations=self.permutations, eval_seqlen=self.eval_seqlen, progress=self.progress,
+                         done=done, on_order=on_order, method_options=options)
         else:  # the chosen orders one at a time; the row is complete once every order has run
             by_name = {task.name: task for task in context["tasks"]}
             for order in selected:

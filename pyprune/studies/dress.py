@@ -427,14 +427,14 @@ class Dress(Study):
         options, train_after, head = arm.spec
         model = copy.deepcopy(model)
         start = time.perf_counter()
-        saves = arm_saves(context["stem"], arm)
-        method = DReSS(**options)
-        resumed_at = 0
-        if options["steps"] > 0:
+        saves, pattern, resumed_at = arm_saves(context["stem"], arm), Structured(self.ratio), 0
+        if options["steps"] > 0:  # the regularisation saves as it goes
             method = DReSS(**options, checkpoint=saves, checkpoint_every=self.checkpoint_every)
             method.before_slice = lambda regularised: self._evaluate(context, regularised)
-            resumed_at = method.training_checkpoint(model, Structured(self.ratio)).saved_step()
-        report = prune(model, method, Structured(self.ratio), context["regularise"], progress=self.progress)
+            resumed_at = method.training_checkpoint(model, pattern).saved_step()
+        else:
+            method = DReSS(**options)
+        report = prune(model, method, pattern, context["regularise"], progress=self.progress)
         log = report["regularisation"]
         if train_after:  # N&P&R: the sliced model, the same steps, windows, optimiser and seed
             resume = TrainingCheckpoint(saves, self.checkpoint_every, {

@@ -101,8 +101,8 @@ class DressLambdaSweep(Study):
     def run_arm(self, context, arm, row, checkpoint):
         model = copy.deepcopy(context["model"])
         start = time.perf_counter()
-        report = prune(model, "dress", Structured(self.ratio), context["regularise"], progress=self.progress, lam=arm.key,
-                       steps=self.steps, lr=self.lr, channels=self.channels)
+        report = prune(model, "dress", Structured(self.ratio), context["regularise"], progress=self.progress,
+                       lam=arm.key, steps=self.steps, lr=self.lr, channels=self.channels)
         log = report["regularisation"]
         return {"lam": arm.key, "slice_mass_ratio": report["slice_mass_ratio"],
                 "slice_mass_ratio_per_kind": report["slice_mass_ratio_per_kind"],

@@ -37,7 +37,8 @@ measure; with ``vary_train_seed`` each seed also draws the training arms' miniba
 ``train_seed`` is the calibration seed). Each arm saves every finished block in
 NAME.checkpoints/ beside the results file (removed once its row is written): a stopped run goes on
 from the block after the last save, its row marked ``resumed`` (its ``time_s`` then counts the
-blocks of the last process alone). The committed rows ran on one thread (``pyprune study safe-controls --threads 1 …``).
+blocks of the last process alone). The committed rows ran on one thread
+(``pyprune study safe-controls --threads 1 …``).
 """
 from __future__ import annotations
 
