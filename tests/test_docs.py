@@ -198,6 +198,8 @@ README_VERDICTS = [
      lambda: _safe_controls("unstructured 0.5", "safe+", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
     ("not 0.11%, is behind too", "behind",
      lambda: _safe_controls("2:4", "safe+ lam_schedule=cosine", "masked-recon wanda", "safe-controls-smollm2-135m-full")),
+    ("SAFE⁺ is still behind its control", "behind",
+     lambda: _safe_controls("2:4", "safe+", "masked-recon wanda", "safe-controls-smollm2-135m-full-epochs6")),
     ("COPAL behind on every seed", "behind", lambda: _copal("a_ppl")),
     ("more on seed 1, unsettled", "unsettled", lambda: _copal("a_bwt")),
     ("the two are unsettled on Pride and Prejudice", "unsettled",
