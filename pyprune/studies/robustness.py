@@ -70,6 +70,10 @@ from .verdict import RULE, paired_verdict
 FORMATS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_FORMATS = {"float32": torch.float32, **FORMATS}
 ARITHMETIC = ("rounding", "fp32-accumulate", "native")
+#: what native 16-bit runs are set beside (:func:`against_arithmetic`): the same products, accumulated in fp32
+REFERENCE = "fp32-accumulate"
+#: the batch size of every prune and evaluation of the study (part of the key of kept scores)
+BATCH_SIZE = 8
 
 #: the group scores compared: each layer's query heads and MLP channels, the hidden channels
 KINDS = ("heads", "channels", "hidden")
@@ -214,16 +218,18 @@ class ScoreStore:
 
 
 def prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, pattern: Structured, calib: Tensor,
-                batch_size: int, progress: bool, options: Dict, store: Optional[ScoreStore] = None
-                ) -> Tuple[nn.Module, Dict, Dict]:
+               batch_size: int, progress: bool, options: Dict, store: Optional[ScoreStore] = None,
+               stored_only: bool = False) -> Optional[Tuple[nn.Module, Dict, Dict]]:
     """A copy of ``model`` in format ``name`` pruned by ``method``: (the pruned copy, the pruning
     report, its layer scores ``layer -> {"heads", "channels"}``), from the scores ``store`` keeps
     when it keeps them (the report's ``time_s`` is then the time of the prune that computed them),
-    otherwise scored here and kept in ``store``."""
+    otherwise scored here and kept in ``store`` (with ``stored_only``: None, nothing scored)."""
     runner = methods.get(method, **options)
     if not isinstance(runner, methods.StructuredMethod):
         raise ValueError(f"method must be a structured method; got {method!r}")
     scored_in = store.load(runner, name) if store is not None else None
+    if scored_in is None and stored_only:
+        return None
     pruned = to_format(copy.deepcopy(model), name, arithmetic)
     with linear_arithmetic(arithmetic):
         report = pruning.prune(pruned, runner, pattern, calib, batch_size=batch_size, progress=progress)
@@ -247,7 +253,7 @@ def perplexity_in(model: nn.Module, name: str, arithmetic: str, tokens: Tensor, 
 def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_tokens: Tensor, *,
           eval_seqlen: int = 128, arithmetic: str = "rounding", eval_format: str = "float32",
           cross: bool = True, noise_control: bool = True, noise_formats: Sequence[str] = ("bfloat16",),
-          keep_scores: bool = False, uniform: bool = False, batch_size: int = 8, progress: bool = True,
+          keep_scores: bool = False, uniform: bool = False, batch_size: int = BATCH_SIZE, progress: bool = True,
           scores_dir: Optional[str] = None, **options) -> Dict:
     """Prune copies of ``model`` in bf16 and in fp16 with ``method`` at structured ``ratio`` and
     compare them (see the module docstring). ``model`` itself is not changed; ``options`` go to the
@@ -323,8 +329,27 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
     return result
 
 
+def against_arithmetic(model: nn.Module, method: str, ratio: float, calib: Tensor, options: Dict,
+                       stores: Mapping[str, ScoreStore], batch_size: int = BATCH_SIZE) -> Optional[Dict]:
+    """The prunes of two arithmetics set side by side, from the scores their ``stores`` keep (arithmetic ->
+    :class:`ScoreStore`, the first the run's, the second the reference; same method, ``options`` with the
+    noise seed, calibration and batch size): per format the agreement of the pruned groups and the rank
+    correlation of all group scores, and the reference arithmetic's name; None unless both keep both
+    formats. Nothing is scored: each prune cuts its kept scores."""
+    pattern, per_format = Structured(ratio), {}
+    for name in FORMATS:
+        pruned = [prune_copy(model, name, arithmetic, method, pattern, calib, batch_size, False, options, store,
+                             stored_only=True) for arithmetic, store in stores.items()]
+        if any(prune is None for prune in pruned):
+            return None
+        (_, first, first_scores), (_, second, second_scores) = pruned
+        per_format[name] = {"agreement": agreement(pruned_groups(first), pruned_groups(second)),
+                            "spearman": rank_correlation(first_scores, second_scores)}
+    return {"arithmetic": list(stores)[1], **per_format}
+
+
 def eta_sweep(model: nn.Module, etas, ratio: float, calib: Tensor, *, name: str = "bfloat16",
-              arithmetic: str = "rounding", batch_size: int = 8, progress: bool = False, **options) -> Dict:
+              arithmetic: str = "rounding", batch_size: int = BATCH_SIZE, progress: bool = False, **options) -> Dict:
     """MoreauPruner-GS at each of ``etas`` against η = 0 (the same ρ, γ, T and noise, format
     ``name``): per η the threshold γη, the agreement and rank correlation with η = 0 and the -GS
     diagnostics. Where the agreement first drops below 1 is where the group-sparse prox starts to
@@ -540,6 +565,27 @@ def format_against_noise_lines(runs):
     return lines
 
 
+def against_lines(runs):
+    """The markdown of the native runs set beside fp32 accumulation (:func:`against_arithmetic`; nothing
+    when no native run has its reference kept)."""
+    compared = [r for r in runs if r.get("against")]
+    if not compared:
+        return []
+    lines = ["", "Native 16-bit against fp32 accumulation: the same method, format, calibration and noise seed "
+             "pruned once with torch's 16-bit kernels and once with every linear layer accumulating in fp32; "
+             "agreement of the pruned groups and rank correlation of all group scores between the two "
+             "(1.0 = the same choice), mean ± std over the calibration seeds.", "",
+             "| method | structure | layers | ratio | seeds | agreement bf16 | ρ ch. bf16 | agreement fp16 | "
+             "ρ ch. fp16 |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted({_key(r) for r in compared}, key=lambda k: (k[4], k[2], k[3], VARIANT_NAMES.index(k[0]))):
+        rows = [r["against"] for r in compared if _key(r) == key]
+        cells = [f"{mean_std([row[name]['agreement'] for row in rows])} | "
+                 f"{mean_std([_rho_channels(row[name]['spearman']) for row in rows], '.5f')}" for name in FORMATS]
+        lines.append(f"| {key[0]} | {key[4]} | {key[2]} | {key[3]:g} | {len(rows)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result) -> str:
     settings, runs = result["settings"], result["runs"]
     lines = [f"{model_label(settings)}; calibration {settings['calibration']}, evaluation {settings['evaluation']}; "
@@ -579,6 +625,7 @@ def markdown(result) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += verdict_lines(runs)
     lines += format_against_noise_lines(runs)
+    lines += against_lines(runs)
     lines += ["", "Per run (perplexity: pruned in → evaluated in; fp32 is the common format):", "",
               "| method | arithmetic | structure | layers | ratio | seed | agreement | ρ ch. | ρ heads | ppl fp32 bf16-run | "
               "ppl fp32 fp16-run | bf16→bf16 | bf16→fp16 | fp16→bf16 | fp16→fp16 | loss-scale backoffs | "
@@ -716,6 +763,25 @@ class Robustness(Study):
         else:
             super().record(result, arm, row)
 
+    def _method(self, run, n_layers):
+        """(method, ratio within the pruned layers, options) of the arm of ``run``."""
+        first, last, layer_ratio = layer_protocol(run["layers"], run["overall_ratio"], n_layers)
+        name, options = VARIANTS[run["method"]]
+        options = {**options, "first_layer": first, "last_layer": last} if run["structure"] == "groups" \
+            else {**options, "structure": "hidden"}
+        if name == "smoothgrad":
+            options["passes"] = self.smoothgrad_passes
+        return name, layer_ratio, options
+
+    def _against_reference(self, context, run):
+        """:func:`against_arithmetic` of a native run and the fp32-accumulate run of its settings and seed."""
+        model = context["model"]
+        calib = self._calibration(context, run["seed"])
+        name, layer_ratio, options = self._method(run, model.config.num_hidden_layers)
+        stores = {arithmetic: ScoreStore(_arm_scores_dir(context["scores"], {**run, "arithmetic": arithmetic}), model,
+                                         calib, arithmetic, BATCH_SIZE) for arithmetic in ("native", REFERENCE)}
+        return against_arithmetic(model, name, layer_ratio, calib, {"loss_scaling": True, **options}, stores)
+
     def _calibration(self, context, seed):
         return data.calibration_samples(context["tokenizer"], "emma", nsamples=self.nsamples, seqlen=self.seqlen,
                                         seed=seed)
@@ -730,12 +796,7 @@ class Robustness(Study):
         method, arithmetic, layers, ratio, structure, seed = arm.key
         run = {"method": method, "arithmetic": arithmetic, "layers": layers, "overall_ratio": ratio, "seed": seed,
                "structure": structure}
-        first, last, layer_ratio = layer_protocol(layers, ratio, n_layers)
-        name, options = VARIANTS[method]
-        options = {**options, "first_layer": first, "last_layer": last} if structure == "groups" \
-            else {**options, "structure": "hidden"}
-        if name == "smoothgrad":
-            options["passes"] = self.smoothgrad_passes
+        name, layer_ratio, options = self._method(run, n_layers)
         start = time.perf_counter()
         report = study(model, name, layer_ratio, self._calibration(context, seed), context["tokens"],
                        eval_seqlen=self.eval_seqlen, arithmetic=arithmetic, cross=self.cross, keep_scores=True,
@@ -761,6 +822,9 @@ class Robustness(Study):
         runs.sort(key=lambda run: run["seed"])  # stable: each seed's runs in the order they were made
         result["environment"] = environment_record(torch.device("cpu"))
         result["calibration_floor"] = calibration_floor(runs, context["scores"], result.get("calibration_floor"))
+        for run in runs:
+            if run["arithmetic"] == "native" and run.get("against") is None:
+                run["against"] = self._against_reference(context, run)
         return result
 
     def markdown(self, result):

@@ -53,6 +53,26 @@ def test_fp32_accumulate_linear(dtype):
             pass
 
 
+@pytest.mark.parametrize("dtype, small", [(torch.bfloat16, 2.0 ** -9), (torch.float16, 2.0 ** -12)])
+def test_native_16bit_products_accumulate_in_fp32_as_the_fp32_accumulate_arithmetic(dtype, small):
+    """One large term and 512 terms each below half the format's spacing at 1: summed in the format
+    every small term rounds away (the sum stays 1); accumulated in fp32 they add up. torch's 16-bit
+    linear layers (forward, and the weight gradient of the backward) give the fp32-accumulated sum,
+    what the fp32-accumulate arithmetic computes: the two arithmetics differ by summation order only."""
+    terms = torch.tensor([1.0] + [small] * 512, dtype=dtype)
+    expected = 1.0 + 512 * small
+    in_format = torch.zeros((), dtype=dtype)
+    for term in terms:
+        in_format = in_format + term
+    assert float(in_format) == 1.0  # the small terms vanish when summed in the format
+    for arithmetic in ("native", "fp32-accumulate"):
+        with robustness.linear_arithmetic(arithmetic):
+            assert float(F.linear(terms[None], torch.ones(1, 513, dtype=dtype))) == expected
+            weight = torch.ones(1, 1, dtype=dtype, requires_grad=True)  # 513 tokens of one feature
+            F.linear(terms[:, None], weight).sum().backward()
+            assert weight.grad.dtype == dtype and float(weight.grad) == expected
+
+
 def test_study_on_a_tiny_llama():
     model = tiny_llama(hidden=64, heads=4, kv_heads=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}

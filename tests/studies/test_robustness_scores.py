@@ -100,3 +100,32 @@ def test_kept_scores_of_other_settings_are_refused(tmp_path):
     with pytest.raises(StateError, match="was made with other calibration data"):
         robustness.study(model, "smoothgrad", 0.25, random_tokens((2, 16), seed=1), tokens, eval_seqlen=16,
                          progress=False, scores_dir=kept, passes=1)
+
+
+def test_native_runs_are_set_beside_fp32_accumulation_from_the_kept_scores(tiny_model_dir, tmp_path, scorings):
+    calls, _ = scorings
+    model_dir = str(tiny_model_dir[0])
+    settings = dict(SETTINGS, methods=["taylor"], ratios=[0.25])
+    alone = studies.run("robustness", str(tmp_path / "alone.json"), model=model_dir,
+                        **dict(settings, arithmetic=["native"]))
+    assert alone["runs"][0]["against"] is None  # no fp32-accumulate scores kept: nothing to set it beside
+    calls.clear()
+    result = studies.run("robustness", str(tmp_path / "robust.json"), model=model_dir,
+                         **dict(settings, arithmetic=["fp32-accumulate", "native"]))
+    assert calls == [("taylor", None)] * 4  # each arithmetic scores bf16 and fp16 once; the comparison scores nothing
+    reference, native = result["runs"]
+    assert "against" not in reference and native["against"]["arithmetic"] == "fp32-accumulate"
+    model, tokenizer = load_model(model_dir)
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=2, seqlen=16, seed=0)
+    tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=64)
+    direct = {arithmetic: robustness.study(model, "taylor", 0.25, calib, tokens, eval_seqlen=16, cross=False,
+                                           arithmetic=arithmetic, keep_scores=True, progress=False,
+                                           first_layer=0, last_layer=1)
+              for arithmetic in ("native", "fp32-accumulate")}
+    for name in robustness.FORMATS:  # as two direct prunes of each arithmetic give
+        first, second = (direct[arithmetic] for arithmetic in ("native", "fp32-accumulate"))
+        assert native["against"][name] == _json({
+            "agreement": robustness.agreement(first["groups"][name], second["groups"][name]),
+            "spearman": robustness.rank_correlation(first["scores"][name], second["scores"][name])})
+    assert "Native 16-bit against fp32 accumulation" in (tmp_path / "robust.md").read_text()
+    assert "Native 16-bit against fp32 accumulation" not in (tmp_path / "alone.md").read_text()
