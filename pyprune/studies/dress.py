@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -55,7 +54,7 @@ from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..runtime.recovery import lora_finetune
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .results import mean_std
-from .study import Arm, RESULTS_DIR, Study, arm_saves, model_label
+from .study import Arm, RESULTS_DIR, Study, arm_saves, model_label, remove_arm_saves
 from .svg import line_plot
 from .verdict import RULE, paired_verdict
 
@@ -468,7 +467,7 @@ class Dress(Study):
             row["resumed_at_step"] = resumed_at  # train_s then counts this process's steps alone
         if options["steps"] > 0 and options["lam"] > 0 and options.get("regulariser") != "proximal":
             write_text(mass_plot_path(context["stem"], row), mass_plot(row))
-        shutil.rmtree(saves, ignore_errors=True)
+        remove_arm_saves(saves)
         return row
 
     def describe(self, row):

@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import shutil
 from typing import Optional, Tuple
 
 import torch
@@ -62,7 +61,7 @@ from ..nn.dispatch import environment_record
 from ..runtime import engine
 from ..runtime.flatness import perturbed_loss_increase, top_hessian_eigenvalue
 from .safe import CALIBRATION_TEXT, DEFAULT_MODEL, REPORT_TEXT, given, method_setting
-from .study import Arm, Study, arm_saves, model_label
+from .study import Arm, Study, arm_saves, model_label, remove_arm_saves
 from .verdict import paired_verdict
 
 #: arm name → (method, options beyond the shared training options)
@@ -362,7 +361,7 @@ class SafeControls(Study):
         row["blocks"] = report.get("blocks")
         if resumed:
             row["resumed"] = True  # time_s then counts the blocks after the last save alone
-        shutil.rmtree(saves, ignore_errors=True)
+        remove_arm_saves(saves)
         return row
 
     def describe(self, row):

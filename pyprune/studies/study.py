@@ -22,8 +22,10 @@ A stopped study resumes by running the same command again.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, Hashable, Iterable, Optional, Tuple
@@ -60,6 +62,14 @@ def arm_saves(stem: str, arm: Arm) -> str:
     a directory of its own, named by its key, in STEM.checkpoints/ beside the results file
     STEM.json; the arm removes it once its row is written."""
     return os.path.join(f"{stem}.checkpoints", hashlib.sha256(repr(arm.key).encode()).hexdigest()[:12])
+
+
+def remove_arm_saves(saves: str) -> None:
+    """Remove the directory :func:`arm_saves` named, once the arm's row is written, and STEM.checkpoints/
+    with it when no other arm keeps anything there."""
+    shutil.rmtree(saves, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: another arm's saves stay
+        os.rmdir(os.path.dirname(saves))
 
 
 class Study:

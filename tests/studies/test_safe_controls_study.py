@@ -156,4 +156,4 @@ def test_a_row_stopped_mid_model_resumes_after_its_last_finished_block(tiny_mode
     assert resumed["perplexity"] == theirs["perplexity"] and resumed["summary"] == theirs["summary"]
     assert resumed["options"] == theirs["options"] and "checkpoint" not in resumed["options"]
     assert resumed["resumed"] is True and "resumed" not in theirs
-    assert list((tmp_path / "stopped.checkpoints").iterdir()) == []
+    assert not (tmp_path / "stopped.checkpoints").exists()  # the row's saves removed, the folder too
