@@ -50,7 +50,7 @@ from ..patterns import Structured
 from ..runtime.recovery import DEFAULTS as LORA
 from ..runtime.recovery import lora_finetune
 from ..runtime import distributed
-from ..runtime.checkpoint import model_fingerprint
+from ..runtime.checkpoint import model_fingerprint, tokens_digest
 from ..runtime.training import TrainingCheckpoint, fp32_master_weights, train
 from .base import Method
 from .options import at_least_one, nonnegative, option, positive, shard_training, written_directory
@@ -182,16 +182,21 @@ class DReSS(Method):
         self.check_config(model.config, pattern)
         checkpoint = self.training_checkpoint(model, pattern)
         if checkpoint is not None:
-            checkpoint.check()
+            checkpoint.check(parts=["settings", "model"])  # the windows are checked once drawn
 
-    def training_checkpoint(self, model: Optional[nn.Module], pattern: Structured) -> Optional[TrainingCheckpoint]:
-        """Where the regularisation saves, keyed by its settings and the dense model (not yet
-        loaded: None) (None without ``checkpoint``)."""
+    def training_checkpoint(self, model: Optional[nn.Module], pattern: Structured,
+                            windows: Optional[Tensor] = None) -> Optional[TrainingCheckpoint]:
+        """Where the regularisation saves, keyed by its settings, the dense model (not yet loaded:
+        None) and the windows it trains on (not yet drawn: None) (None without ``checkpoint``). The
+        steps are not part of the key: the learning rate is constant, so a longer run goes on from
+        a shorter one's save."""
         if not self.checkpoint:
             return None
         key = {"settings": {k: self.settings[k] for k in (
-            "norm", "regulariser", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")} | {"ratio": pattern.ratio},
-            "model": model_fingerprint(model) if model is not None else None}
+            "norm", "regulariser", "lam", "lr", "train_batch", "channels", "multiple", "train_seed")}
+            | {"ratio": pattern.ratio},
+            "model": model_fingerprint(model) if model is not None else None,
+            "calibration": tokens_digest(windows) if windows is not None else None}
         return TrainingCheckpoint(self.checkpoint, self.checkpoint_every, key, "dress-regularise.safetensors")
 
     # -- regularise, slice, recover ----------------------------------------------------------------
@@ -273,19 +278,23 @@ class DReSS(Method):
         totals = distributed.all_reduce_(torch.tensor(list(sums.values()), dtype=torch.float64))
         return {name: float(total) / windows.numel() for name, total in zip(sums, totals)}
 
+    def split_windows(self, calib: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """(the windows the regularisation trains on, those LoRA recovers on): with ``lora_steps``
+        the paper's 3:1 split (X1 regularises, X2 recovers), otherwise all of ``calib`` and None."""
+        if self.lora_steps == 0:
+            return calib, None
+        split = max(1, math.ceil(0.75 * calib.shape[0]))
+        if split == calib.shape[0]:
+            raise ValueError(f"dress with lora_steps needs at least 2 calibration windows; got {calib.shape[0]}")
+        return calib[:split], calib[split:]
+
     def _prune(self, model, pattern, calib, *, batch_size, progress):
-        checkpoint = self.training_checkpoint(model, pattern)
+        windows, recovery = self.split_windows(calib)
+        checkpoint = self.training_checkpoint(model, pattern, windows)
         energy = self.channel_energy(model, calib[:self.energy_windows], batch_size) \
             if self.channels == "quiet" else None
         channels = self.pruned_channels(model.config, pattern.ratio, energy)
         keep = torch.tensor(sorted(set(range(model.config.hidden_size)) - set(channels.tolist())))
-        windows = calib
-        recovery = None
-        if self.lora_steps > 0:  # the paper's 3:1 split: X1 regularises, X2 recovers
-            split = max(1, math.ceil(0.75 * calib.shape[0]))
-            if split == calib.shape[0]:
-                raise ValueError(f"dress with lora_steps needs at least 2 calibration windows; got {calib.shape[0]}")
-            windows, recovery = calib[:split], calib[split:]
         before = model_cost(model, calib.shape[1])
         slices = self.penalised_slices(model)
         mass_start = self.slice_mass(slices, channels)

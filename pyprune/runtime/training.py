@@ -157,7 +157,11 @@ def _train(model: nn.Module, params: List[nn.Parameter], tokens: Tensor, *, step
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     batches = minibatches(tokens.shape[0], min(batch_size, tokens.shape[0]), torch.Generator().manual_seed(seed))
     log: Dict[str, list] = {"loss": []}
-    start = checkpoint.load(model, optimizer, log) if checkpoint is not None else 0
+    saved = checkpoint.saved_step() if checkpoint is not None else 0
+    if saved > steps:  # refused before the saved run is loaded into the model
+        raise ValueError(f"{desc}: steps={steps} is fewer than the {saved} steps the checkpoint in "
+                         f"{checkpoint.states.directory} has done; set steps >= {saved} or remove the checkpoint")
+    start = checkpoint.load(model, optimizer, log) if saved else 0
     for _ in range(start):  # the minibatches the finished steps drew
         next(batches)
     with tqdm(total=steps, initial=min(start, steps), desc=desc, unit="step", disable=not progress) as bar:

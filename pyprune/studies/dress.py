@@ -430,7 +430,8 @@ class Dress(Study):
         if options["steps"] > 0:  # the regularisation saves as it goes
             method = DReSS(**options, checkpoint=saves, checkpoint_every=self.checkpoint_every)
             method.before_slice = lambda regularised: self._evaluate(context, regularised)
-            resumed_at = method.training_checkpoint(model, pattern).saved_step()
+            windows, _ = method.split_windows(context["regularise"])
+            resumed_at = method.training_checkpoint(model, pattern, windows).saved_step()
         else:
             method = DReSS(**options)
         report = prune(model, method, pattern, context["regularise"], progress=self.progress)

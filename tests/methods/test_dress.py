@@ -191,6 +191,11 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
         with pytest.raises(ValueError, match="other settings"):
             pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=2,
                           checkpoint=str(tmp_path), **options)
+    with pytest.raises(ValueError, match="other calibration data"):  # the same settings on other windows
+        pyprune.prune(model, "dress", Structured(0.25), random_tokens((8, 32), seed=2), progress=False, steps=2,
+                      checkpoint=str(tmp_path))
+    with pytest.raises(ValueError, match=r"steps=1 is fewer than the 2 steps the checkpoint in .* has done"):
+        pyprune.prune(model, "dress", Structured(0.25), calib, progress=False, steps=1, checkpoint=str(tmp_path))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
