@@ -30,8 +30,11 @@ Arithmetic (``arithmetic``):
 * ``"fp32-accumulate"``: every linear layer multiplies the 16-bit weights and activations with
   fp32 accumulation and rounds its output to the format, as GPU tensor cores do; norms, attention
   and the activations' gradients stay 16-bit.
-* ``"native"``: torch's 16-bit kernels throughout (on CPUs fp16 matmuls are tens of times slower
-  than bf16: a gradient pass over 10×128 tokens of SmolLM2-135M took 213 s in fp16, 5 s in bf16).
+* ``"native"``: torch's 16-bit kernels throughout (on CPUs without AVX-512 FP16 fp16 matmuls are
+  tens of times slower than bf16). Their products too accumulate in fp32 and are rounded once, so
+  native and fp32-accumulate differ by the matmuls' summation order alone; the study sets each
+  native run beside the fp32-accumulate run of its settings (:func:`against_arithmetic`) to show
+  what that order moves.
 
 The 16-bit arithmetics run the gradient passes with dynamic loss scaling (option ``loss_scaling``
 of the structured methods, :class:`pyprune.runtime.engine.LossScaler`), so that fp16's range does not

@@ -18,7 +18,9 @@ projection); Wanda (per row), SparseGPT and ALPS (per tensor) keep their own. Ea
 records its convergence diagnostics (‖x − z‖/‖x‖ at every dual update, first and last block
 losses), each ALPS row its mean ADMM iterations and relative layer errors of the projected ADMM
 iterate and after the PCG refit. A row whose stored options differ from the ones it would run with
-now (a changed default) runs again.
+now (a changed default) runs again. Every row saves each finished block beside the results file
+(``NAME.checkpoints/``, :func:`~pyprune.studies.study.arm_saves`): a stopped row goes on from its
+last finished block, and the saves go once the row is written.
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ from .. import methods, patterns
 from ..evaluation.perplexity import perplexity
 from ..inputs import data
 from ..inputs.models import load_model
-from ..methods.options import Option, at_least_one, nonnegative, option, written_directory
+from ..methods.options import Option, at_least_one, nonnegative, option
 from ..methods.pruning import prune
 from ..methods.safe import Safe
 from ..nn.dispatch import environment_record
-from .study import Arm, Study, model_label
+from .study import Arm, Study, arm_saves, model_label, remove_arm_saves
 
 DEFAULT_MODEL = "smollm2-135m"
 METHODS = ("wanda", "sparsegpt", "alps", "safe", "safe+")
@@ -158,9 +160,6 @@ class SafeTable(Study):
     seqlen: int = option(TABLE_PROTOCOL[1], "calibration and evaluation window length", at_least_one)
     seed: int = option(0, "calibration sampling seed", nonnegative)
     eval_tokens: int = option(TABLE_PROTOCOL[2], "evaluation tokens", at_least_one)
-    checkpoint_dir: Optional[str] = option(None, "save every finished block of a SAFE / SAFE⁺ / ALPS … row under "
-                                           "DIR/<method>-<pattern>: an interrupted row resumes from its last block "
-                                           "(not part of a row's identity)", written_directory)
     # the SAFE rows' options (the settings' "safe_options": those given)
     epochs: Optional[int] = method_setting(Safe, "epochs", "SAFE rows")
     train_batch: Optional[int] = method_setting(Safe, "train_batch", "SAFE rows")
@@ -195,7 +194,7 @@ class SafeTable(Study):
         model, tokenizer = load_model(self.model)
         calib = data.calibration_samples(tokenizer, CALIBRATION_TEXT, nsamples=self.nsamples, seqlen=self.seqlen,
                                          seed=self.seed)
-        return {"model": model, "calib": calib,
+        return {"model": model, "calib": calib, "stem": os.path.splitext(path)[0],
                 "tokens": data.eval_tokens(tokenizer, REPORT_TEXT, max_tokens=self.eval_tokens)}
 
     def protocol(self, context):
@@ -231,23 +230,15 @@ class SafeTable(Study):
         row = self.find(result, arm.key)
         return row is not None and _identity(row["options"]) == arm.spec[2]
 
-    def _checkpoint(self, method, pattern, scope) -> Optional[str]:
-        if self.checkpoint_dir is None:
-            return None
-        return os.path.join(self.checkpoint_dir, "-".join(
-            part.replace(" ", "").replace(":", "of") for part in (method, str(pattern), scope or "")).strip("-"))
-
     def run_arm(self, context, arm, row, checkpoint):
         _, method, scope = arm.key
         pattern, options, _ = arm.spec
-        blocks_dir = self._checkpoint(method, pattern, scope)
-        if blocks_dir is not None:
-            options = {**options, "checkpoint": blocks_dir}
-        resumed = blocks_dir is not None and os.path.isdir(blocks_dir) and bool(os.listdir(blocks_dir))
+        saves = arm_saves(context["stem"], arm)  # every finished block, for a stopped run to go on from
+        resumed = os.path.isdir(saves) and bool(os.listdir(saves))
         model = copy.deepcopy(context["model"])
         load_before = os.getloadavg()[0]
-        report = prune(model, method, pattern, context["calib"], progress=False, **options)
-        row = {"pattern": str(pattern), "method": method, "scope": scope, "options": report["options"],
+        report = prune(model, method, pattern, context["calib"], progress=False, checkpoint=saves, **options)
+        row = {"pattern": str(pattern), "method": method, "scope": scope, "options": _identity(report["options"]),
                "perplexity": perplexity(model, context["tokens"], self.seqlen, progress=False),
                "sparsity": report["sparsity"], "time_s": report["time_s"],
                "threads": torch.get_num_threads(), "load_avg": (load_before + os.getloadavg()[0]) / 2,
@@ -261,6 +252,7 @@ class SafeTable(Study):
             row["residual_last"] = sum(b["residuals"][-1] for b in blocks) / len(blocks)
             row["residual_last_max"] = max(b["residuals"][-1] for b in blocks)
             row["blocks"] = blocks
+        remove_arm_saves(saves)
         return row
 
     def describe(self, row):

@@ -44,6 +44,7 @@ def test_safe_rows_are_what_their_labels_say_and_a_rerun_resumes(tiny_model_dir,
     assert set(called) == {(r["pattern"], r["method"], r["scope"]) for r in rows}  # each row's pattern and scope
     for row in rows:
         options = called[row["pattern"], row["method"], row["scope"]]
+        assert options.pop("checkpoint").startswith(str(tmp_path / "safe.checkpoints"))  # each row saves its blocks
         if row["method"] == "safe+":  # the SAFE options reach the SAFE rows, and only them
             assert options == {"progress": False, "epochs": 1, "lam": 25.0, "dual_interval": 1}
             assert (row["options"]["epochs"], row["options"]["lam"], row["options"]["dual_interval"]) == (1, 25.0, 1)
@@ -86,3 +87,32 @@ def test_safe_options_are_the_method_s_typed_options():
         studies.get("safe", patterns=["2-4"])
     assert studies.get("safe", lr=1e-3, train_norms=True).safe_options == {"lr": 1e-3, "train_norms": True}
     assert studies.get("safe", lr=1e-3).command() == "pyprune study safe --lr 0.001"
+
+
+class _Stopped(Exception):
+    """What stops a run mid-row in the resume test (as a killed process would)."""
+
+
+def test_a_stopped_row_resumes_after_its_last_finished_block(tiny_model_dir, tmp_path, monkeypatch):
+    from pyprune.runtime import engine
+    settings = dict(TINY, model=str(tiny_model_dir[0]), patterns=["2:4"], methods=["safe+"])
+    [unbroken] = studies.run("safe", str(tmp_path / "unbroken.json"), progress=False, **settings)["rows"]
+    save = engine.BlockCheckpoint.save
+
+    def save_then_stop(self, index, block, details):
+        save(self, index, block, details)
+        raise _Stopped
+
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save_then_stop)
+    output = tmp_path / "stopped.json"
+    with pytest.raises(_Stopped):
+        studies.run("safe", str(output), progress=False, **settings)
+    [saves] = (tmp_path / "stopped.checkpoints").iterdir()
+    assert json.loads((saves / "blockwise.json").read_text())["finished"] == 1
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save)
+    [resumed] = studies.run("safe", str(output), progress=False, **settings)["rows"]
+    assert resumed["perplexity"] == unbroken["perplexity"] and resumed["blocks"] == unbroken["blocks"]
+    assert resumed["options"] == unbroken["options"] and "checkpoint" not in resumed["options"]
+    assert resumed["resumed"] is True and unbroken["resumed"] is False
+    assert "(resumed: the blocks after the checkpoint only)" in output.with_suffix(".md").read_text()
+    assert not (tmp_path / "stopped.checkpoints").exists()  # the row's saves removed, the folder too
