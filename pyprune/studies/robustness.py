@@ -245,6 +245,11 @@ def prune_copy(model: nn.Module, name: str, arithmetic: str, method: str, patter
     return pruned, report, scores
 
 
+def method_options(arithmetic: str, options: Mapping) -> Dict:
+    """The method's ``options`` in ``arithmetic``: loss scaling on by default for the 16-bit arithmetics."""
+    return {"loss_scaling": arithmetic != "rounding", **options}
+
+
 def perplexity_in(model: nn.Module, name: str, arithmetic: str, tokens: Tensor, seqlen: int, batch_size: int,
                    progress: bool) -> float:
     """Perplexity of a copy of ``model`` in format ``name`` computed in ``arithmetic``."""
@@ -275,7 +280,7 @@ def study(model: nn.Module, method: str, ratio: float, calib: Tensor, eval_token
         raise ValueError(f"eval_format must be one of {', '.join(EVAL_FORMATS)}; got {eval_format!r}")
     if not noise_formats or any(name not in FORMATS for name in noise_formats):
         raise ValueError(f"noise_formats must be one or more of {', '.join(FORMATS)}; got {list(noise_formats)!r}")
-    options = {"loss_scaling": arithmetic != "rounding", **options}
+    options = method_options(arithmetic, options)
     pattern = Structured(ratio, uniform=uniform)
     evaluated_in = list(dict.fromkeys([eval_format] + (list(FORMATS) if cross else [])))
     store = ScoreStore(scores_dir, model, calib, arithmetic, batch_size) if scores_dir is not None else None
@@ -783,7 +788,7 @@ class Robustness(Study):
         name, layer_ratio, options = self._method(run, model.config.num_hidden_layers)
         stores = {arithmetic: ScoreStore(_arm_scores_dir(context["scores"], {**run, "arithmetic": arithmetic}), model,
                                          calib, arithmetic, BATCH_SIZE) for arithmetic in ("native", REFERENCE)}
-        return against_arithmetic(model, name, layer_ratio, calib, {"loss_scaling": True, **options}, stores)
+        return against_arithmetic(model, name, layer_ratio, calib, method_options("native", options), stores)
 
     def _calibration(self, context, seed):
         return data.calibration_samples(context["tokenizer"], "emma", nsamples=self.nsamples, seqlen=self.seqlen,
