@@ -280,3 +280,31 @@ def offline_hub(monkeypatch, cache):
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
     return cache
+
+
+class Stopped(Exception):
+    """What stops a study mid-row in the resume tests (as a killed process would)."""
+
+
+def stop_after_first_block(monkeypatch, study: str, output, **settings) -> dict:
+    """Run ``study`` into ``output`` with the first saved block raising :class:`Stopped` (a run
+    killed right after it), check that block is saved beside the results, then run it again with
+    saving restored: the resumed result."""
+    import json
+
+    from pyprune import studies
+    from pyprune.runtime import engine
+
+    save = engine.BlockCheckpoint.save
+
+    def save_then_stop(self, index, block, details):
+        save(self, index, block, details)
+        raise Stopped
+
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save_then_stop)
+    with pytest.raises(Stopped):
+        studies.run(study, str(output), progress=False, **settings)
+    [saves] = output.with_suffix(".checkpoints").iterdir()
+    assert json.loads((saves / "blockwise.json").read_text())["finished"] == 1
+    monkeypatch.setattr(engine.BlockCheckpoint, "save", save)
+    return studies.run(study, str(output), progress=False, **settings)

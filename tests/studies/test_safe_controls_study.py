@@ -16,6 +16,7 @@ from pyprune.inputs import data
 from pyprune.inputs.models import load_model
 from pyprune.studies import safe_controls
 from pyprune.studies.verdict import paired_verdict
+from tests.helpers import stop_after_first_block
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 TINY = dict(patterns=["0.5"], variants=["sparsegpt", "masked-recon sparsegpt", "safe+ rho=0"], seeds=[0, 1],
@@ -127,31 +128,13 @@ def test_the_protocol_is_called_cut_only_below_the_table_s_calibration_tokens():
     assert studies.get("safe-controls").protocol(None)["protocol_cut"] == committed
 
 
-class _Stopped(Exception):
-    """What stops a run mid-row in the resume test (as a killed process would)."""
-
-
 def test_a_row_stopped_mid_model_resumes_after_its_last_finished_block(tiny_model_dir, tmp_path, monkeypatch):
     """Every finished block is saved beside the results file; a rerun after a stop goes on from
     the next block and ends where an unbroken run ends; the saves go once the row is written."""
-    from pyprune.runtime import engine
     settings = dict(model=str(tiny_model_dir[0]), **dict(TINY, variants=["safe+ rho=0"], seeds=[0]),
                     skip_flatness=True)
     unbroken = studies.run("safe-controls", str(tmp_path / "unbroken.json"), progress=False, **settings)["rows"]
-    save = engine.BlockCheckpoint.save
-
-    def save_then_stop(self, index, block, details):
-        save(self, index, block, details)
-        raise _Stopped
-
-    monkeypatch.setattr(engine.BlockCheckpoint, "save", save_then_stop)
-    output = tmp_path / "stopped.json"
-    with pytest.raises(_Stopped):
-        studies.run("safe-controls", str(output), progress=False, **settings)
-    [saves] = (tmp_path / "stopped.checkpoints").iterdir()
-    assert json.loads((saves / "blockwise.json").read_text())["finished"] == 1
-    monkeypatch.setattr(engine.BlockCheckpoint, "save", save)
-    [resumed] = studies.run("safe-controls", str(output), progress=False, **settings)["rows"]
+    [resumed] = stop_after_first_block(monkeypatch, "safe-controls", tmp_path / "stopped.json", **settings)["rows"]
     [theirs] = unbroken
     assert resumed["perplexity"] == theirs["perplexity"] and resumed["summary"] == theirs["summary"]
     assert resumed["options"] == theirs["options"] and "checkpoint" not in resumed["options"]

@@ -13,6 +13,7 @@ from pyprune.inputs import data
 from pyprune.inputs.models import load_model
 from pyprune.io.storage import StateError
 from pyprune.studies import safe
+from tests.helpers import stop_after_first_block
 
 TINY = dict(patterns=["0.5", "2:4"], methods=["wanda", "safe+"], nsamples=2, seqlen=16, eval_tokens=64,
             epochs=1, lam=25.0, dual_interval=1)
@@ -89,28 +90,11 @@ def test_safe_options_are_the_method_s_typed_options():
     assert studies.get("safe", lr=1e-3).command() == "pyprune study safe --lr 0.001"
 
 
-class _Stopped(Exception):
-    """What stops a run mid-row in the resume test (as a killed process would)."""
-
-
 def test_a_stopped_row_resumes_after_its_last_finished_block(tiny_model_dir, tmp_path, monkeypatch):
-    from pyprune.runtime import engine
     settings = dict(TINY, model=str(tiny_model_dir[0]), patterns=["2:4"], methods=["safe+"])
     [unbroken] = studies.run("safe", str(tmp_path / "unbroken.json"), progress=False, **settings)["rows"]
-    save = engine.BlockCheckpoint.save
-
-    def save_then_stop(self, index, block, details):
-        save(self, index, block, details)
-        raise _Stopped
-
-    monkeypatch.setattr(engine.BlockCheckpoint, "save", save_then_stop)
     output = tmp_path / "stopped.json"
-    with pytest.raises(_Stopped):
-        studies.run("safe", str(output), progress=False, **settings)
-    [saves] = (tmp_path / "stopped.checkpoints").iterdir()
-    assert json.loads((saves / "blockwise.json").read_text())["finished"] == 1
-    monkeypatch.setattr(engine.BlockCheckpoint, "save", save)
-    [resumed] = studies.run("safe", str(output), progress=False, **settings)["rows"]
+    [resumed] = stop_after_first_block(monkeypatch, "safe", output, **settings)["rows"]
     assert resumed["perplexity"] == unbroken["perplexity"] and resumed["blocks"] == unbroken["blocks"]
     assert resumed["options"] == unbroken["options"] and "checkpoint" not in resumed["options"]
     assert resumed["resumed"] is True and unbroken["resumed"] is False
