@@ -259,7 +259,9 @@ def e2e_report(run):
         info = timed[("prefill", "sparse")]["extra_info"]
         row = {key: info[key] for key in RECORD}
         row.update(repeats=timed[("prefill", "sparse")]["stats"]["rounds"],
-                   top1_agreement_sparse_vs_dense=info["top1_agreement_sparse_vs_dense"])
+                   top1_agreement_sparse_vs_dense=info["top1_agreement_sparse_vs_dense"],
+                   logit_error={"sparse_vs_dense": info["max_rel_logit_error"],
+                                "vs_fp32": info.get("fp32_rel_logit_error")})  # None: a run before the suite kept it
         for side in ("dense", "sparse"):
             decode_s = timed[("decode", side)]["stats"]["median"]
             row[f"{side}_prefill_ms"] = round(timed[("prefill", side)]["stats"]["median"] * 1e3, 3)
@@ -278,6 +280,11 @@ def e2e_report(run):
     return {"environment": environment(run, benchmarks), "settings": settings, "results": rows}
 
 
+def logit_errors(vs_fp32):
+    """'dense / sparse' of a row's largest relative logit errors against the model in fp32, '–' when not kept."""
+    return "–" if vs_fp32 is None else f"{vs_fp32['dense']:.3g} / {vs_fp32['sparse']:.3g}"
+
+
 def e2e_markdown(report):
     env = report["environment"]
     cpu = env.get("cpu")
@@ -291,8 +298,9 @@ def e2e_markdown(report):
              "| model | dtype | pattern | sparse where | sparse layers | decode / prefill backends | prefill tokens "
              "| dense prefill ms | sparse prefill ms | prefill speedup | new tokens | dense decode tok/s "
              "| sparse decode tok/s | decode speedup | same tokens (new tokens before they part) | dense MB "
-             "| sparse MB | backends from (decode; prefill) | tuned here | load (1/5/15 min) |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|"]
+             "| sparse MB | logit error vs fp32, dense / sparse | backends from (decode; prefill) | tuned here "
+             "| load (1/5/15 min) |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---|"]
     for r in report["results"]:
         sources = "; ".join(", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "–"
                             for counts in r["decision_sources"].values())
@@ -303,6 +311,7 @@ def e2e_markdown(report):
                      f"{r['prefill_speedup']}× | {r['new_tokens']} | {r['dense_decode_tok_s']} | "
                      f"{r['sparse_decode_tok_s']} | {r['decode_speedup']}× | {r['same_generated_tokens']} "
                      f"({r['same_new_tokens_before_divergence']}) | {r['dense_weight_mb']} | {r['sparse_weight_mb']} | "
+                     f"{logit_errors(r['logit_error']['vs_fp32'])} | "
                      f"{sources} | {tuned['cases']} cases, {tuned['seconds']} s | "
                      f"{' '.join(str(v) for v in r.get('load_average') or [])} |")
     return "\n".join(lines) + "\n"

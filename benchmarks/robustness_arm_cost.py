@@ -1,25 +1,25 @@
-"""CPU time of the robustness study's arms, measured at a small setting and scaled to the full one.
+"""CPU time of the robustness study's arms, measured at the study's calibration and counted over its passes.
 
 An arm of ``pyprune study robustness`` (a method variant, an arithmetic, a ratio, a calibration
 seed) prunes the model in bf16 and in fp16 and, for a method with noise, once more in each of
 ``--noise-formats`` at the next noise seed, and evaluates each pruned model once, in fp32. Its time
 is the sum of those prunes and evaluations. This script measures the CPU time (the process's, all
 threads; ``time.process_time``, which a shared machine's load does not inflate as it does the wall
-time, also recorded) of each prune and of one evaluation at a small setting, through the study's
-own code (``robustness.prune_copy``, ``robustness.perplexity_in``): one gradient pass per prune
-(Taylor; MoreauPruner with one step; SmoothGrad with one pass) at ``--nsamples`` and at twice
-``--nsamples`` windows of ``--seqlen`` tokens, and ``--eval-tokens`` evaluation tokens. The two
-prunes split a prune's time into a part that grows with the calibration tokens (their difference:
-the gradient pass) and a fixed part (copy, format, cut). It then scales them to the full setting: a
-prune is its fixed part plus ``passes`` gradient passes (Taylor 1, MoreauPruner T = 10, SmoothGrad
-K = ``--smoothgrad-passes``), each linear in the calibration tokens; an evaluation is linear in
-its tokens. A pass's own fixed cost is counted as the prune's, once, so a many-pass estimate errs short by it.
-An arm at a further ratio of the same seed cuts the scores its first ratio kept
-(``robustness.ScoreStore``) and costs its evaluations alone.
+time, also recorded) of each prune and of one evaluation through the study's own code
+(``robustness.prune_copy``, ``robustness.perplexity_in``) on the study's calibration (``--nsamples``
+windows of ``--seqlen`` tokens, in its batches of ``robustness.BATCH_SIZE``) and evaluation tokens: a
+prune with one gradient pass and, for a method of several (MoreauPruner's T = 10 steps, SmoothGrad's
+K = ``--smoothgrad-passes``), with two. Their difference is a pass; the rest is the prune's fixed part
+(copy, format, cut). A prune at the study's setting is its fixed part plus its passes; Taylor's one
+pass is measured whole. Nothing is scaled in tokens: a 16-bit pass on a CPU without that format's
+instructions is not linear in its windows (an earlier version, which scaled from one and two
+windows, overestimated native fp16 MoreauPruner prunes threefold). An arm at a further ratio of the
+same seed cuts the scores its first ratio kept (``robustness.ScoreStore``) and costs its evaluations
+alone.
 
-    python benchmarks/robustness_arm_cost.py [--arithmetic fp32-accumulate native] [--structure hidden]
+    python benchmarks/robustness_arm_cost.py [--arithmetic fp32-accumulate native] [--methods ...] [--output ...]
 
-Writes benchmarks/results/robustness-smollm2-135m-arm-cost.{json,md}.
+Writes benchmarks/results/robustness-smollm2-135m-arm-cost.{json,md} unless told otherwise.
 """
 import argparse
 import contextlib
@@ -50,12 +50,9 @@ def passes(method, smoothgrad_passes):
 
 
 def measure(model, tokenizer, args):
-    """The small setting's prune and evaluation times, each scaled to the full setting."""
-    calibs = [data.calibration_samples(tokenizer, "emma", nsamples=n, seqlen=args.seqlen, seed=0)
-              for n in (args.nsamples, 2 * args.nsamples)]
+    """Each prune with one and (several passes) two gradient passes, and one evaluation, at the study's setting."""
+    calib = data.calibration_samples(tokenizer, "emma", nsamples=args.nsamples, seqlen=args.seqlen, seed=0)
     tokens = data.eval_tokens(tokenizer, "pride_and_prejudice", max_tokens=args.eval_tokens)
-    token_scale = (args.full_nsamples * args.full_seqlen) / (args.nsamples * args.seqlen)
-    eval_scale = args.full_eval_tokens / tokens.numel()
     prunes, evals = [], []
     for arithmetic in args.arithmetic:
         pruned = None
@@ -63,26 +60,28 @@ def measure(model, tokenizer, args):
             for variant in args.methods:
                 method, options = robustness.VARIANTS[variant]
                 option, count = passes(method, args.smoothgrad_passes)
-                options = {**options, "structure": args.structure, "loss_scaling": arithmetic != "rounding",
-                           **({option: 1} if option else {})}
+                options = robustness.method_options(arithmetic, {**options, "structure": args.structure})
                 measured = []
-                for calib in calibs:
+                for passes_run in (1, 2) if option else (1,):
                     with timed() as seconds:
-                        pruned, _, _ = robustness.prune_copy(model, name, arithmetic, method, Structured(args.ratio),
-                                                              calib, 8, False, options)
+                        pruned, _, _ = robustness.prune_copy(
+                            model, name, arithmetic, method, Structured(args.ratio), calib, robustness.BATCH_SIZE,
+                            False, {**options, **({option: passes_run} if option else {})})
                     measured.append(seconds)
-                one, two = (m["measured_s"] for m in measured)
-                per_pass = max(two - one, 0.0)
+                one, two = measured[0]["measured_s"], measured[-1]["measured_s"]
+                per_pass = max(two - one, 0.0) if option else one
                 fixed = max(one - per_pass, 0.0)
                 prunes.append({"arithmetic": arithmetic, "format": name, "method": variant, "measured_s": one,
-                               "measured_2x_s": two, "wall_s": [m["wall_s"] for m in measured], "fixed_s": fixed,
-                               "pass_s": per_pass, "passes": count, "full_s": fixed + per_pass * count * token_scale})
-                print(f"{arithmetic} {name} {variant}: {one:.1f} / {two:.1f} CPU s for one pass at "
-                      f"{args.nsamples} / {2 * args.nsamples} windows", flush=True)
+                               "measured_2_passes_s": two if option else None,
+                               "wall_s": [m["wall_s"] for m in measured], "fixed_s": fixed, "pass_s": per_pass,
+                               "passes": count, "full_s": fixed + per_pass * count})
+                print(f"{arithmetic} {name} {variant}: {one:.1f}" + (f" / {two:.1f}" if option else "")
+                      + f" CPU s for {'one / two passes' if option else 'its pass'}", flush=True)
         with timed() as seconds:
-            robustness.perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, 8, False)
-        evals.append({"arithmetic": arithmetic, **seconds, "full_s": seconds["measured_s"] * eval_scale})
-    return prunes, evals, token_scale, eval_scale
+            robustness.perplexity_in(pruned, "float32", arithmetic, tokens, args.eval_seqlen, robustness.BATCH_SIZE,
+                                     False)
+        evals.append({"arithmetic": arithmetic, **seconds})
+    return prunes, evals
 
 
 @contextlib.contextmanager
@@ -94,11 +93,11 @@ def timed():
 
 
 def arms(prunes, evals, args):
-    """Per arithmetic and variant: the full setting's arm at its first ratio (scored) and at a
+    """Per arithmetic and variant: the study's arm at its first ratio (scored) and at a
     further ratio (cut from the kept scores), and the command over all ratios and seeds."""
     rows = []
     for arithmetic in args.arithmetic:
-        evaluation = next(e["full_s"] for e in evals if e["arithmetic"] == arithmetic)
+        evaluation = next(e["measured_s"] for e in evals if e["arithmetic"] == arithmetic)
         for variant in args.methods:
             full = {p["format"]: p["full_s"] for p in prunes if (p["arithmetic"], p["method"]) == (arithmetic, variant)}
             noisy = robustness.VARIANTS[variant][0] != "taylor"
@@ -116,21 +115,20 @@ def markdown(result):
     s, rows = result["settings"], result["arms"]
     threads = result["environment"]["cpu_threads"]
     lines = [f"{s['model']}, structure {s['structure']}; {result['environment']['device']}, {threads} threads, "
-             f"torch {result['environment']['torch']}, load average "
-             f"{', '.join(map(str, result['load_average']))} at the start. CPU time (all threads of the process; "
-             f"wall time in the JSON). Measured: one gradient pass per prune at {s['nsamples']} and at "
-             f"{2 * s['nsamples']} x {s['seqlen']} calibration tokens (their difference: the pass; the rest: the "
-             f"prune's fixed part), one evaluation of {s['eval_tokens']} tokens; scaled to {s['full_nsamples']} x "
-             f"{s['full_seqlen']} calibration tokens (the pass x{result['token_scale']:g}) times the method's "
-             f"passes, and to {s['full_eval_tokens']} evaluation tokens (x{result['eval_scale']:g}).", "",
-             f"| arithmetic | format | method | prune at {s['nsamples']} / {2 * s['nsamples']} windows (CPU s) | "
-             "fixed (CPU s) | passes | full prune (CPU s) |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {p['arithmetic']} | {p['format']} | {p['method']} | {p['measured_s']:.1f} / {p['measured_2x_s']:.1f} | "
-              f"{p['fixed_s']:.1f} | {p['passes']} | {p['full_s']:.0f} |" for p in result["prunes"]]
-    lines += ["", "| arithmetic | evaluation, measured (CPU s) | full evaluation (CPU s) |", "|---|---:|---:|"]
-    lines += [f"| {e['arithmetic']} | {e['measured_s']:.1f} | {e['full_s']:.0f} |" for e in result["evaluations"]]
-    lines += ["", f"Per arm at the full setting (noise formats {', '.join(s['noise_formats'])}; a further ratio "
+             f"torch {result['environment']['torch']}, CPU flags {' '.join(result['environment']['cpu']['flags'])}, "
+             f"load average {', '.join(map(str, result['load_average']))} at the start. CPU time (all threads of the "
+             f"process; wall time in the JSON). Measured at the study's setting ({s['nsamples']} x {s['seqlen']} "
+             f"calibration tokens in batches of {result['batch_size']}, {s['eval_tokens']} evaluation tokens): "
+             "each prune with one gradient pass and, for a method of several, with two (their difference: a pass; "
+             "the rest: the prune's fixed part); a prune at the study's setting is its fixed part plus its passes.",
+             "", "| arithmetic | format | method | prune, one / two passes (CPU s) | fixed (CPU s) | passes | "
+             "study's prune (CPU s) |", "|---|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {p['arithmetic']} | {p['format']} | {p['method']} | {p['measured_s']:.1f}"
+              + (f" / {p['measured_2_passes_s']:.1f}" if p["measured_2_passes_s"] is not None else "")
+              + f" | {p['fixed_s']:.1f} | {p['passes']} | {p['full_s']:.0f} |" for p in result["prunes"]]
+    lines += ["", "| arithmetic | evaluation (CPU s) |", "|---|---:|"]
+    lines += [f"| {e['arithmetic']} | {e['measured_s']:.1f} |" for e in result["evaluations"]]
+    lines += ["", f"Per arm at the study's setting (noise formats {', '.join(s['noise_formats'])}; a further ratio "
               f"cuts the kept scores) and per command ({len(s['seeds'])} seeds x ratios "
               f"{', '.join(map(str, s['ratios']))}):", "",
               "| arithmetic | method | prunes | evaluations | arm, first ratio (CPU h) | arm, further ratio (CPU h) | "
@@ -153,13 +151,10 @@ def main(argv=None):
     parser.add_argument("--arithmetic", nargs="+", default=["fp32-accumulate", "native"], choices=robustness.ARITHMETIC)
     parser.add_argument("--structure", default="hidden", choices=("groups", "hidden"))
     parser.add_argument("--ratio", type=float, default=0.1, help="the measured prunes' ratio")
-    parser.add_argument("--nsamples", type=int, default=1)
-    parser.add_argument("--seqlen", type=int, default=128)
-    parser.add_argument("--eval-tokens", type=int, default=512)
+    parser.add_argument("--nsamples", type=int, default=10, help="calibration windows (the study's 10)")
+    parser.add_argument("--seqlen", type=int, default=128, help="calibration window length (the study's 128)")
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (the study's 4096)")
     parser.add_argument("--eval-seqlen", type=int, default=128)
-    parser.add_argument("--full-nsamples", type=int, default=10)
-    parser.add_argument("--full-seqlen", type=int, default=128)
-    parser.add_argument("--full-eval-tokens", type=int, default=4096)
     parser.add_argument("--smoothgrad-passes", type=int, default=10)
     parser.add_argument("--noise-formats", nargs="+", default=list(robustness.FORMATS), choices=robustness.FORMATS)
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.2])
@@ -168,13 +163,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     load = [round(x, 2) for x in os.getloadavg()]
     model, tokenizer = load_model(args.model)
-    prunes, evals, token_scale, eval_scale = measure(model, tokenizer, args)
+    prunes, evals = measure(model, tokenizer, args)
     settings = {key: getattr(args, key) for key in ("model", "methods", "arithmetic", "structure", "ratio", "nsamples",
-                                                     "seqlen", "eval_tokens", "full_nsamples", "full_seqlen",
-                                                     "full_eval_tokens", "smoothgrad_passes", "noise_formats",
+                                                     "seqlen", "eval_tokens", "eval_seqlen", "smoothgrad_passes",
+                                                     "noise_formats",
                                                      "ratios", "seeds")}
     result = {"settings": settings, "environment": environment(torch.device("cpu")), "load_average": load,
-              "token_scale": token_scale, "eval_scale": eval_scale, "prunes": prunes, "evaluations": evals,
+              "batch_size": robustness.BATCH_SIZE, "prunes": prunes, "evaluations": evals,
               "arms": arms(prunes, evals, args)}
     write_json(args.output, result)
     text = markdown(result)

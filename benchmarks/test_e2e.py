@@ -10,9 +10,11 @@ A case (model, pattern, where) has four benchmarks, grouped by the case: ``prefi
 over the prefill tokens, no KV cache) and ``decode`` (the new tokens after the first, one forward
 each with the KV cache, after an 8-token prompt that is not timed: pyprune.runtime.decode, as
 ``pyprune generate``), each for the ``dense`` and the ``sparse`` model. Before any is timed, the
-sparse model's logits must match the dense model's (largest error relative to the largest |logit|,
-TOLERANCE by dtype). Recorded with every benchmark: the model, dtype, pattern, where, the sparse
-layers and their decode / prefill backends and where those came from (cache, prior, measured,
+sparse model's logits must be about as close to the same model in fp32 as the dense model's: its largest
+error against them, relative to their largest |logit|, may pass the dense model's by TOLERANCE of the dtype
+(in fp32 the dense model is that model, so the sparse one must lie within TOLERANCE of it; in bf16 the dense
+GEMM's own error on a deep pruned model can pass 0.1). Recorded with every benchmark: the model, dtype,
+pattern, where, the sparse layers and their decode / prefill backends and where those came from (cache, prior, measured,
 fallback), what tuning on first use measured, the top-1 agreement, whether greedy decoding made the
 same tokens, the side's weight memory (with any dense copy a SparseLinear keeps for its dense
 fallback) and the load average. ``benchmarks/report.py`` turns a run into ``e2e-<device>.{json,md}``.
@@ -45,7 +47,8 @@ PRESETS = {
 }
 PATTERNS = ["2:4", "4:8"]
 PROMPT_TOKENS = 8
-#: Largest error of the sparse model's logits allowed, relative to the dense model's largest |logit|.
+#: How far the sparse model's largest logit error may pass the dense model's, both against the model in fp32
+#: and relative to its largest |logit|.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.1}
 
 
@@ -56,6 +59,12 @@ class Pair(NamedTuple):
     short_prompt: torch.Tensor
     record: dict
     max_rel_logit_error: float
+    fp32_error: dict
+
+    @property
+    def excess_error(self) -> float:
+        """How far the sparse model's logits are further from the fp32 model's than the dense model's."""
+        return self.fp32_error["sparse"] - self.fp32_error["dense"]
 
 
 def weight_bytes(model):
@@ -86,13 +95,15 @@ def prepare(name, pattern, where, implementation, layers, prefill_tokens, decode
     long_prompt = torch.randint(0, dense.config.vocab_size, (1, prefill_tokens), generator=g).to(device)
     short_prompt = long_prompt[:, :PROMPT_TOKENS]
     with torch.no_grad():
-        logits = {label: prefill(model, long_prompt) for label, model in (("dense", dense), ("sparse", sparse))}
+        logits = {label: prefill(model, long_prompt).float() for label, model in (("dense", dense), ("sparse", sparse))}
+        reference = logits["dense"] if dtype == torch.float32 else prefill(copy.deepcopy(dense).float(), long_prompt)
         layers_ = [m for m in sparse.modules() if isinstance(m, SparseLinear)]
         backends = {klass: sorted({m.choose_implementation(torch.zeros(tokens, m.in_features, dtype=dtype, device=device))
                                    for m in layers_})
                     for klass, tokens in (("decode", 1), ("prefill", prefill_tokens))}
-    scale = logits["dense"].float().abs().max().item() or 1.0
-    error = (logits["sparse"].float() - logits["dense"].float()).abs().max().item() / scale
+    scale = reference.abs().max().item() or 1.0
+    error = (logits["sparse"] - logits["dense"]).abs().max().item() / scale
+    fp32_error = {label: (output - reference).abs().max().item() / scale for label, output in logits.items()}
     # where each converted layer's decode and prefill backends came from (pyprune.nn.dispatch.SOURCES),
     # counted and per layer, and what tuning on first use measured here (those answers then read back as "cache")
     buckets = ("1", dispatch.token_bucket(prefill_tokens))
@@ -114,13 +125,14 @@ def prepare(name, pattern, where, implementation, layers, prefill_tokens, decode
         "same_new_tokens_before_divergence": agreeing_new_tokens(generated["dense"], generated["sparse"]),
         "weight_bytes": {"dense": weight_bytes(dense), "sparse": weight_bytes(sparse)},
     }
-    return Pair({"dense": dense, "sparse": sparse}, long_prompt, short_prompt, record, error)
+    return Pair({"dense": dense, "sparse": sparse}, long_prompt, short_prompt, record, error, fp32_error)
 
 
 def extra_info(pair, phase, side, device):
     """What a benchmark of ``pair`` records beside its times."""
     return dict(pair.record, suite="e2e", phase=phase, side=side, device=str(device),
-                max_rel_logit_error=pair.max_rel_logit_error, load_average=load_average())
+                max_rel_logit_error=pair.max_rel_logit_error, fp32_rel_logit_error=pair.fp32_error,
+                load_average=load_average())
 
 
 def pytest_generate_tests(metafunc):
@@ -146,8 +158,9 @@ def test_e2e(benchmark, request, dtype_name, model, pattern, where, phase, side,
     rounds = config.getoption("benchmark_min_rounds")
     pair = prepare(model, pattern, where, config.getoption("implementation"), layers,
                    config.getoption("prefill_tokens") or preset["prefill"], decode, dtype, device)
-    assert pair.max_rel_logit_error <= TOLERANCE[dtype], \
-        f"sparse logits off the dense model's by {pair.max_rel_logit_error:.3g} of the largest"
+    assert pair.excess_error <= TOLERANCE[dtype], (
+        f"sparse logits off the fp32 model's by {pair.fp32_error['sparse']:.3g} of the largest, the dense model's by "
+        f"{pair.fp32_error['dense']:.3g}")
     if where == "all":  # every N:M linear of the decoder became a SparseLinear
         assert pair.record["sparse_layers"] == sum(
             type(m) is torch.nn.Linear for name, m in pair.models["dense"].named_modules() if "layers." in name)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pyprune.nn import SparseLinear, dispatch
+from pyprune.studies import robustness
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 
@@ -168,6 +169,20 @@ def test_report_refuses_a_run_without_timings(tmp_path, capsys):
     assert "holds no timed benchmark of the suites" in capsys.readouterr().err
 
 
+def test_e2e_suite_checks_a_bf16_pair_against_the_same_model_in_fp32(tmp_path):
+    """In bf16 the sparse and the dense model's logits are each measured against the pruned model in fp32;
+    the check is how far the sparse model's error passes the dense model's."""
+    model_dir = tmp_path / "tiny"
+    tiny_llama(layers=2).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    pair = e2e_suite.prepare(str(model_dir), "2:4", "all", "kernel", 2, 16, 3, torch.bfloat16, CPU)
+    assert pair.record["sparse_layers"] == 14 and pair.record["backends"]["prefill"] == ["kernel"]
+    assert 0 < pair.fp32_error["dense"] and 0 < pair.fp32_error["sparse"]  # bf16 is not fp32
+    assert pair.excess_error == pair.fp32_error["sparse"] - pair.fp32_error["dense"]
+    assert pair.excess_error <= e2e_suite.TOLERANCE[torch.bfloat16]
+    assert e2e_suite.extra_info(pair, "prefill", "sparse", CPU)["fp32_rel_logit_error"] == pair.fp32_error
+
+
 def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(tmp_path):
     model_dir = tmp_path / "tiny"
     tiny_llama(layers=1).save_pretrained(model_dir)
@@ -182,6 +197,7 @@ def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(t
     assert faster["sparse_layers"] == 3 and every["sparse_layers"] == 7  # gate, up, down; all seven
     for pair in pairs.values():
         assert pair.max_rel_logit_error <= e2e_suite.TOLERANCE[torch.float32]
+        assert pair.fp32_error["dense"] == 0.0 and pair.excess_error == pair.max_rel_logit_error  # fp32: dense is it
         assert pair.record["top1_agreement_sparse_vs_dense"] == 1.0 and pair.record["same_generated_tokens"]
         assert pair.record["same_new_tokens_before_divergence"] == 3
     assert faster["weight_bytes"]["sparse"] < every["weight_bytes"]["sparse"]  # nn.Linear keeps no second copy
@@ -204,7 +220,9 @@ def test_e2e_suite_converts_the_layers_measured_faster_or_all_of_a_local_model(t
     assert row == dict(row, model=str(model_dir), pattern="2:4", prefill_tokens=16, new_tokens=3, repeats=3,
                        dense_prefill_ms=10.0, sparse_prefill_ms=5.0, prefill_speedup=2.0, dense_decode_tok_s=50.0,
                        sparse_decode_tok_s=100.0, decode_speedup=2.0, same_generated_tokens=True,
-                       dense_weight_bytes=every["weight_bytes"]["dense"], decisions=every["decisions"])
+                       dense_weight_bytes=every["weight_bytes"]["dense"], decisions=every["decisions"],
+                       logit_error={"sparse_vs_dense": pairs["all"].max_rel_logit_error,
+                                    "vs_fp32": pairs["all"].fp32_error})
     md = (tmp_path / "e2e-cpu.md").read_text()
     assert "prefill speedup" in md and "| 2:4 | all | 7 | " in md and "| cache 3, fallback 4; fallback 7 |" in md
 
@@ -337,30 +355,36 @@ def test_time_model_costs_a_training_step_as_its_passes_of_forward_and_backward(
     assert measured["training"] == 2.5 and measured["forward"] == two["forward"]
 
 
-def test_robustness_arm_cost_scales_each_measured_prune_by_its_passes_and_tokens(tiny_model_dir, tmp_path):
-    """Each prune is timed with one gradient pass at two calibration sizes, split into a fixed part and
-    a pass (their difference), and the pass scaled by the method's passes and the calibration tokens; an arm at its first ratio is its prunes (noise floor included) and evaluations, a further
-    ratio its evaluations alone; the command sums them over seeds and ratios."""
+def test_robustness_arm_cost_counts_each_measured_prune_over_its_passes(tiny_model_dir, tmp_path):
+    """Each prune is timed at the given calibration with one gradient pass and, for a method of several,
+    with two, split into a fixed part and a pass (their difference), and counted over the method's passes
+    (Taylor's one pass is the prune as measured); an arm at its first ratio is its prunes (noise floor
+    included) and evaluations, a further ratio its evaluations alone; the command sums them over seeds and
+    ratios."""
     output = tmp_path / "cost.json"
     assert robustness_arm_cost.main(["--model", str(tiny_model_dir[0]), "--methods", "taylor", "moreau",
                                      "--arithmetic", "rounding", "--nsamples", "2", "--seqlen", "16",
-                                     "--eval-tokens", "64", "--eval-seqlen", "16", "--full-nsamples", "4",
-                                     "--full-seqlen", "16", "--full-eval-tokens", "128", "--seeds", "0", "1", "--output", str(output)]) == 0
+                                     "--eval-tokens", "64", "--eval-seqlen", "16", "--seeds", "0", "1",
+                                     "--output", str(output)]) == 0
     result = json.loads(output.read_text())
-    assert result["token_scale"] == 2.0 and result["eval_scale"] == 2.0
+    assert result["batch_size"] == robustness.BATCH_SIZE
     prunes = {(p["format"], p["method"]): p for p in result["prunes"]}
     assert {key: p["passes"] for key, p in prunes.items()} == {
         ("bfloat16", "taylor"): 1, ("float16", "taylor"): 1, ("bfloat16", "moreau"): 10, ("float16", "moreau"): 10}
-    for p in prunes.values():
-        assert p["measured_s"] > 0 and p["pass_s"] == pytest.approx(max(p["measured_2x_s"] - p["measured_s"], 0.0))
-        assert p["fixed_s"] == pytest.approx(max(p["measured_s"] - p["pass_s"], 0.0))
-        assert p["full_s"] == pytest.approx(p["fixed_s"] + p["pass_s"] * p["passes"] * 2)
+    for (_, method), p in prunes.items():
+        assert p["measured_s"] > 0 and len(p["wall_s"]) == (2 if method == "moreau" else 1)
+        if method == "taylor":
+            assert p["measured_2_passes_s"] is None and p["full_s"] == p["measured_s"] == p["pass_s"]
+        else:
+            assert p["pass_s"] == pytest.approx(max(p["measured_2_passes_s"] - p["measured_s"], 0.0))
+            assert p["fixed_s"] == pytest.approx(max(p["measured_s"] - p["pass_s"], 0.0))
+            assert p["full_s"] == pytest.approx(p["fixed_s"] + p["pass_s"] * 10)
     [evaluation] = result["evaluations"]
     taylor, moreau = result["arms"]
     assert (taylor["prunes"], moreau["prunes"]) == (2, 4)  # the noise floor: a second draw in bf16 and in fp16
     assert moreau["first_ratio_s"] == pytest.approx(2 * (prunes["bfloat16", "moreau"]["full_s"]
                                                          + prunes["float16", "moreau"]["full_s"])
-                                                    + 4 * evaluation["full_s"])
-    assert taylor["further_ratio_s"] == pytest.approx(2 * evaluation["full_s"])
+                                                    + 4 * evaluation["measured_s"])
+    assert taylor["further_ratio_s"] == pytest.approx(2 * evaluation["measured_s"])
     assert moreau["command_s"] == pytest.approx(2 * (moreau["first_ratio_s"] + moreau["further_ratio_s"]))
     assert "| rounding | moreau | 4 | 4 |" in (tmp_path / "cost.md").read_text()
