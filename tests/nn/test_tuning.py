@@ -166,8 +166,18 @@ def test_two_processes_tuning_at_once_keep_a_valid_file_with_every_answer(timing
 #: Each part of the environment changed alone: another CPU of the same name (ISA flags, model
 #: number, stepping, last-level cache), another torch, pyprune, native kernels' ISA level or thread
 #: count.
-OTHER = {"flags": {"flags": ["avx2", "f16c", "fma"]}, "model_number": {"model_number": "1"},
-         "stepping": {"stepping": "2"}, "llc": {"llc_bytes": 16 << 20}, "torch": None, "pyprune": None,
+def _another(value: str) -> str:
+    """A number string other than ``value`` (a CPU's model number or stepping)."""
+    return str(int(value) + 1) if value.isdigit() else "1"
+
+
+#: Per key part: this machine's CPU identity with that part changed (a function of the present one, so the
+#: change is one on every CPU, the Zen 3 with flags avx2 f16c fma and model 1 included), or None for parts
+#: changed otherwise.
+OTHER = {"flags": lambda cpu: {"flags": sorted(set(cpu["flags"]) ^ {"avx512_bf16"})},
+         "model_number": lambda cpu: {"model_number": _another(cpu["model_number"])},
+         "stepping": lambda cpu: {"stepping": _another(cpu["stepping"])},
+         "llc": lambda cpu: {"llc_bytes": 2 * cpu["llc_bytes"] or 16 << 20}, "torch": None, "pyprune": None,
          "kernels": None, "threads": None}
 
 
@@ -186,7 +196,8 @@ def _other_environment(part):
             elif part == "threads":
                 torch.set_num_threads(threads + 1)
             else:
-                _present_cpu(patch, dict(dispatch.this_cpu(), **OTHER[part]))
+                cpu = dispatch.this_cpu()
+                _present_cpu(patch, dict(cpu, **OTHER[part](cpu)))
             yield
         finally:
             torch.set_num_threads(threads)
