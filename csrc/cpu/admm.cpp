@@ -28,7 +28,7 @@
 #include "scores.h"
 #include "topk_select.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/Optional.h>
 

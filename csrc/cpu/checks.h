@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 namespace pyprune_cpu::check {
 

@@ -10,6 +10,7 @@
 #include "checks.h"
 #include "ops.h"
 
+#include <torch/extension.h>  // PYBIND11_MODULE, for the helpers that are not ops
 #include <torch/library.h>
 
 #include <string>

@@ -37,7 +37,7 @@
 #include "scores.h"
 #include "staging.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

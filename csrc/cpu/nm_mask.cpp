@@ -23,7 +23,7 @@
 #include "parallel.h"
 #include "scores.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/Optional.h>
 

@@ -1,9 +1,13 @@
 // pyprune._C: the CPU kernels. csrc/cpu/library.cpp registers them under the pyprune ops' schemas,
 // each behind the op's own argument form (any leading dims, non-contiguous reads) where a kernel
 // takes plain 2-D contiguous tensors.
+//
+// The kernels include <torch/types.h> (tensors and factories), not <torch/extension.h>: that one adds
+// the whole C++ frontend and Python's headers, about 35 s more per file to parse (a build is part of
+// every install and CI run); only library.cpp, which binds the helpers to Python, includes it.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/Optional.h>
 

@@ -22,7 +22,7 @@
 #include "ops.h"
 #include "parallel.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

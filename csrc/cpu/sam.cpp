@@ -24,7 +24,7 @@
 #include "scores.h"
 #include "staging.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -16,7 +16,7 @@
 #include "parallel.h"
 #include "scores.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -12,7 +12,7 @@
 #include "../score_kind.h"
 #include "checks.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/Optional.h>
 

@@ -8,7 +8,7 @@
 #include "ops.h"
 #include "scores.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
